@@ -1,0 +1,446 @@
+//! # san-api: the SAN provider contract
+//!
+//! This crate is the Linux analogue of the Windows Sockets Direct *SAN service provider
+//! interface*: the small set of operations the switch (`switch` crate) needs from a
+//! system-area network, expressed as plain Rust types and one trait, [`SanConnection`] (per
+//! connection) plus [`SanDomain`] (per process: memory registration).
+//!
+//! It holds types only. No I/O, no `unsafe`, no OS dependency: the sans-IO switch depends on
+//! it, and so does every provider (`shm`, `verbs`, `sim`).
+//!
+//! ## Required behaviour (every provider must give it; the simulation checks it)
+//!
+//! * **Reliable, ordered delivery within a connection** for sends (RC queue-pair semantics).
+//!   Ordering across *different* connections is not promised, and completions of different
+//!   kinds (send vs. RDMA read) on one connection may be reported in any order.
+//! * **Exactly one completion per posted work request**, success or error. When a connection
+//!   enters the error state every outstanding work request completes with
+//!   [`CompletionError::Flushed`] (or the error that caused it, for the first one).
+//! * **Receive slots.** A connection owns `recv_slots` receive buffers of `slot_size` bytes and
+//!   `send_slots` send buffers, allocated and registered by the provider when the connection
+//!   is set up ([`SlotConfig`]). The switch posts a receive by slot number; a message that
+//!   arrives when no receive is posted is a *receiver-not-ready* condition, which a provider
+//!   reports as [`CompletionError::ReceiverNotReady`] on the sender's completion (the switch's
+//!   credit scheme exists so that this never happens in a correct session).
+//! * **Memory registration** gives a [`Registration`] naming a virtual-address range of the
+//!   local process, with [`Access`] rights. Remote access is granted only through a
+//!   [`RemoteDescriptor`] whose `rkey` the provider checks on every RDMA read or write;
+//!   after [`SanDomain::revoke_remote`] or [`SanDomain::deregister`] that `rkey` must fail
+//!   with [`CompletionError::RemoteAccess`], even if the memory stays pinned.
+//! * **RDMA read** is optional ([`Capabilities::rdma_read`]); RDMA write is mandatory.
+//! * A provider never touches memory outside a registered range, and never after the
+//!   registration was removed.
+//!
+//! ## Cache invalidation
+//! The registration cache lives in the switch (`switch::mr_cache`), keyed by virtual address.
+//! The analogue of `WSPMemoryRegistrationCacheCallback` is the cache's invalidation entry
+//! point: whatever learns that a mapping changed (the preload's munmap/mremap/madvise hooks,
+//! a userfaultfd monitor, the simulation) calls it with the changed range, and the cache
+//! hands back every registration that overlapped so the domain deregisters them
+//! ([`SanDomain::deregister`]). Providers themselves keep no cache.
+#![no_std]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+extern crate alloc;
+
+use alloc::vec::Vec;
+use core::fmt;
+
+/// A range of virtual addresses in the local process (or, in the simulation, in the
+/// simulated address space of one endpoint).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MemRange {
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl MemRange {
+    /// A range starting at `addr` of `len` bytes.
+    pub const fn new(addr: u64, len: u64) -> Self {
+        Self { addr, len }
+    }
+
+    /// One past the last byte (saturating, so a malformed range can never wrap).
+    pub const fn end(&self) -> u64 {
+        self.addr.saturating_add(self.len)
+    }
+
+    /// True when the two ranges share at least one byte.
+    pub const fn overlaps(&self, other: &MemRange) -> bool {
+        self.addr < other.end() && other.addr < self.end() && self.len > 0 && other.len > 0
+    }
+
+    /// True when `other` lies entirely inside `self`.
+    pub const fn contains(&self, other: &MemRange) -> bool {
+        other.addr >= self.addr && other.end() <= self.end()
+    }
+
+    /// The sub-range `[offset, offset + len)` of this range, or `None` if it would leave it.
+    pub fn slice(&self, offset: u64, len: u64) -> Option<MemRange> {
+        let start = self.addr.checked_add(offset)?;
+        let end = start.checked_add(len)?;
+        (end <= self.end()).then_some(MemRange::new(start, len))
+    }
+}
+
+/// Access rights of a registration. A small bit set; combine with `|`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Access(u8);
+
+impl Access {
+    /// The provider may write the range locally (sink of an RDMA read, receive buffer).
+    /// Reading locally (source of a send or an RDMA write) needs no flag.
+    pub const LOCAL_WRITE: Access = Access(1);
+    /// The peer may RDMA-read the range (READ-mode rendezvous source).
+    pub const REMOTE_READ: Access = Access(2);
+    /// The peer may RDMA-write the range (WRITE-mode rendezvous sink).
+    pub const REMOTE_WRITE: Access = Access(4);
+    /// No rights beyond local read.
+    pub const NONE: Access = Access(0);
+
+    /// True when every right in `other` is also in `self`.
+    pub const fn contains(self, other: Access) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// True when any remote right is present.
+    pub const fn is_remote(self) -> bool {
+        self.0 & (Self::REMOTE_READ.0 | Self::REMOTE_WRITE.0) != 0
+    }
+
+    /// The raw bits (for wire encodings and debugging).
+    pub const fn bits(self) -> u8 {
+        self.0
+    }
+
+    /// Builds a set from raw bits, dropping unknown bits.
+    pub const fn from_bits_truncate(bits: u8) -> Access {
+        Access(bits & 7)
+    }
+}
+
+impl core::ops::BitOr for Access {
+    type Output = Access;
+    fn bitor(self, rhs: Access) -> Access {
+        Access(self.0 | rhs.0)
+    }
+}
+
+impl core::ops::BitOrAssign for Access {
+    fn bitor_assign(&mut self, rhs: Access) {
+        self.0 |= rhs.0;
+    }
+}
+
+/// The key the local provider uses to name a registration in work requests (an lkey).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LocalKey(pub u32);
+
+/// The key the peer must present to access exposed memory (an rkey).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RemoteKey(pub u32);
+
+/// What the peer needs to RDMA-read or RDMA-write exposed memory. Travels in control messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteDescriptor {
+    /// Virtual address in the exposing process.
+    pub addr: u64,
+    /// Length in bytes the peer may access.
+    pub len: u64,
+    /// Access key.
+    pub rkey: RemoteKey,
+}
+
+/// A memory registration handed out by [`SanDomain::register`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Registration {
+    /// The registered range.
+    pub range: MemRange,
+    /// Rights granted.
+    pub access: Access,
+    /// Local key.
+    pub lkey: LocalKey,
+    /// Remote key, present while remote access is exposed.
+    pub rkey: Option<RemoteKey>,
+}
+
+impl Registration {
+    /// The descriptor for the peer covering `range` (which must lie inside this registration),
+    /// or `None` if remote access is not currently exposed or the range is outside.
+    pub fn remote_descriptor(&self, range: MemRange) -> Option<RemoteDescriptor> {
+        let rkey = self.rkey?;
+        self.range.contains(&range).then_some(RemoteDescriptor {
+            addr: range.addr,
+            len: range.len,
+            rkey,
+        })
+    }
+}
+
+/// A local memory segment named in a work request: a range inside a registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LocalSegment {
+    /// The bytes to read (source) or write (sink).
+    pub range: MemRange,
+    /// The registration covering `range`.
+    pub lkey: LocalKey,
+}
+
+/// Identifies a work request; echoed in its completion. Chosen by the switch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WrId(pub u64);
+
+/// A receive buffer slot of a connection, `0..SlotConfig::recv_slots`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecvSlot(pub u16);
+
+/// Sizes of the per-connection pools of registered control-message buffers. The switch
+/// chooses them (within [`Capabilities`]) and the provider allocates and registers them
+/// when the connection is set up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotConfig {
+    /// Number of send buffers (bounds the number of sends in flight).
+    pub send_slots: u16,
+    /// Number of receive buffers.
+    pub recv_slots: u16,
+    /// Size in bytes of each buffer: the largest control message, header included.
+    pub slot_size: u32,
+}
+
+/// What a provider (and the device behind it) can do. Read once when a session starts:
+/// the switch turns these into data (its negotiated parameters), never into scattered
+/// branches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Capabilities {
+    /// RDMA read is supported (READ-mode rendezvous possible with this provider as reader).
+    pub rdma_read: bool,
+    /// RDMA write with immediate data is supported.
+    pub write_with_imm: bool,
+    /// iWARP rule: the sink of an RDMA read must be registered with remote-write access.
+    pub read_sink_needs_remote_write: bool,
+    /// iWARP rule: the active (connecting) side must send the first message.
+    pub active_side_sends_first: bool,
+    /// Largest control-buffer size the provider supports.
+    pub max_slot_size: u32,
+    /// Largest number of receive (or send) slots per connection.
+    pub max_slots: u16,
+    /// Largest payload the provider can send inline in a work request (informational; the
+    /// switch's inline threshold is a slot, which the provider copies as needed).
+    pub max_inline: u32,
+    /// Largest single RDMA read or write.
+    pub max_rdma_len: u64,
+}
+
+/// The kind of work a completion reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CompletionKind {
+    /// A posted send finished (its slot may be reused).
+    Send,
+    /// A message arrived in `slot`, `len` bytes long. The bytes are read with
+    /// [`SanConnection::recv_slot`] until the slot is posted again.
+    Recv {
+        /// The slot holding the message.
+        slot: RecvSlot,
+        /// Message length in bytes.
+        len: u32,
+    },
+    /// A posted RDMA write finished.
+    Write,
+    /// A posted RDMA read finished: the local sink holds the data.
+    Read,
+}
+
+/// Why a work request failed. Verb-named after the ibverbs completion statuses they stand for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CompletionError {
+    /// The connection went to the error state; this request was flushed without executing.
+    Flushed,
+    /// The peer rejected the access (bad or revoked rkey, range outside the registration).
+    RemoteAccess,
+    /// A local key or range was invalid (deregistered, out of range, wrong rights).
+    LocalProtection,
+    /// The peer had no receive posted and retries ran out.
+    ReceiverNotReady,
+    /// Transport retries ran out: the peer is unreachable or dead.
+    RetryExceeded,
+    /// Anything else fatal to the connection.
+    Fatal,
+}
+
+impl fmt::Display for CompletionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            CompletionError::Flushed => "work request flushed: connection in error state",
+            CompletionError::RemoteAccess => "remote access error",
+            CompletionError::LocalProtection => "local protection error",
+            CompletionError::ReceiverNotReady => "receiver not ready",
+            CompletionError::RetryExceeded => "transport retry counter exceeded",
+            CompletionError::Fatal => "fatal provider error",
+        };
+        f.write_str(text)
+    }
+}
+
+/// One completed work request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Completion {
+    /// The id given when the request was posted.
+    pub wr_id: WrId,
+    /// What finished.
+    pub kind: CompletionKind,
+    /// Success, or why it failed.
+    pub status: Result<(), CompletionError>,
+}
+
+/// Errors from posting work. Posting fails synchronously only for caller errors or a
+/// connection already known to be broken; transfer failures arrive as completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PostError {
+    /// More sends in flight than send slots, or a receive posted on a slot already posted.
+    QueueFull,
+    /// The message is larger than a slot.
+    TooLong,
+    /// A slot number out of range, or an empty/overflowing segment.
+    InvalidArgument,
+    /// The connection is in the error state or closed.
+    Disconnected,
+}
+
+impl fmt::Display for PostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            PostError::QueueFull => "queue full",
+            PostError::TooLong => "message longer than a slot",
+            PostError::InvalidArgument => "invalid work request",
+            PostError::Disconnected => "connection disconnected",
+        };
+        f.write_str(text)
+    }
+}
+
+/// Errors from memory registration (mapped to ENOBUFS by the switch's callers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RegisterError {
+    /// Pinning or registering the memory failed for lack of resources (ENOMEM, RLIMIT_MEMLOCK).
+    OutOfResources,
+    /// The range is not mapped, or not accessible as asked.
+    BadAddress,
+    /// The key given to a deregister/revoke/expose call is unknown.
+    UnknownKey,
+    /// The access rights asked for are not supported by the device.
+    Unsupported,
+}
+
+impl fmt::Display for RegisterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            RegisterError::OutOfResources => "memory registration failed: out of resources",
+            RegisterError::BadAddress => "memory registration failed: bad address",
+            RegisterError::UnknownKey => "unknown registration key",
+            RegisterError::Unsupported => "access rights not supported by the device",
+        };
+        f.write_str(text)
+    }
+}
+
+/// Per-process memory registration (a protection domain). Shared by all connections of
+/// a provider; the switch's registration cache drives it.
+pub trait SanDomain {
+    /// What this provider can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Registers `range` with `access` rights (pins the memory). Remote rights are exposed
+    /// at once (the registration carries an `rkey`).
+    fn register(&mut self, range: MemRange, access: Access) -> Result<Registration, RegisterError>;
+
+    /// Removes a registration entirely: the `lkey` and any `rkey` stop working at once.
+    fn deregister(&mut self, lkey: LocalKey) -> Result<(), RegisterError>;
+
+    /// Makes the registration unreachable for peers (its current `rkey` fails from now on)
+    /// while keeping it pinned and usable locally. Used when the cache keeps a remotely
+    /// exposed buffer after the switch released it.
+    fn revoke_remote(&mut self, lkey: LocalKey) -> Result<(), RegisterError>;
+
+    /// Exposes a registration to peers again with `access` (remote rights), returning the
+    /// new `rkey`. A provider must never hand back an `rkey` that was revoked.
+    fn expose_remote(&mut self, lkey: LocalKey, access: Access) -> Result<RemoteKey, RegisterError>;
+}
+
+/// One SAN connection (a reliable-connected queue pair and its slot pools).
+pub trait SanConnection {
+    /// The slot pools this connection was set up with.
+    fn slot_config(&self) -> SlotConfig;
+
+    /// Copies `message` into a free send slot and posts it.
+    fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError>;
+
+    /// Posts receive slot `slot`.
+    fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError>;
+
+    /// The bytes of a received message in `slot` (valid from its `Recv` completion until
+    /// the slot is posted again). Empty if the slot holds nothing.
+    fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8];
+
+    /// RDMA-writes `local` to `remote` (which must be at least as long).
+    fn post_write(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError>;
+
+    /// RDMA-reads `remote` into `local` (only if [`Capabilities::rdma_read`]).
+    fn post_read(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError>;
+
+    /// Moves up to `max` completions into `out`; returns how many were added.
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_overlap_only_when_they_share_a_byte() {
+        let a = MemRange::new(100, 10);
+        assert!(a.overlaps(&MemRange::new(109, 1)));
+        assert!(!a.overlaps(&MemRange::new(110, 5)));
+        assert!(!a.overlaps(&MemRange::new(90, 10)));
+        assert!(a.overlaps(&MemRange::new(90, 11)));
+        assert!(!a.overlaps(&MemRange::new(105, 0)), "empty ranges overlap nothing");
+    }
+
+    #[test]
+    fn slice_never_leaves_the_range_nor_wraps() {
+        let a = MemRange::new(u64::MAX - 4, 4);
+        assert_eq!(a.slice(1, 3), Some(MemRange::new(u64::MAX - 3, 3)));
+        assert_eq!(a.slice(1, 4), None);
+        assert_eq!(a.slice(u64::MAX, 1), None);
+    }
+
+    #[test]
+    fn descriptors_need_exposed_remote_access() {
+        let mut reg = Registration {
+            range: MemRange::new(0x1000, 0x1000),
+            access: Access::REMOTE_READ,
+            lkey: LocalKey(1),
+            rkey: Some(RemoteKey(7)),
+        };
+        let inner = MemRange::new(0x1800, 0x10);
+        assert_eq!(reg.remote_descriptor(inner).map(|d| d.rkey), Some(RemoteKey(7)));
+        assert_eq!(reg.remote_descriptor(MemRange::new(0x1ff0, 0x20)), None);
+        reg.rkey = None;
+        assert_eq!(reg.remote_descriptor(inner), None);
+    }
+}

@@ -1,0 +1,2 @@
+//! placeholder, being written
+#![forbid(unsafe_code)]
