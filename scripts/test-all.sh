@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs every test of sandirect: formatting, lints, unit and property tests, the deterministic
+# simulation (SIM_SEEDS seeds, default 1000), the fuzz-corpus replay, the dependency-direction
+# and exported-symbol checks, and the integration suites. CI runs exactly this (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/bootstrap.sh --apps
+if [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
+
+export CARGO_TERM_COLOR=never
+export SIM_SEEDS="${SIM_SEEDS:-1000}"
+
+stage() {
+  local name="$1"; shift
+  local start=$SECONDS
+  echo "=== stage: $name"
+  "$@"
+  echo "=== stage: $name: ok ($((SECONDS - start)) s)"
+}
+
+stage "format" cargo fmt --all -- --check
+stage "clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
+stage "dependency direction" bash scripts/check-deps.sh
+stage "tests" cargo test --workspace --locked
+if [ -x .ci/check-exports.sh ]; then
+  stage "exported symbols" bash .ci/check-exports.sh
+fi
+stage "docs" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+echo "=== all stages passed"
