@@ -1,0 +1,1451 @@
+//! [`ShmConnection`]: a [`SanConnection`] over one segment.
+//!
+//! **Sends (one copy).** The receiver publishes the slots it posts in its post FIFO. `post_send`
+//! takes the oldest posted slot, copies the message straight into it, and appends a message
+//! entry (slot, length) to the receiver's inbound ring; the send completes at once. With no
+//! posted slot (or a full ring) the send waits in a local outbound queue — keeping order with
+//! everything posted after it — and is retried on every call into the connection; after
+//! [`ConnectionConfig::rnr_timeout`] without a posted receive it completes with
+//! [`CompletionError::ReceiverNotReady`] and the connection goes to the error state, as an
+//! RC queue pair does when its RNR retries run out.
+//!
+//! **RDMA.** Both directions check the `RemoteDescriptor` against the owner's exposure table in
+//! the segment (see `domain.rs`). With CMA permitted (probed at attach by reading the peer's
+//! magic word with `process_vm_readv`), reads and writes are one `process_vm_readv`/`writev`
+//! on the peer's pid. Without it, RDMA read is not offered and writes go through the receiver's
+//! *write window*: the writer copies chunks into the window and appends window-write entries to
+//! the same inbound ring as messages; the receiver applies each chunk (after re-checking the
+//! rkey against its own domain) when its `poll_completions` reaches the entry, i.e. strictly
+//! before any message sent later in that direction — a "write done" control message can never
+//! overtake its data. The write completes for the writer once all chunks are in the window.
+//!
+//! **Errors.** The peer's orderly close (its `closed` word) or death (pidfd, checked at most every
+//! [`ConnectionConfig::liveness_interval`] and whenever a bounded futex wait times out) puts the
+//! connection in the error state after draining what the peer published before: the first
+//! outstanding request completes with `RetryExceeded` (death) or `Flushed` (close), the rest
+//! with `Flushed`, and posting fails with `Disconnected`. Anything malformed from the peer
+//! (slot ids, ring positions, lengths) is likewise an error state (`Fatal`), never a panic.
+
+use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use san_api::{
+    Access, Capabilities, Completion, CompletionError, CompletionKind, LocalSegment, MemRange,
+    PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, WrId,
+};
+
+use crate::domain::{self, DomainShared, ShmDomain};
+use crate::error::ShmError;
+use crate::layout::{
+    Geometry, RingEntry, SideControl, ASLEEP, ENTRY_MESSAGE, ENTRY_WINDOW_WRITE, MAGIC, RUNNING,
+    WAKING,
+};
+use crate::segment::{ShmSegment, Side};
+use crate::sys::{self, CmaDirection, FutexWait, GrantedRange};
+
+/// Index of the ring counters in `SideControl::inbound_head`/`inbound_tail`.
+const RING: usize = 0;
+/// Index of the window counters.
+const WINDOW: usize = 1;
+/// Bound on RDMA operations waiting in the outbound queue.
+const MAX_QUEUED_RDMA: usize = 1024;
+
+/// Tunables of a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnectionConfig {
+    /// How long a send may wait for the peer to post a receive before it fails with
+    /// `ReceiverNotReady` (the switch's credits make this a bug indicator, not flow control).
+    pub rnr_timeout: Duration,
+    /// Longest spin in [`ShmConnection::wait`] before blocking, used only while the peer is
+    /// running on another CPU. Near one futex wake-up (~35 µs one way on the 2-vCPU target).
+    pub spin_limit: Duration,
+    /// How often peer liveness is checked (bounds how long a dead peer goes unnoticed).
+    pub liveness_interval: Duration,
+}
+
+impl Default for ConnectionConfig {
+    fn default() -> Self {
+        ConnectionConfig {
+            rnr_timeout: Duration::from_millis(100),
+            spin_limit: Duration::from_micros(35),
+            liveness_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// How a connection wakes a peer that announced it is asleep.
+///
+/// The default ([`FutexDoorbell`]) wakes the peer's futex. The preload adds its readiness
+/// mirror (e.g. a write to the peer's socket or eventfd) and should still call
+/// [`sys::futex_wake`](crate::futex_wake) for a peer blocked in [`ShmConnection::wait`].
+pub trait Doorbell: Send {
+    /// Called after `bell` (the peer's futex word in the segment) was advanced, only when the
+    /// peer had published "asleep".
+    fn ring(&self, bell: &AtomicU32);
+}
+
+/// The default doorbell: `FUTEX_WAKE` on the peer's bell word.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FutexDoorbell;
+
+impl Doorbell for FutexDoorbell {
+    fn ring(&self, bell: &AtomicU32) {
+        sys::futex_wake(bell);
+    }
+}
+
+/// Why [`ShmConnection::wait`] returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WaitResult {
+    /// The peer published something (or there is local work): call `poll_completions`.
+    Notified,
+    /// Nothing happened within the timeout.
+    TimedOut,
+    /// The peer is gone; `poll_completions` will report the errors.
+    Disconnected,
+}
+
+/// Counters of a connection's waiting and waking.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct WaitStats {
+    /// Waits satisfied while spinning (no sleep, no wake-up needed).
+    pub spins_paid_off: u64,
+    /// Spins that ran out and fell through to sleeping.
+    pub spins_wasted: u64,
+    /// Futex waits entered.
+    pub sleeps: u64,
+    /// Doorbells rung for a sleeping peer.
+    pub wakeups_sent: u64,
+    /// Window-write chunks from the peer refused by the rkey check (and dropped).
+    pub window_writes_rejected: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    spins_paid_off: AtomicU64,
+    spins_wasted: AtomicU64,
+    sleeps: AtomicU64,
+    wakeups_sent: AtomicU64,
+    window_writes_rejected: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Idle,
+    Posted,
+    Holding(u32),
+}
+
+#[derive(Debug)]
+enum Outbound {
+    Send {
+        wr_id: WrId,
+        bytes: Vec<u8>,
+    },
+    Rdma {
+        wr_id: WrId,
+        direction: CmaDirection,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+        done: u64,
+    },
+}
+
+impl Outbound {
+    fn completion(&self, status: Result<(), CompletionError>) -> Completion {
+        match self {
+            Outbound::Send { wr_id, .. } => Completion {
+                wr_id: *wr_id,
+                kind: CompletionKind::Send,
+                status,
+            },
+            Outbound::Rdma {
+                wr_id, direction, ..
+            } => Completion {
+                wr_id: *wr_id,
+                kind: match direction {
+                    CmaDirection::Read => CompletionKind::Read,
+                    CmaDirection::Write => CompletionKind::Write,
+                },
+                status,
+            },
+        }
+    }
+}
+
+/// Why an outbound operation cannot proceed now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Blocked {
+    /// The creator has no peer yet.
+    NotAttached,
+    /// The peer has no receive posted.
+    NoReceive,
+    /// The peer's ring or window is full.
+    NoSpace,
+}
+
+enum Step {
+    /// Finished (successfully or not) with this completion (`pump_outbound` fills in the
+    /// request's `wr_id`).
+    Done(Completion),
+    /// Made progress but is not finished.
+    Partial,
+    /// Cannot proceed now.
+    Blocked(Blocked),
+    /// The peer broke the protocol or vanished: take the connection down.
+    Down(CompletionError),
+}
+
+struct Peer {
+    pid: u32,
+    pidfd: Option<OwnedFd>,
+}
+
+/// A reliable, ordered connection to the peer process over a shared segment.
+pub struct ShmConnection {
+    segment: ShmSegment,
+    geometry: Geometry,
+    me: Side,
+    domain: Arc<DomainShared>,
+    config: ConnectionConfig,
+    doorbell: Box<dyn Doorbell>,
+    multi_cpu: bool,
+    // Receive side (our area).
+    posted: VecDeque<(u16, WrId)>,
+    slot_state: Vec<SlotState>,
+    my_post_head: u64,
+    my_ring_tail: u64,
+    my_window_tail: u64,
+    // Send side (counters we own in the peer's area).
+    peer_post_tail: u64,
+    peer_ring_head: u64,
+    peer_window_head: u64,
+    outbound: VecDeque<Outbound>,
+    queued_rdma: usize,
+    sends_in_flight: usize,
+    rnr_since: Option<Instant>,
+    completions: VecDeque<Completion>,
+    up: bool,
+    peer: Option<Peer>,
+    cma_permitted: bool,
+    self_cma: bool,
+    last_liveness_check: Instant,
+    peer_gone: AtomicBool,
+    /// Our bell as of the start of the last `poll_completions`: `wait` reports anything the
+    /// peer published since then, even if it landed before `wait` was called.
+    bell_seen: AtomicU32,
+    counters: Counters,
+}
+
+impl core::fmt::Debug for ShmConnection {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ShmConnection")
+            .field("segment", &self.segment)
+            .field("up", &self.up)
+            .field("cma_permitted", &self.cma_permitted)
+            .field("posted", &self.posted.len())
+            .field("outbound", &self.outbound.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShmConnection {
+    /// Drives `segment` as a connection whose memory registrations come from `domain`.
+    pub fn new(
+        segment: ShmSegment,
+        domain: &ShmDomain,
+        config: ConnectionConfig,
+    ) -> Result<ShmConnection, ShmError> {
+        Self::with_doorbell(segment, domain, config, Box::new(FutexDoorbell))
+    }
+
+    /// As [`ShmConnection::new`], with a custom doorbell (the preload's readiness mirror).
+    pub fn with_doorbell(
+        segment: ShmSegment,
+        domain: &ShmDomain,
+        config: ConnectionConfig,
+        doorbell: Box<dyn Doorbell>,
+    ) -> Result<ShmConnection, ShmError> {
+        if config.liveness_interval.is_zero() {
+            return Err(ShmError::InvalidConfig(
+                "liveness_interval must be positive",
+            ));
+        }
+        let geometry = *segment.geometry();
+        let me = segment.side();
+        domain
+            .shared()
+            .publish_to(segment.map(), geometry, me.index());
+        let mut connection = ShmConnection {
+            geometry,
+            me,
+            domain: domain.shared().clone(),
+            config,
+            doorbell,
+            multi_cpu: std::thread::available_parallelism().is_ok_and(|n| n.get() > 1),
+            posted: VecDeque::with_capacity(usize::from(geometry.slots.recv_slots)),
+            slot_state: vec![SlotState::Idle; usize::from(geometry.slots.recv_slots)],
+            my_post_head: 0,
+            my_ring_tail: 0,
+            my_window_tail: 0,
+            peer_post_tail: 0,
+            peer_ring_head: 0,
+            peer_window_head: 0,
+            outbound: VecDeque::new(),
+            queued_rdma: 0,
+            sends_in_flight: 0,
+            rnr_since: None,
+            completions: VecDeque::new(),
+            up: true,
+            peer: None,
+            cma_permitted: false,
+            self_cma: true,
+            last_liveness_check: Instant::now(),
+            peer_gone: AtomicBool::new(false),
+            bell_seen: AtomicU32::new(0),
+            counters: Counters::default(),
+            segment,
+        };
+        connection.learn_peer();
+        Ok(connection)
+    }
+
+    /// The segment this connection drives.
+    pub fn segment(&self) -> &ShmSegment {
+        &self.segment
+    }
+
+    /// What this connection can do with its peer: `rdma_read` is true only when CMA to the
+    /// peer is permitted (known once the peer attached) and not disabled by the domain.
+    pub fn capabilities(&self) -> Capabilities {
+        domain::capabilities(&self.domain.config, self.cma_permitted)
+    }
+
+    /// True while the connection is usable (not closed, peer alive and well-behaved).
+    pub fn is_up(&self) -> bool {
+        self.up
+    }
+
+    /// True once the peer is known (always on the attacher; on the creator after attach).
+    pub fn is_peer_attached(&self) -> bool {
+        self.peer.is_some() || self.segment.is_attached()
+    }
+
+    /// The waiting and waking counters.
+    pub fn stats(&self) -> WaitStats {
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        WaitStats {
+            spins_paid_off: load(&self.counters.spins_paid_off),
+            spins_wasted: load(&self.counters.spins_wasted),
+            sleeps: load(&self.counters.sleeps),
+            wakeups_sent: load(&self.counters.wakeups_sent),
+            window_writes_rejected: load(&self.counters.window_writes_rejected),
+        }
+    }
+
+    fn my_control(&self) -> &SideControl {
+        self.segment.control(self.me)
+    }
+
+    fn peer_control(&self) -> &SideControl {
+        self.segment.control(self.me.peer())
+    }
+
+    /// Learns the peer's identity once attached, and probes whether CMA reaches it.
+    fn learn_peer(&mut self) {
+        if self.peer.is_some() || !self.segment.is_attached() {
+            return;
+        }
+        let identity = &self.peer_control().identity.0;
+        let pid = identity.pid.load(Ordering::Relaxed);
+        let base = identity.base_addr.load(Ordering::Relaxed);
+        let pidfd = sys::pidfd_open(pid);
+        self.cma_permitted = !self.domain.config.force_window
+            && base.checked_add(8).is_some()
+            && sys::cma_probe(pid, base).is_ok_and(|word| word == MAGIC);
+        self.peer = Some(Peer { pid, pidfd });
+        self.last_liveness_check = Instant::now();
+    }
+
+    /// Wakes the peer after publishing something for it (the sender half of the Dekker pair
+    /// described in [`ShmConnection::wait`]).
+    fn notify_peer(&self) {
+        if self.peer_control().notify(|bell| self.doorbell.ring(bell)) {
+            bump(&self.counters.wakeups_sent);
+        }
+    }
+
+    /// After freeing room the peer may be waiting for (posted receive, ring or window space).
+    fn notify_peer_if_waiting_for_space(&self) {
+        if self.peer.is_some()
+            && self
+                .peer_control()
+                .identity
+                .0
+                .want_space
+                .load(Ordering::SeqCst)
+                != 0
+        {
+            self.notify_peer();
+        }
+    }
+
+    fn recv_slots(&self) -> u64 {
+        u64::from(self.geometry.slots.recv_slots)
+    }
+
+    /// Whether the peer's inbound ring has room; `Err(())` when the peer corrupted its tail.
+    fn ring_room(&self) -> Result<bool, ()> {
+        let tail = self.peer_control().inbound_tail.0[RING].load(Ordering::SeqCst);
+        let used = self.peer_ring_head.wrapping_sub(tail);
+        if used > u64::from(self.geometry.ring_entries) {
+            return Err(());
+        }
+        Ok(used < u64::from(self.geometry.ring_entries))
+    }
+
+    fn push_entry(
+        &mut self,
+        kind: u32,
+        slot: u32,
+        len: u32,
+        rkey: u32,
+        dest: u64,
+        window_pos: u64,
+    ) {
+        let peer = self.me.peer().index();
+        let index = (self.peer_ring_head % u64::from(self.geometry.ring_entries)) as usize;
+        let entry: &RingEntry = self
+            .segment
+            .map()
+            .get(self.geometry.ring_entry(peer, index));
+        entry.kind.store(kind, Ordering::Relaxed);
+        entry.slot.store(slot, Ordering::Relaxed);
+        entry.len.store(len, Ordering::Relaxed);
+        entry.rkey.store(rkey, Ordering::Relaxed);
+        entry.dest.store(dest, Ordering::Relaxed);
+        entry.window_pos.store(window_pos, Ordering::Relaxed);
+        self.peer_ring_head += 1;
+        self.peer_control().inbound_head.0[RING].store(self.peer_ring_head, Ordering::Release);
+    }
+
+    /// Copies `bytes` into the peer's oldest posted slot and publishes it.
+    fn try_send(&mut self, bytes: &[u8]) -> Result<(), Step> {
+        if self.peer.is_none() {
+            return Err(Step::Blocked(Blocked::NotAttached));
+        }
+        let peer = self.me.peer().index();
+        let head = self.peer_control().post_head.0.load(Ordering::SeqCst);
+        let posted = head.wrapping_sub(self.peer_post_tail);
+        if posted == 0 {
+            return Err(Step::Blocked(Blocked::NoReceive));
+        }
+        if posted > self.recv_slots() {
+            return Err(Step::Down(CompletionError::Fatal));
+        }
+        match self.ring_room() {
+            Ok(true) => {}
+            Ok(false) => return Err(Step::Blocked(Blocked::NoSpace)),
+            Err(()) => return Err(Step::Down(CompletionError::Fatal)),
+        }
+        let fifo_index = (self.peer_post_tail % self.recv_slots()) as usize;
+        let slot = self
+            .segment
+            .map()
+            .get::<AtomicU32>(self.geometry.fifo_entry(peer, fifo_index))
+            .load(Ordering::Relaxed);
+        if slot >= u32::from(self.geometry.slots.recv_slots) {
+            return Err(Step::Down(CompletionError::Fatal));
+        }
+        self.segment
+            .map()
+            .copy_in(self.geometry.slot(peer, slot as usize), bytes);
+        self.peer_post_tail += 1;
+        self.peer_control()
+            .post_tail
+            .0
+            .store(self.peer_post_tail, Ordering::Release);
+        // NOTE(cast): `bytes.len() <= slot_size` (a u32) was checked when the send was posted.
+        self.push_entry(ENTRY_MESSAGE, slot, bytes.len() as u32, 0, 0, 0);
+        Ok(())
+    }
+
+    /// Checks a remote descriptor against the peer's published exposure table.
+    fn check_remote(
+        &self,
+        remote: &RemoteDescriptor,
+        len: u64,
+        needs: Access,
+    ) -> Result<(), CompletionError> {
+        let peer = self.me.peer().index();
+        let (access, range) =
+            domain::read_exposure(self.segment.map(), &self.geometry, peer, remote.rkey)
+                .ok_or(CompletionError::RemoteAccess)?;
+        let wanted = MemRange::new(remote.addr, len);
+        (access.contains(needs) && range.contains(&wanted) && wanted.end() > wanted.addr)
+            .then_some(())
+            .ok_or(CompletionError::RemoteAccess)
+    }
+
+    /// One step of an RDMA operation at the head of the outbound queue.
+    fn step_rdma(
+        &mut self,
+        direction: CmaDirection,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+        done: &mut u64,
+    ) -> Step {
+        let Some(peer_pid) = self.peer.as_ref().map(|peer| peer.pid) else {
+            return Step::Blocked(Blocked::NotAttached);
+        };
+        let kind = match direction {
+            CmaDirection::Read => CompletionKind::Read,
+            CmaDirection::Write => CompletionKind::Write,
+        };
+        let finish = |status| {
+            Step::Done(Completion {
+                wr_id: WrId(0),
+                kind,
+                status,
+            })
+        };
+        // Re-checked at every step: a deregistration must stop a transfer in progress.
+        let granted = match self
+            .domain
+            .local_segment(&local, direction == CmaDirection::Read)
+        {
+            Ok(granted) => granted,
+            Err(e) => return finish(Err(e)),
+        };
+        if *done == 0 {
+            let needs = match direction {
+                CmaDirection::Read => Access::REMOTE_READ,
+                CmaDirection::Write => Access::REMOTE_WRITE,
+            };
+            if let Err(e) = self.check_remote(&remote, granted.len, needs) {
+                return finish(Err(e));
+            }
+        }
+        if !self.cma_permitted {
+            return match direction {
+                CmaDirection::Read => finish(Err(CompletionError::Fatal)),
+                CmaDirection::Write => self.step_window_write(granted, remote, done),
+            };
+        }
+        match sys::cma_copy(direction, peer_pid, granted.addr, remote.addr, granted.len) {
+            Ok(moved) if moved == granted.len => finish(Ok(())),
+            Ok(_) => finish(Err(CompletionError::RemoteAccess)),
+            Err(e) => match e.raw_os_error() {
+                Some(libc::ESRCH) => Step::Down(CompletionError::RetryExceeded),
+                Some(libc::EFAULT) if !sys::range_is_mapped(granted.addr, granted.len) => {
+                    finish(Err(CompletionError::LocalProtection))
+                }
+                Some(libc::EFAULT) => finish(Err(CompletionError::RemoteAccess)),
+                Some(libc::EPERM | libc::ENOSYS) if direction == CmaDirection::Write => {
+                    // CMA became unavailable (e.g. the peer changed credentials): fall back.
+                    self.cma_permitted = false;
+                    self.step_window_write(granted, remote, done)
+                }
+                _ => finish(Err(CompletionError::Fatal)),
+            },
+        }
+    }
+
+    /// Copies as much of a window write as fits into the peer's window.
+    fn step_window_write(
+        &mut self,
+        granted: GrantedRange,
+        remote: RemoteDescriptor,
+        done: &mut u64,
+    ) -> Step {
+        let peer = self.me.peer().index();
+        let window_size = u64::from(self.geometry.window_size);
+        let mut progressed = false;
+        while *done < granted.len {
+            let tail = self.peer_control().inbound_tail.0[WINDOW].load(Ordering::SeqCst);
+            let used = self.peer_window_head.wrapping_sub(tail);
+            if used > window_size {
+                return Step::Down(CompletionError::Fatal);
+            }
+            match self.ring_room() {
+                Ok(true) => {}
+                Ok(false) => {
+                    return if progressed {
+                        Step::Partial
+                    } else {
+                        Step::Blocked(Blocked::NoSpace)
+                    }
+                }
+                Err(()) => return Step::Down(CompletionError::Fatal),
+            }
+            let pos = self.peer_window_head % window_size;
+            let chunk = (granted.len - *done)
+                .min(window_size - used)
+                .min(window_size - pos);
+            if chunk == 0 {
+                return if progressed {
+                    Step::Partial
+                } else {
+                    Step::Blocked(Blocked::NoSpace)
+                };
+            }
+            let source = GrantedRange {
+                addr: granted.addr + *done,
+                len: chunk,
+            };
+            // NOTE(cast): `pos < window_size <= u32::MAX`.
+            let offset = self.geometry.window(peer, pos as usize);
+            if let Err(status) = self.copy_granted(CmaDirection::Read, source, offset) {
+                return Step::Done(Completion {
+                    wr_id: WrId(0),
+                    kind: CompletionKind::Write,
+                    status: Err(status),
+                });
+            }
+            self.peer_window_head += chunk;
+            self.peer_control().inbound_head.0[WINDOW]
+                .store(self.peer_window_head, Ordering::Release);
+            // NOTE(cast): `chunk <= window_size <= u32::MAX`.
+            self.push_entry(
+                ENTRY_WINDOW_WRITE,
+                0,
+                chunk as u32,
+                remote.rkey.0,
+                remote.addr + *done,
+                self.peer_window_head - chunk,
+            );
+            *done += chunk;
+            progressed = true;
+        }
+        Step::Done(Completion {
+            wr_id: WrId(0),
+            kind: CompletionKind::Write,
+            status: Ok(()),
+        })
+    }
+
+    /// Copies between a granted range of our own memory and the mapping at `offset`: through
+    /// the kernel (CMA on our own pid) so an unmapped range is an error, not a crash; plainly
+    /// only where the kernel refuses CMA altogether.
+    fn copy_granted(
+        &mut self,
+        direction: CmaDirection,
+        granted: GrantedRange,
+        offset: usize,
+    ) -> Result<(), CompletionError> {
+        let len = usize::try_from(granted.len).map_err(|_| CompletionError::LocalProtection)?;
+        let shared = self.segment.map().addr_of(offset, len);
+        if self.self_cma {
+            // Read: from our app memory ("remote" = ourselves) into the mapping; write: back.
+            match sys::cma_copy(
+                direction,
+                std::process::id(),
+                shared,
+                granted.addr,
+                granted.len,
+            ) {
+                Ok(moved) if moved == granted.len => return Ok(()),
+                Ok(_) => return Err(CompletionError::LocalProtection),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOSYS)) => {
+                    self.self_cma = false
+                }
+                Err(_) => return Err(CompletionError::LocalProtection),
+            }
+        }
+        sys::plain_copy_granted(direction, granted, self.segment.map(), offset);
+        Ok(())
+    }
+
+    /// Advances the outbound queue as far as the peer's resources allow.
+    fn pump_outbound(&mut self) {
+        let mut published = false;
+        while self.up {
+            let Some(mut op) = self.outbound.pop_front() else {
+                break;
+            };
+            let step = match &mut op {
+                Outbound::Send { bytes, .. } => match self.try_send(bytes) {
+                    Ok(()) => Step::Done(op.completion(Ok(()))),
+                    Err(step) => step,
+                },
+                Outbound::Rdma {
+                    direction,
+                    local,
+                    remote,
+                    done,
+                    ..
+                } => {
+                    let (direction, local, remote) = (*direction, *local, *remote);
+                    let mut progress = *done;
+                    let step = self.step_rdma(direction, local, remote, &mut progress);
+                    let window_moved = progress != *done;
+                    *done = progress;
+                    published |= window_moved;
+                    step
+                }
+            };
+            match step {
+                Step::Done(completion) => {
+                    published |= matches!(op, Outbound::Send { .. });
+                    if matches!(op, Outbound::Rdma { .. }) {
+                        self.queued_rdma -= 1;
+                    }
+                    self.rnr_since = None;
+                    self.completions.push_back(Completion {
+                        wr_id: op.completion(Ok(())).wr_id,
+                        ..completion
+                    });
+                }
+                Step::Partial => {
+                    self.outbound.push_front(op);
+                    self.rnr_since = None;
+                    if self.note_blocked(Blocked::NoSpace) {
+                        continue;
+                    }
+                    break;
+                }
+                Step::Blocked(why) => {
+                    self.outbound.push_front(op);
+                    if self.note_blocked(why) {
+                        continue; // room appeared between the check and the flag: retry now
+                    }
+                    break;
+                }
+                Step::Down(error) => {
+                    self.outbound.push_front(op);
+                    self.go_down(error);
+                }
+            }
+        }
+        if self.outbound.is_empty() {
+            self.my_control()
+                .identity
+                .0
+                .want_space
+                .store(0, Ordering::Relaxed);
+        }
+        if published {
+            self.notify_peer();
+        }
+    }
+
+    /// Records that the head of the queue is blocked: raises `want_space` (Dekker: flag, then
+    /// re-check) and runs the RNR timer. Returns true when the re-check found room after all.
+    fn note_blocked(&mut self, why: Blocked) -> bool {
+        if why == Blocked::NotAttached {
+            return false;
+        }
+        if why == Blocked::NoReceive {
+            let now = Instant::now();
+            let since = *self.rnr_since.get_or_insert(now);
+            if now.duration_since(since) >= self.config.rnr_timeout {
+                self.go_down(CompletionError::ReceiverNotReady);
+                return false;
+            }
+        }
+        // First time raised: the peer may have freed room just before it could see the flag,
+        // so look once more. While the flag stays raised the peer notifies on every release.
+        self.my_control()
+            .identity
+            .0
+            .want_space
+            .swap(1, Ordering::SeqCst)
+            == 0
+    }
+
+    /// Delivers everything the peer published into our area: messages become `Recv`
+    /// completions, window writes are applied — strictly in ring order.
+    fn process_inbound(&mut self) {
+        let me = self.me.index();
+        let head = self.my_control().inbound_head.0[RING].load(Ordering::Acquire);
+        let available = head.wrapping_sub(self.my_ring_tail);
+        if available == 0 {
+            return;
+        }
+        if available > u64::from(self.geometry.ring_entries) {
+            self.go_down(CompletionError::Fatal);
+            return;
+        }
+        let mut window_freed = false;
+        while self.my_ring_tail != head && self.up {
+            let index = (self.my_ring_tail % u64::from(self.geometry.ring_entries)) as usize;
+            let entry: &RingEntry = self.segment.map().get(self.geometry.ring_entry(me, index));
+            let kind = entry.kind.load(Ordering::Relaxed);
+            let slot = entry.slot.load(Ordering::Relaxed);
+            let len = entry.len.load(Ordering::Relaxed);
+            let rkey = entry.rkey.load(Ordering::Relaxed);
+            let dest = entry.dest.load(Ordering::Relaxed);
+            let window_pos = entry.window_pos.load(Ordering::Relaxed);
+            let ok = match kind {
+                ENTRY_MESSAGE => self.deliver_message(slot, len),
+                ENTRY_WINDOW_WRITE => {
+                    window_freed = true;
+                    self.apply_window_write(len, rkey, dest, window_pos)
+                }
+                _ => false,
+            };
+            if !ok {
+                self.go_down(CompletionError::Fatal);
+                return;
+            }
+            self.my_ring_tail += 1;
+        }
+        self.my_control().inbound_tail.0[RING].store(self.my_ring_tail, Ordering::SeqCst);
+        if window_freed {
+            self.my_control().inbound_tail.0[WINDOW].store(self.my_window_tail, Ordering::SeqCst);
+        }
+        self.notify_peer_if_waiting_for_space();
+    }
+
+    fn deliver_message(&mut self, slot: u32, len: u32) -> bool {
+        // The peer must use our posted slots in the order we posted them.
+        let Some(&(expected, wr_id)) = self.posted.front() else {
+            return false;
+        };
+        if slot != u32::from(expected) || len > self.geometry.slots.slot_size {
+            return false;
+        }
+        self.posted.pop_front();
+        self.slot_state[usize::from(expected)] = SlotState::Holding(len);
+        self.completions.push_back(Completion {
+            wr_id,
+            kind: CompletionKind::Recv {
+                slot: RecvSlot(expected),
+                len,
+            },
+            status: Ok(()),
+        });
+        true
+    }
+
+    fn apply_window_write(&mut self, len: u32, rkey: u32, dest: u64, window_pos: u64) -> bool {
+        let window_size = u64::from(self.geometry.window_size);
+        let head = self.my_control().inbound_head.0[WINDOW].load(Ordering::Acquire);
+        let len = u64::from(len);
+        let pos = window_pos % window_size;
+        let valid = window_pos == self.my_window_tail
+            && len > 0
+            && len <= head.wrapping_sub(self.my_window_tail)
+            && head.wrapping_sub(self.my_window_tail) <= window_size
+            && pos + len <= window_size;
+        if !valid {
+            return false;
+        }
+        let applied = dest.checked_add(len).is_some()
+            && match self
+                .domain
+                .exposed(rkey, MemRange::new(dest, len), Access::REMOTE_WRITE)
+            {
+                Ok(granted) => {
+                    // NOTE(cast): `pos < window_size <= u32::MAX`.
+                    let offset = self.geometry.window(self.me.index(), pos as usize);
+                    self.copy_granted(CmaDirection::Write, granted, offset)
+                        .is_ok()
+                }
+                Err(_) => false,
+            };
+        if !applied {
+            bump(&self.counters.window_writes_rejected);
+        }
+        self.my_window_tail += len;
+        true
+    }
+
+    /// Checks the peer's closed word and (at most every `liveness_interval`) its liveness.
+    fn check_peer(&mut self) {
+        if self.peer.is_none() {
+            return;
+        }
+        if self
+            .peer_control()
+            .identity
+            .0
+            .closed
+            .load(Ordering::Acquire)
+            != 0
+        {
+            self.process_inbound();
+            self.go_down(CompletionError::Flushed);
+            return;
+        }
+        let now = Instant::now();
+        let due = now.duration_since(self.last_liveness_check) >= self.config.liveness_interval;
+        if !(due || self.peer_gone.load(Ordering::Relaxed)) {
+            return;
+        }
+        self.last_liveness_check = now;
+        if self.peer_dead() {
+            self.process_inbound();
+            self.go_down(CompletionError::RetryExceeded);
+        }
+    }
+
+    /// Enters the error state: every outstanding request completes, the first with `first`.
+    fn go_down(&mut self, first: CompletionError) {
+        if !self.up {
+            return;
+        }
+        self.up = false;
+        let mut first = Some(first);
+        let mut status = || Err(first.take().unwrap_or(CompletionError::Flushed));
+        for op in core::mem::take(&mut self.outbound) {
+            self.completions.push_back(op.completion(status()));
+        }
+        self.queued_rdma = 0;
+        for (slot, wr_id) in core::mem::take(&mut self.posted) {
+            self.slot_state[usize::from(slot)] = SlotState::Idle;
+            self.completions.push_back(Completion {
+                wr_id,
+                kind: CompletionKind::Recv {
+                    slot: RecvSlot(slot),
+                    len: 0,
+                },
+                status: status(),
+            });
+        }
+    }
+
+    /// Closes the connection in order: the peer sees `closed` after everything sent so far,
+    /// and every request still outstanding here completes with `Flushed`.
+    pub fn close(&mut self) {
+        if !self.up {
+            return;
+        }
+        self.pump_outbound();
+        self.my_control()
+            .identity
+            .0
+            .closed
+            .store(1, Ordering::Release);
+        if self.peer.is_some() || self.segment.is_attached() {
+            self.notify_peer();
+        }
+        self.go_down(CompletionError::Flushed);
+    }
+
+    /// Shared state that calls for a poll: an undelivered ring entry, a fresh attach, a close.
+    fn has_news(&self) -> bool {
+        self.my_control().inbound_head.0[RING].load(Ordering::Acquire) != self.my_ring_tail
+            || (self.peer.is_none() && self.segment.is_attached())
+            || (self.peer.is_some()
+                && self
+                    .peer_control()
+                    .identity
+                    .0
+                    .closed
+                    .load(Ordering::Acquire)
+                    != 0)
+    }
+
+    fn peer_dead(&self) -> bool {
+        match &self.peer {
+            Some(Peer {
+                pidfd: Some(pidfd), ..
+            }) => sys::pidfd_exited(pidfd),
+            Some(Peer { pid, pidfd: None }) => !sys::process_exists(*pid),
+            None => false,
+        }
+    }
+
+    /// Waits until the peer publishes something for us (a message, a window write, room we
+    /// were waiting for, attach or close) since the last `poll_completions`, or `timeout` passes.
+    ///
+    /// Adaptive: while the peer is running (or being woken) and this machine has more than one
+    /// CPU, spin up to [`ConnectionConfig::spin_limit`] (about one wake-up's cost), stopping early
+    /// if the peer goes to sleep; on one CPU yield once instead. Then sleep on our futex word
+    /// `bell` in slices of at most [`ConnectionConfig::liveness_interval`], checking the peer's
+    /// liveness between slices.
+    ///
+    /// No lost wake-up (Dekker): the waiter stores `running = ASLEEP` then loads `bell`; the
+    /// publisher increments `bell` then CASes `running` from `ASLEEP` to `WAKING`; all four
+    /// are SeqCst, so in their single total order at least one side sees the other's write. If
+    /// the waiter sees the new `bell` it does not sleep. Otherwise the publisher's CAS finds
+    /// `ASLEEP` and it rings the doorbell; and since `FUTEX_WAIT` re-checks `bell == seen`
+    /// atomically in the kernel, a bump landing between our re-check and the syscall makes the
+    /// wait return at once. `WAKING` is only ever set from `ASLEEP` by the one peer, right
+    /// before it rings, and the waiter overwrites it with `RUNNING`/`ASLEEP` itself, so a
+    /// sleeping side is never mistaken for a woken one.
+    pub fn wait(&self, timeout: Duration) -> WaitResult {
+        let me = self.my_control();
+        let seen = self.bell_seen.load(Ordering::Relaxed);
+        if me.bell.0.load(Ordering::SeqCst) != seen || !self.completions.is_empty() {
+            return WaitResult::Notified;
+        }
+        if !self.up || self.peer_gone.load(Ordering::Relaxed) {
+            return WaitResult::Disconnected;
+        }
+        if self.has_news() {
+            return WaitResult::Notified;
+        }
+        me.identity
+            .0
+            .cpu
+            .store(sys::current_cpu(), Ordering::Relaxed);
+        let start = Instant::now();
+        let deadline = start.checked_add(timeout);
+        let peer_state = if self.peer.is_some() {
+            self.peer_control().running()
+        } else {
+            ASLEEP
+        };
+        if self.multi_cpu && peer_state != ASLEEP && !self.config.spin_limit.is_zero() {
+            // Spinning on the CPU the peer needs would starve it (a whole time slice), so when
+            // the peer shares our CPU — or is just being woken, and the scheduler likes to put a
+            // wakee next to its waker — give the CPU away between checks instead.
+            let peer_cpu = self.peer_control().identity.0.cpu.load(Ordering::Relaxed);
+            let share_cpu = peer_state == WAKING || peer_cpu == sys::current_cpu();
+            let mut spins = 0u32;
+            loop {
+                if me.bell.0.load(Ordering::Acquire) != seen {
+                    bump(&self.counters.spins_paid_off);
+                    return WaitResult::Notified;
+                }
+                if share_cpu {
+                    sys::yield_now();
+                } else {
+                    core::hint::spin_loop();
+                }
+                spins = spins.wrapping_add(1);
+                // A peer that went to sleep meanwhile will publish nothing for us: stop early.
+                if (share_cpu || spins % 64 == 0)
+                    && (start.elapsed() >= self.config.spin_limit
+                        || self.peer_control().running() == ASLEEP)
+                {
+                    break;
+                }
+            }
+            bump(&self.counters.spins_wasted);
+        } else if !self.multi_cpu {
+            sys::yield_now();
+        }
+        loop {
+            if !self.prepare_to_block() {
+                return WaitResult::Notified;
+            }
+            let now = Instant::now();
+            let left = deadline.map_or(Duration::MAX, |deadline| {
+                deadline.saturating_duration_since(now)
+            });
+            if left.is_zero() {
+                self.finish_blocking();
+                return WaitResult::TimedOut;
+            }
+            // A send blocked on the RNR timer needs a poll when the timer runs out.
+            let rnr_left = self
+                .rnr_since
+                .map(|since| (since + self.config.rnr_timeout).saturating_duration_since(now));
+            let slice = left
+                .min(self.config.liveness_interval)
+                .min(rnr_left.unwrap_or(Duration::MAX));
+            bump(&self.counters.sleeps);
+            let woke = sys::futex_wait(&me.bell.0, seen, slice);
+            self.finish_blocking();
+            if me.bell.0.load(Ordering::Acquire) != seen {
+                return WaitResult::Notified;
+            }
+            if woke == FutexWait::TimedOut {
+                if self.peer_dead() {
+                    self.peer_gone.store(true, Ordering::Relaxed);
+                    return WaitResult::Disconnected;
+                }
+                if rnr_left.is_some_and(|rnr| rnr <= slice) {
+                    return WaitResult::Notified;
+                }
+            }
+        }
+    }
+
+    /// For a caller that blocks elsewhere (the preload in `epoll_wait`, with the doorbell
+    /// writing to a descriptor in that set): announces "asleep" so the peer rings the doorbell
+    /// for its next publication, then re-checks. Returns `false` — and stays awake — if there
+    /// is already news (poll instead of blocking). After blocking, call
+    /// [`ShmConnection::finish_blocking`].
+    pub fn prepare_to_block(&self) -> bool {
+        let me = &self.my_control().identity.0;
+        me.running.store(ASLEEP, Ordering::SeqCst);
+        let news = self.my_control().bell.0.load(Ordering::SeqCst)
+            != self.bell_seen.load(Ordering::Relaxed)
+            || !self.completions.is_empty()
+            || self.has_news();
+        if news {
+            me.running.store(RUNNING, Ordering::SeqCst);
+        }
+        !news
+    }
+
+    /// Announces "running" again after [`ShmConnection::prepare_to_block`] returned `true`.
+    pub fn finish_blocking(&self) {
+        self.my_control()
+            .identity
+            .0
+            .running
+            .store(RUNNING, Ordering::SeqCst);
+    }
+
+    fn queue_rdma(
+        &mut self,
+        wr_id: WrId,
+        direction: CmaDirection,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        if !self.up {
+            return Err(PostError::Disconnected);
+        }
+        if local.range.len == 0
+            || local.range.len > domain::MAX_RDMA_LEN
+            || remote.len < local.range.len
+            || remote.addr.checked_add(local.range.len).is_none()
+        {
+            return Err(PostError::InvalidArgument);
+        }
+        if self.queued_rdma >= MAX_QUEUED_RDMA {
+            return Err(PostError::QueueFull);
+        }
+        self.learn_peer();
+        self.queued_rdma += 1;
+        self.outbound.push_back(Outbound::Rdma {
+            wr_id,
+            direction,
+            local,
+            remote,
+            done: 0,
+        });
+        self.pump_outbound();
+        Ok(())
+    }
+}
+
+impl SanConnection for ShmConnection {
+    fn slot_config(&self) -> SlotConfig {
+        self.geometry.slots
+    }
+
+    fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError> {
+        if !self.up {
+            return Err(PostError::Disconnected);
+        }
+        if message.len() > self.geometry.slots.slot_size as usize {
+            return Err(PostError::TooLong);
+        }
+        if self.sends_in_flight >= usize::from(self.geometry.slots.send_slots) {
+            return Err(PostError::QueueFull);
+        }
+        self.learn_peer();
+        self.sends_in_flight += 1;
+        if self.outbound.is_empty() {
+            // Fast path: straight into the peer's slot, no intermediate copy.
+            match self.try_send(message) {
+                Ok(()) => {
+                    self.completions.push_back(Completion {
+                        wr_id,
+                        kind: CompletionKind::Send,
+                        status: Ok(()),
+                    });
+                    self.notify_peer();
+                    return Ok(());
+                }
+                Err(Step::Down(error)) => {
+                    self.outbound.push_back(Outbound::Send {
+                        wr_id,
+                        bytes: Vec::new(),
+                    });
+                    self.go_down(error);
+                    return Ok(());
+                }
+                Err(_) => {}
+            }
+        }
+        self.outbound.push_back(Outbound::Send {
+            wr_id,
+            bytes: message.to_vec(),
+        });
+        self.pump_outbound();
+        Ok(())
+    }
+
+    fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
+        if !self.up {
+            return Err(PostError::Disconnected);
+        }
+        let index = usize::from(slot.0);
+        match self.slot_state.get(index) {
+            None => return Err(PostError::InvalidArgument),
+            Some(SlotState::Posted) => return Err(PostError::QueueFull),
+            Some(_) => {}
+        }
+        let me = self.me.index();
+        let fifo_index = (self.my_post_head % self.recv_slots()) as usize;
+        self.segment
+            .map()
+            .get::<AtomicU32>(self.geometry.fifo_entry(me, fifo_index))
+            .store(u32::from(slot.0), Ordering::Relaxed);
+        self.my_post_head += 1;
+        self.my_control()
+            .post_head
+            .0
+            .store(self.my_post_head, Ordering::SeqCst);
+        self.slot_state[index] = SlotState::Posted;
+        self.posted.push_back((slot.0, wr_id));
+        self.notify_peer_if_waiting_for_space();
+        Ok(())
+    }
+
+    fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8] {
+        match self.slot_state.get(usize::from(slot.0)) {
+            Some(SlotState::Holding(held)) if len <= *held => self.segment.map().bytes(
+                self.geometry.slot(self.me.index(), usize::from(slot.0)),
+                len as usize,
+            ),
+            _ => &[],
+        }
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        self.queue_rdma(wr_id, CmaDirection::Write, local, remote)
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        if self.domain.config.force_window || (self.peer.is_some() && !self.cma_permitted) {
+            return Err(PostError::InvalidArgument);
+        }
+        self.queue_rdma(wr_id, CmaDirection::Read, local, remote)
+    }
+
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        self.bell_seen.store(
+            self.my_control().bell.0.load(Ordering::SeqCst),
+            Ordering::Relaxed,
+        );
+        if self.up {
+            self.learn_peer();
+            self.process_inbound();
+            self.pump_outbound();
+            self.check_peer();
+        }
+        let mut moved = 0;
+        while moved < max {
+            let Some(completion) = self.completions.pop_front() else {
+                break;
+            };
+            if completion.kind == CompletionKind::Send {
+                self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
+            }
+            out.push(completion);
+            moved += 1;
+        }
+        moved
+    }
+}
+
+impl Drop for ShmConnection {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! A hostile or buggy peer, simulated by writing the shared words directly.
+    use super::*;
+    use crate::segment::SegmentConfig;
+    use san_api::SanDomain;
+
+    struct Pair {
+        dir: std::path::PathBuf,
+        creator: ShmConnection,
+        attacher: ShmConnection,
+    }
+
+    impl Drop for Pair {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn pair(tag: &str) -> Pair {
+        let dir = std::path::PathBuf::from(format!(
+            "/dev/shm/san-shm-unit-{tag}-{}",
+            std::process::id()
+        ));
+        crate::segment::ensure_private_dir(&dir).unwrap();
+        let slots = SlotConfig {
+            send_slots: 4,
+            recv_slots: 4,
+            slot_size: 128,
+        };
+        let domain = ShmDomain::default();
+        let segment = ShmSegment::create(&dir, "s", &SegmentConfig::new(slots)).unwrap();
+        let mut creator =
+            ShmConnection::new(segment, &domain, ConnectionConfig::default()).unwrap();
+        let attached = ShmSegment::attach(&dir, "s").unwrap();
+        let attacher = ShmConnection::new(attached, &domain, ConnectionConfig::default()).unwrap();
+        creator.poll_completions(&mut Vec::new(), 0);
+        Pair {
+            dir,
+            creator,
+            attacher,
+        }
+    }
+
+    fn poll(conn: &mut ShmConnection) -> Vec<Completion> {
+        let mut out = Vec::new();
+        conn.poll_completions(&mut out, usize::MAX);
+        out
+    }
+
+    #[test]
+    fn a_message_in_a_slot_that_was_not_posted_next_is_fatal() {
+        let mut p = pair("slot");
+        p.attacher.post_recv(WrId(1), RecvSlot(0)).unwrap();
+        p.creator.push_entry(ENTRY_MESSAGE, 3, 10, 0, 0, 0);
+        let got = poll(&mut p.attacher);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].status, Err(CompletionError::Fatal));
+        assert!(!p.attacher.is_up());
+    }
+
+    #[test]
+    fn oversized_messages_unknown_kinds_and_bad_window_positions_are_fatal() {
+        let forgeries: [(u32, u32, u32, u64); 4] = [
+            (ENTRY_MESSAGE, 0, 129, 0),        // longer than a slot
+            (99, 0, 1, 0),                     // unknown kind
+            (ENTRY_WINDOW_WRITE, 0, 64, 4096), // not at the window tail
+            (ENTRY_WINDOW_WRITE, 0, 64, 0),    // window head never advanced
+        ];
+        for (i, (kind, slot, len, pos)) in forgeries.into_iter().enumerate() {
+            let mut p = pair(&format!("forge{i}"));
+            p.attacher.post_recv(WrId(1), RecvSlot(0)).unwrap();
+            p.creator.push_entry(kind, slot, len, 0, 0, pos);
+            let got = poll(&mut p.attacher);
+            assert_eq!(
+                got.first().map(|c| c.status),
+                Some(Err(CompletionError::Fatal)),
+                "forgery {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_ring_head_beyond_capacity_is_fatal() {
+        let mut p = pair("head");
+        p.attacher.post_recv(WrId(1), RecvSlot(0)).unwrap();
+        p.attacher.my_control().inbound_head.0[RING].store(1 << 40, Ordering::Release);
+        assert_eq!(poll(&mut p.attacher)[0].status, Err(CompletionError::Fatal));
+    }
+
+    #[test]
+    fn a_forged_post_fifo_fails_the_senders_connection() {
+        let mut p = pair("fifo");
+        // More posted receives than slots exist:
+        p.attacher
+            .my_control()
+            .post_head
+            .0
+            .store(1000, Ordering::SeqCst);
+        p.creator.post_send(WrId(5), b"hello").unwrap();
+        let got = poll(&mut p.creator);
+        assert_eq!(
+            (got[0].wr_id, got[0].status),
+            (WrId(5), Err(CompletionError::Fatal))
+        );
+        // A posted slot id out of range:
+        let mut p = pair("fifo-slot");
+        p.attacher.post_recv(WrId(1), RecvSlot(0)).unwrap();
+        let fifo = p.attacher.geometry.fifo_entry(1, 0);
+        p.attacher
+            .segment
+            .map()
+            .get::<AtomicU32>(fifo)
+            .store(4, Ordering::Relaxed);
+        p.creator.post_send(WrId(6), b"hello").unwrap();
+        assert_eq!(poll(&mut p.creator)[0].status, Err(CompletionError::Fatal));
+    }
+
+    #[test]
+    fn the_window_path_works_without_any_cma_at_all() {
+        // As under a seccomp filter that forbids process_vm_*: plain copies on both ends.
+        let mut p = pair("nocma");
+        let (mut creator_domain, mut attacher_domain) =
+            (ShmDomain::default(), ShmDomain::default());
+        p.creator.domain = creator_domain.shared().clone();
+        p.attacher.domain = attacher_domain.shared().clone();
+        attacher_domain
+            .shared()
+            .publish_to(p.attacher.segment.map(), p.attacher.geometry, 1);
+        p.creator.cma_permitted = false;
+        p.creator.self_cma = false;
+        p.attacher.self_cma = false;
+        let mut source = vec![0u8; 600 << 10];
+        for (i, byte) in source.iter_mut().enumerate() {
+            *byte = (i * 7 % 251) as u8;
+        }
+        let mut sink = vec![0u8; source.len()];
+        let src_range = MemRange::new(source.as_mut_ptr() as u64, source.len() as u64);
+        let sink_range = MemRange::new(sink.as_mut_ptr() as u64, sink.len() as u64);
+        let src = creator_domain.register(src_range, Access::NONE).unwrap();
+        let dst = attacher_domain
+            .register(sink_range, Access::REMOTE_WRITE)
+            .unwrap();
+        let local = LocalSegment {
+            range: src_range,
+            lkey: src.lkey,
+        };
+        let remote = dst.remote_descriptor(sink_range).unwrap();
+        p.creator.post_write(WrId(9), local, remote).unwrap();
+        let mut done = Vec::new();
+        for _ in 0..1000 {
+            poll(&mut p.attacher);
+            done.extend(poll(&mut p.creator));
+            if !done.is_empty() {
+                break;
+            }
+        }
+        poll(&mut p.attacher);
+        assert_eq!(
+            done.first().map(|c| (c.wr_id, c.status)),
+            Some((WrId(9), Ok(())))
+        );
+        assert!(
+            sink == source,
+            "600 KiB through a 256 KiB window with plain copies"
+        );
+    }
+
+    #[test]
+    fn a_window_write_with_a_forged_rkey_is_dropped_not_applied() {
+        let mut p = pair("rkey");
+        let mut target = vec![7u8; 64];
+        let dest = target.as_mut_ptr() as u64;
+        p.creator.peer_window_head = 64;
+        p.creator.peer_control().inbound_head.0[WINDOW].store(64, Ordering::Release);
+        p.creator
+            .push_entry(ENTRY_WINDOW_WRITE, 0, 64, 0x1234, dest, 0);
+        assert!(poll(&mut p.attacher).is_empty());
+        assert!(
+            p.attacher.is_up(),
+            "well-formed but unauthorised: refused, connection kept"
+        );
+        assert_eq!(p.attacher.stats().window_writes_rejected, 1);
+        assert!(target.iter().all(|b| *b == 7), "the target was not touched");
+    }
+}

@@ -1,0 +1,526 @@
+//! Segment files: creation (active side), attachment (passive side), access control and
+//! stale-file replacement.
+//!
+//! **Publication.** The creator builds the whole file under a temporary name and then gives it
+//! its real name with `link(2)`, which fails with `EEXIST` instead of replacing: that is the
+//! `O_CREAT|O_EXCL` semantics for the *initialised* file, so an attacher never sees a
+//! half-written header. If the name is taken by a segment whose creator is dead (or by a
+//! corrupt file of ours), the old file is unlinked (only if the name still refers to the inode
+//! that was examined) and the link retried.
+//!
+//! **Access control.** The attacher opens with `O_NOFOLLOW`, then `fstat`s the open file: it
+//! must be a regular file owned by the caller's effective uid with no group/world bits, or —
+//! with an [`AccessPolicy::group`] — owned by a member of that group with no world bits. Both
+//! pids and uids are recorded in the segment ([`ShmSegment::peer_pid`], [`ShmSegment::peer_uid`]).
+//!
+//! **Trust.** Every size and offset read from the file is validated (see `layout.rs`), and a
+//! corrupt or hostile file yields [`ShmError::Corrupt`], never undefined behaviour. One thing
+//! no check can prevent: a peer with write access could truncate the file under our mapping and
+//! make us fault (SIGBUS). Only the same user (or the configured group) has that access, and the
+//! same user could ptrace us anyway; the segment is a boundary against *other* users and
+//! against stale or corrupt files, not against one's own processes.
+
+use core::sync::atomic::Ordering;
+use std::fs::{self, File, OpenOptions, Permissions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+
+use san_api::SlotConfig;
+
+use crate::error::{PermissionProblem, ShmError};
+use crate::layout::{
+    CorruptSegment, Geometry, RawHeader, SegmentHeader, SideControl, ASLEEP, EXPOSURE_ENTRIES,
+    HEADER_SIZE, LAYOUT_VERSION, MAGIC, RUNNING, STATE_ATTACHED, STATE_ATTACHING, STATE_CREATED,
+};
+use crate::sys::{self, Mapping};
+
+/// Which end of the connection a process is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// The active (connecting) side: creates the segment.
+    Creator,
+    /// The passive (accepting) side: attaches to it.
+    Attacher,
+}
+
+impl Side {
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Side::Creator => 0,
+            Side::Attacher => 1,
+        }
+    }
+
+    pub(crate) fn peer(self) -> Side {
+        match self {
+            Side::Creator => Side::Attacher,
+            Side::Attacher => Side::Creator,
+        }
+    }
+}
+
+/// Who besides the owner may attach.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct AccessPolicy {
+    /// A group whose members may attach (the file gets mode 0660 and this group). `None`:
+    /// the same effective uid only (mode 0600).
+    pub group: Option<u32>,
+}
+
+/// Sizes of a segment, chosen by the creator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SegmentConfig {
+    /// Slot pools of both sides.
+    pub slots: SlotConfig,
+    /// Bytes of the write window each side receives window writes through.
+    pub window_size: u32,
+    /// Inbound-ring entries beyond one per receive slot (window-write chunks in flight).
+    pub ring_extra: u32,
+    /// Who may attach.
+    pub access: AccessPolicy,
+}
+
+impl SegmentConfig {
+    /// Defaults around the given slot pools: a 256 KiB window and 64 extra ring entries.
+    pub fn new(slots: SlotConfig) -> SegmentConfig {
+        SegmentConfig {
+            slots,
+            window_size: 256 << 10,
+            ring_extra: 64,
+            access: AccessPolicy::default(),
+        }
+    }
+}
+
+/// One mapped segment file, seen from one side.
+pub struct ShmSegment {
+    map: Arc<Mapping>,
+    geometry: Geometry,
+    side: Side,
+    path: PathBuf,
+    dev_ino: (u64, u64),
+}
+
+impl core::fmt::Debug for ShmSegment {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ShmSegment")
+            .field("path", &self.path)
+            .field("side", &self.side)
+            .field("slots", &self.geometry.slots)
+            .field("attached", &self.is_attached())
+            .finish()
+    }
+}
+
+fn validate_name(name: &str) -> Result<(), ShmError> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\0']);
+    ok.then_some(()).ok_or(ShmError::InvalidName)
+}
+
+fn read_header(file: &File, file_len: u64) -> Result<(RawHeader, Geometry), ShmError> {
+    if file_len < HEADER_SIZE as u64 {
+        return Err(ShmError::Corrupt(CorruptSegment::Truncated));
+    }
+    let mut bytes = [0u8; HEADER_SIZE];
+    file.read_exact_at(&mut bytes, 0)
+        .map_err(|e| ShmError::io("read segment header", &e))?;
+    let raw = RawHeader::parse(&bytes);
+    let geometry = Geometry::from_header(&raw, file_len)?;
+    Ok((raw, geometry))
+}
+
+fn check_access(meta: &fs::Metadata, policy: &AccessPolicy) -> Result<(), ShmError> {
+    if !meta.file_type().is_file() {
+        return Err(ShmError::PermissionDenied(
+            PermissionProblem::NotRegularFile,
+        ));
+    }
+    let (euid, _) = sys::effective_ids();
+    let mode = meta.mode() & 0o7777;
+    let group_allowed = policy.group == Some(meta.gid());
+    let allowed_bits = if group_allowed { 0o7770 } else { 0o7700 };
+    if meta.uid() != euid && !(group_allowed && sys::in_group(meta.gid())) {
+        return Err(ShmError::PermissionDenied(PermissionProblem::WrongOwner {
+            uid: meta.uid(),
+        }));
+    }
+    if mode & !allowed_bits != 0 {
+        return Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
+            mode,
+        }));
+    }
+    Ok(())
+}
+
+/// Creates `path` as a private (0700) directory if missing and checks that it is one: a real
+/// directory (not a symlink) owned by us with no group/world access. For the per-user
+/// directory the preload keeps its segment files in.
+pub fn ensure_private_dir(path: &Path) -> Result<(), ShmError> {
+    use std::os::unix::fs::DirBuilderExt;
+    match fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(ShmError::io("create segment directory", &e)),
+    }
+    let meta =
+        fs::symlink_metadata(path).map_err(|e| ShmError::io("stat segment directory", &e))?;
+    if !meta.file_type().is_dir() {
+        return Err(ShmError::PermissionDenied(
+            PermissionProblem::NotRegularFile,
+        ));
+    }
+    if meta.uid() != sys::effective_ids().0 {
+        return Err(ShmError::PermissionDenied(PermissionProblem::WrongOwner {
+            uid: meta.uid(),
+        }));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
+            mode: meta.mode() & 0o7777,
+        }));
+    }
+    Ok(())
+}
+
+/// Unlinks `path` if it holds a stale segment: one of ours whose creator is dead, or a corrupt
+/// file of ours. Returns whether the name is now free to take.
+fn remove_if_stale(path: &Path) -> Result<bool, ShmError> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+        Err(e) => return Err(ShmError::io("open existing segment", &e)),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| ShmError::io("fstat existing segment", &e))?;
+    if !meta.file_type().is_file() || meta.uid() != sys::effective_ids().0 {
+        return Ok(false);
+    }
+    let stale = match read_header(&file, meta.len()) {
+        Ok((_, geometry)) => {
+            let mut pid = [0u8; 4];
+            let pid_at = geometry.control(0) as u64; // `Identity::pid` is the first word.
+            file.read_exact_at(&mut pid, pid_at).is_err()
+                || !sys::process_exists(u32::from_le_bytes(pid))
+        }
+        Err(_) => true,
+    };
+    if !stale {
+        return Ok(false);
+    }
+    // Unlink only the inode examined: another creator may have replaced it meanwhile.
+    match fs::symlink_metadata(path) {
+        Ok(now) if now.dev() == meta.dev() && now.ino() == meta.ino() => {
+            match fs::remove_file(path) {
+                Ok(()) => Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+                Err(e) => Err(ShmError::io("unlink stale segment", &e)),
+            }
+        }
+        Ok(_) => Ok(false),
+        Err(_) => Ok(true),
+    }
+}
+
+impl ShmSegment {
+    /// Creates the segment `dir/name` for a connection with the given sizes, as the active
+    /// side. Fails with [`ShmError::AlreadyExists`] if a live creator holds the name; a stale
+    /// segment (dead creator) is replaced.
+    pub fn create(dir: &Path, name: &str, config: &SegmentConfig) -> Result<ShmSegment, ShmError> {
+        validate_name(name)?;
+        let ring_entries =
+            u32::from(config.slots.recv_slots).saturating_add(config.ring_extra.max(1));
+        let geometry =
+            Geometry::compute(config.slots, ring_entries, config.window_size).map_err(|_| {
+                ShmError::InvalidConfig("slot pools, ring or window outside the provider's limits")
+            })?;
+        static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+        let pid = std::process::id();
+        let temp = dir.join(format!(
+            ".{name}.{pid}.{}.creating",
+            TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let mode = if config.access.group.is_some() {
+            0o660
+        } else {
+            0o600
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&temp)
+            .map_err(|e| ShmError::io("create segment file", &e))?;
+        let built = Self::build(&file, &temp, geometry, config, mode);
+        let result =
+            built.and_then(|map| Self::publish(&file, &temp, &dir.join(name), map, geometry));
+        let _ = fs::remove_file(&temp);
+        result
+    }
+
+    fn build(
+        file: &File,
+        temp: &Path,
+        geometry: Geometry,
+        config: &SegmentConfig,
+        mode: u32,
+    ) -> Result<Mapping, ShmError> {
+        // The umask may have stripped group bits the policy asked for.
+        fs::set_permissions(temp, Permissions::from_mode(mode))
+            .map_err(|e| ShmError::io("chmod segment", &e))?;
+        if let Some(gid) = config.access.group {
+            std::os::unix::fs::fchown(file, None, Some(gid))
+                .map_err(|e| ShmError::io("chown segment", &e))?;
+        }
+        file.set_len(geometry.total_size as u64)
+            .map_err(|e| ShmError::io("size segment", &e))?;
+        let map = Mapping::map_shared(file, geometry.total_size)
+            .map_err(|e| ShmError::io("map segment", &e))?;
+        let header: &SegmentHeader = map.get(0);
+        header
+            .layout_version
+            .store(LAYOUT_VERSION, Ordering::Relaxed);
+        header
+            .header_size
+            .store(HEADER_SIZE as u32, Ordering::Relaxed);
+        header
+            .total_size
+            .store(geometry.total_size as u64, Ordering::Relaxed);
+        header
+            .slot_size
+            .store(geometry.slots.slot_size, Ordering::Relaxed);
+        header
+            .recv_slots
+            .store(u32::from(geometry.slots.recv_slots), Ordering::Relaxed);
+        header
+            .send_slots
+            .store(u32::from(geometry.slots.send_slots), Ordering::Relaxed);
+        header
+            .ring_entries
+            .store(geometry.ring_entries, Ordering::Relaxed);
+        header
+            .window_size
+            .store(geometry.window_size, Ordering::Relaxed);
+        header
+            .exposure_entries
+            .store(EXPOSURE_ENTRIES, Ordering::Relaxed);
+        for side in 0..2 {
+            header.side_offset[side].store(geometry.side_base(side) as u64, Ordering::Relaxed);
+        }
+        header
+            .side_size
+            .store(geometry.side_size as u64, Ordering::Relaxed);
+        header.state.store(STATE_CREATED, Ordering::Relaxed);
+        let (uid, gid) = sys::effective_ids();
+        let me = &map.get::<SideControl>(geometry.control(0)).identity.0;
+        me.pid.store(std::process::id(), Ordering::Relaxed);
+        me.uid.store(uid, Ordering::Relaxed);
+        me.gid.store(gid, Ordering::Relaxed);
+        me.base_addr.store(map.base_addr(), Ordering::Relaxed);
+        me.running.store(RUNNING, Ordering::Relaxed);
+        // Until someone attaches, the peer counts as asleep: nothing to spin for.
+        map.get::<SideControl>(geometry.control(1))
+            .identity
+            .0
+            .running
+            .store(ASLEEP, Ordering::Relaxed);
+        // Publication to the attacher is the link() below (it reads with pread after open);
+        // the Release store orders the magic last for anyone already mapping the temp file.
+        header.magic.store(MAGIC, Ordering::Release);
+        Ok(map)
+    }
+
+    fn publish(
+        file: &File,
+        temp: &Path,
+        path: &Path,
+        map: Mapping,
+        geometry: Geometry,
+    ) -> Result<ShmSegment, ShmError> {
+        const ATTEMPTS: usize = 3;
+        for _ in 0..ATTEMPTS {
+            match fs::hard_link(temp, path) {
+                Ok(()) => {
+                    let meta = file
+                        .metadata()
+                        .map_err(|e| ShmError::io("fstat segment", &e))?;
+                    return Ok(ShmSegment {
+                        map: Arc::new(map),
+                        geometry,
+                        side: Side::Creator,
+                        path: path.to_path_buf(),
+                        dev_ino: (meta.dev(), meta.ino()),
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if !remove_if_stale(path)? {
+                        return Err(ShmError::AlreadyExists);
+                    }
+                }
+                Err(e) => return Err(ShmError::io("link segment", &e)),
+            }
+        }
+        Err(ShmError::AlreadyExists)
+    }
+
+    /// Attaches to `dir/name` as the passive side, same user only.
+    pub fn attach(dir: &Path, name: &str) -> Result<ShmSegment, ShmError> {
+        Self::attach_with(dir, name, &AccessPolicy::default())
+    }
+
+    /// Attaches to `dir/name` as the passive side under `policy`.
+    pub fn attach_with(
+        dir: &Path,
+        name: &str,
+        policy: &AccessPolicy,
+    ) -> Result<ShmSegment, ShmError> {
+        validate_name(name)?;
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| ShmError::io("open segment", &e))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| ShmError::io("fstat segment", &e))?;
+        check_access(&meta, policy)?;
+        let (raw, geometry) = read_header(&file, meta.len())?;
+        match raw.state {
+            STATE_CREATED => {}
+            STATE_ATTACHING | STATE_ATTACHED => return Err(ShmError::AlreadyAttached),
+            _ => return Err(ShmError::Corrupt(CorruptSegment::BadState)),
+        }
+        let map = Mapping::map_shared(&file, geometry.total_size)
+            .map_err(|e| ShmError::io("map segment", &e))?;
+        let header: &SegmentHeader = map.get(0);
+        let creator = &map.get::<SideControl>(geometry.control(0)).identity.0;
+        if creator.pid.load(Ordering::Relaxed) == 0 {
+            return Err(ShmError::Corrupt(CorruptSegment::BadState));
+        }
+        if let Err(state) = header.state.compare_exchange(
+            STATE_CREATED,
+            STATE_ATTACHING,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            return Err(match state {
+                STATE_ATTACHING | STATE_ATTACHED => ShmError::AlreadyAttached,
+                _ => ShmError::Corrupt(CorruptSegment::BadState),
+            });
+        }
+        let (uid, gid) = sys::effective_ids();
+        let control = map.get::<SideControl>(geometry.control(1));
+        let me = &control.identity.0;
+        me.pid.store(std::process::id(), Ordering::Relaxed);
+        me.uid.store(uid, Ordering::Relaxed);
+        me.gid.store(gid, Ordering::Relaxed);
+        me.base_addr.store(map.base_addr(), Ordering::Relaxed);
+        me.running.store(RUNNING, Ordering::SeqCst);
+        header.state.store(STATE_ATTACHED, Ordering::Release);
+        // Tell a creator blocked in `wait` (same protocol as every publication).
+        map.get::<SideControl>(geometry.control(0)).notify(|bell| {
+            sys::futex_wake(bell);
+        });
+        Ok(ShmSegment {
+            map: Arc::new(map),
+            geometry,
+            side: Side::Attacher,
+            path,
+            dev_ino: (meta.dev(), meta.ino()),
+        })
+    }
+
+    /// True once the passive side has attached (always true on the attacher).
+    pub fn is_attached(&self) -> bool {
+        self.header().state.load(Ordering::Acquire) == STATE_ATTACHED
+    }
+
+    /// Removes the segment's name if it still refers to this segment (mappings stay valid).
+    /// Either side may call it once attached; the creator also does on drop.
+    pub fn unlink(&self) -> Result<(), ShmError> {
+        match fs::symlink_metadata(&self.path) {
+            Ok(now) if (now.dev(), now.ino()) == self.dev_ino => {
+                match fs::remove_file(&self.path) {
+                    Ok(()) => Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                    Err(e) => Err(ShmError::io("unlink segment", &e)),
+                }
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The peer's pid: the creator's on the attacher; the attacher's once attached.
+    pub fn peer_pid(&self) -> Option<u32> {
+        self.peer_identity().map(|(pid, _)| pid)
+    }
+
+    /// The peer's effective uid, as recorded by the peer.
+    pub fn peer_uid(&self) -> Option<u32> {
+        self.peer_identity().map(|(_, uid)| uid)
+    }
+
+    fn peer_identity(&self) -> Option<(u32, u32)> {
+        if !self.is_attached() {
+            return None;
+        }
+        let peer = &self.control(self.side.peer()).identity.0;
+        Some((
+            peer.pid.load(Ordering::Relaxed),
+            peer.uid.load(Ordering::Relaxed),
+        ))
+    }
+
+    /// Which side this process is.
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// The slot pools of the segment.
+    pub fn slot_config(&self) -> SlotConfig {
+        self.geometry.slots
+    }
+
+    /// The segment's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn map(&self) -> &Arc<Mapping> {
+        &self.map
+    }
+
+    pub(crate) fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    pub(crate) fn header(&self) -> &SegmentHeader {
+        self.map.get(0)
+    }
+
+    pub(crate) fn control(&self, side: Side) -> &SideControl {
+        self.map.get(self.geometry.control(side.index()))
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        if self.side == Side::Creator {
+            let _ = self.unlink();
+        }
+    }
+}

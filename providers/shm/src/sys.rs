@@ -1,0 +1,455 @@
+//! Every `unsafe` operation of the crate lives here: the shared mapping, futexes, cross-memory
+//! attach (CMA, `process_vm_readv`/`process_vm_writev`), pidfds and a few libc queries.
+//!
+//! The rest of the crate is safe code built on these small wrappers. Two kinds of memory are
+//! touched:
+//!
+//! * **The shared segment** ([`Mapping`]). Every word that can change after set-up is an
+//!   atomic ([`ShmSafe`] types only), so concurrent access by the peer process is never a data
+//!   race on a Rust object. Bulk bytes (message slots, the write window) are moved with
+//!   explicit copies whose bounds are checked against the mapping length.
+//! * **Application memory named by a registration** ([`GrantedRange`]). As with a NIC's DMA,
+//!   registering a range is the application's grant that the provider may read or write it
+//!   while the registration lives. All such copies go through the kernel (CMA on our own pid)
+//!   so that a range unmapped behind the registration's back yields `EFAULT`, never a crash;
+//!   only when the kernel refuses CMA altogether (seccomp) does a plain copy stand in.
+
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU32, AtomicU64};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+/// Marker for types that may live in memory shared with another process.
+///
+/// # Safety
+/// An implementor must be `#[repr(C)]` (or a primitive atomic), contain no pointers or
+/// references (the two processes map the segment at different addresses), accept every bit
+/// pattern as a valid value (the peer may write anything), and have interior mutability only
+/// through atomics, so a `&T` into the mapping stays sound while the peer writes it
+/// concurrently. This is the `vasi` idea from the shadow simulator.
+pub unsafe trait ShmSafe: Sync {}
+
+// SAFETY: a primitive atomic: no pointers, every bit pattern valid, mutation only atomically.
+unsafe impl ShmSafe for AtomicU32 {}
+// SAFETY: as for `AtomicU32`.
+unsafe impl ShmSafe for AtomicU64 {}
+// SAFETY: an array of `ShmSafe` values is laid out contiguously and inherits their properties.
+unsafe impl<T: ShmSafe, const N: usize> ShmSafe for [T; N] {}
+
+// SAFETY: `Line<T>` is `#[repr(C, align(64))]` around one `ShmSafe` value plus padding that
+// is never read.
+unsafe impl<T: ShmSafe> ShmSafe for crate::layout::Line<T> {}
+
+/// Implements [`ShmSafe`] for the crate's shared layout structs (see `layout.rs`).
+macro_rules! shm_safe {
+    ($($ty:ty),* $(,)?) => {$(
+        // SAFETY: `layout.rs` declares this type `#[repr(C)]` with atomic fields only (checked
+        // by the const size/alignment assertions there): no pointers, every bit pattern valid.
+        unsafe impl ShmSafe for $ty {}
+    )*};
+}
+shm_safe!(
+    crate::layout::SegmentHeader,
+    crate::layout::SideControl,
+    crate::layout::RingEntry,
+    crate::layout::ExposureEntry,
+);
+
+/// A `MAP_SHARED` read-write mapping of a whole segment file.
+pub(crate) struct Mapping {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; all typed access is to `ShmSafe`
+// (atomic, `Sync`) values and all bulk access is by explicit copies, so sharing the handle
+// between threads adds nothing that sharing it with the peer process does not already cover.
+unsafe impl Send for Mapping {}
+// SAFETY: see `Send` above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `file` shared and read-write. `len` must equal the file size,
+    /// which the caller has checked with `fstat`.
+    pub(crate) fn map_shared(file: &File, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        // SAFETY: a fresh mapping chosen by the kernel (null hint) aliases no Rust object; the
+        // fd is valid for the duration of the call.
+        let addr = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(addr.cast::<u8>())
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EFAULT))?;
+        Ok(Mapping { base, len })
+    }
+
+    /// The mapping's address in this process (published so the peer can probe CMA).
+    pub(crate) fn base_addr(&self) -> u64 {
+        self.base.as_ptr() as u64
+    }
+
+    fn check(&self, offset: usize, len: usize, align: usize) {
+        // NOTE(panic): every offset reaching here is derived from a `Geometry` validated against
+        // the mapping length, and every peer-supplied index was range-checked first, so this
+        // only fires on a bug inside this crate.
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len) && offset % align == 0,
+            "san-shm internal error: access [{offset}, +{len}) outside a {}-byte segment",
+            self.len
+        );
+    }
+
+    /// A shared reference to the `T` at `offset`.
+    pub(crate) fn get<T: ShmSafe>(&self, offset: usize) -> &T {
+        self.check(offset, size_of::<T>(), align_of::<T>());
+        // SAFETY: in bounds and aligned (checked above; the base is page aligned); `T: ShmSafe`
+        // makes any bit pattern valid and concurrent mutation by the peer atomic-only; the
+        // reference cannot outlive `self`, which keeps the mapping alive.
+        unsafe { &*self.base.as_ptr().add(offset).cast::<T>() }
+    }
+
+    /// Copies `src` into the segment at `offset`.
+    pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) {
+        self.check(offset, src.len(), 1);
+        // SAFETY: destination in bounds (checked); `src` is a Rust slice and cannot overlap
+        // the mapping's bulk areas, which are never handed out as `&mut`.
+        unsafe {
+            core::ptr::copy_nonoverlapping(src.as_ptr(), self.base.as_ptr().add(offset), src.len())
+        }
+    }
+
+    /// A read-only view of `len` bytes at `offset`.
+    ///
+    /// The bytes live in shared memory: an honest peer never writes a receive slot that is
+    /// not posted, which is the only state in which the connection hands such a view out. A
+    /// hostile same-user peer could still change them under the reader (it could equally
+    /// ptrace us); consumers treat the bytes as untrusted input either way.
+    pub(crate) fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        self.check(offset, len, 1);
+        // SAFETY: in bounds (checked); `u8` accepts every bit pattern; lifetime tied to `self`.
+        unsafe { core::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
+    }
+
+    /// The address of byte `offset` in this process, for I/O vectors.
+    pub(crate) fn addr_of(&self, offset: usize, len: usize) -> u64 {
+        self.check(offset, len, 1);
+        self.base_addr() + offset as u64
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping this value created; every reference handed out
+        // borrows `self`, so none outlives this call.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Result of a futex wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FutexWait {
+    /// Woken by `FUTEX_WAKE` (or spuriously).
+    Woken,
+    /// The word no longer held the expected value.
+    ValueChanged,
+    /// The timeout passed.
+    TimedOut,
+}
+
+/// Blocks while `word == expected`, at most `timeout`. Shared (not `FUTEX_PRIVATE_FLAG`): the
+/// word lives in a `MAP_SHARED` file mapping, so the kernel keys it by inode and offset and a
+/// wake from the peer process finds us.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> FutexWait {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a live, aligned 32-bit atomic; `ts` outlives the call; FUTEX_WAIT only
+    // reads the word.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        )
+    };
+    if rc == 0 {
+        return FutexWait::Woken;
+    }
+    match io::Error::last_os_error().raw_os_error() {
+        Some(libc::ETIMEDOUT) => FutexWait::TimedOut,
+        Some(libc::EAGAIN) => FutexWait::ValueChanged,
+        // EINTR and anything unexpected: report a wake-up; callers re-check their condition.
+        _ => FutexWait::Woken,
+    }
+}
+
+/// Wakes every waiter on `word` (in any process mapping it). Returns how many were woken.
+pub fn futex_wake(word: &AtomicU32) -> usize {
+    // SAFETY: `word` is a live, aligned 32-bit atomic; FUTEX_WAKE does not access memory
+    // beyond using its address as a key.
+    let rc = unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX) };
+    usize::try_from(rc).unwrap_or(0)
+}
+
+/// Application memory the provider may copy to or from: a live registration's range, checked
+/// by the domain (see the module docs for why that makes the copies sound).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GrantedRange {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+}
+
+/// Direction of a cross-memory copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CmaDirection {
+    /// `process_vm_readv`: remote → local.
+    Read,
+    /// `process_vm_writev`: local → remote.
+    Write,
+}
+
+/// Copies `len` bytes between `local` (an address in this process) and `remote` (an address in
+/// process `pid`) with one CMA syscall per partial transfer. Returns the bytes moved; a
+/// short count means a fault part-way.
+///
+/// The kernel validates both sides: an unmapped or read-only page gives `EFAULT`, a process we
+/// may not ptrace gives `EPERM`, a dead one `ESRCH`. `local` must be either a [`GrantedRange`]
+/// or bytes inside a [`Mapping`] (callers obtain it from one of the two).
+pub(crate) fn cma_copy(
+    direction: CmaDirection,
+    pid: u32,
+    local: u64,
+    remote: u64,
+    len: u64,
+) -> io::Result<u64> {
+    let mut done = 0u64;
+    while done < len {
+        let chunk = usize::try_from(len - done)
+            .unwrap_or(usize::MAX)
+            .min(isize::MAX as usize);
+        let local_iov = libc::iovec {
+            iov_base: (local + done) as *mut libc::c_void,
+            iov_len: chunk,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: (remote + done) as *mut libc::c_void,
+            iov_len: chunk,
+        };
+        let pid =
+            libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+        // SAFETY: the kernel performs the copy and checks both address ranges, returning EFAULT
+        // instead of touching unmapped memory. Locally it writes only into a granted range or
+        // the shared mapping (read direction), never into memory a Rust reference owns.
+        let rc = unsafe {
+            match direction {
+                CmaDirection::Read => libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0),
+                CmaDirection::Write => {
+                    libc::process_vm_writev(pid, &local_iov, 1, &remote_iov, 1, 0)
+                }
+            }
+        };
+        if rc < 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            if done > 0 && err.raw_os_error() == Some(libc::EFAULT) {
+                return Ok(done);
+            }
+            return Err(err);
+        }
+        if rc == 0 {
+            return Ok(done);
+        }
+        done += rc as u64;
+    }
+    Ok(done)
+}
+
+/// Reads the 8-byte word at `remote` in process `pid` (the CMA permission probe).
+pub(crate) fn cma_probe(pid: u32, remote: u64) -> io::Result<u64> {
+    let mut word = 0u64;
+    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    let local_iov = libc::iovec {
+        iov_base: (&mut word as *mut u64).cast(),
+        iov_len: 8,
+    };
+    let remote_iov = libc::iovec {
+        iov_base: remote as *mut libc::c_void,
+        iov_len: 8,
+    };
+    // SAFETY: the kernel writes at most 8 bytes into `word`, a live local we own exclusively
+    // here; the remote address is checked by the kernel in the other process.
+    let rc = unsafe { libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0) };
+    match rc {
+        8 => Ok(word),
+        rc if rc < 0 => Err(io::Error::last_os_error()),
+        _ => Err(io::Error::from_raw_os_error(libc::EFAULT)),
+    }
+}
+
+/// Copies between a granted range of this process and the shared mapping without the kernel,
+/// for when CMA on our own pid is refused (seccomp). Faults on an unmapped granted range would
+/// crash here, which is why [`cma_copy`] on our own pid is always tried first.
+pub(crate) fn plain_copy_granted(
+    direction: CmaDirection,
+    granted: GrantedRange,
+    map: &Mapping,
+    offset: usize,
+) {
+    let Ok(len) = usize::try_from(granted.len) else {
+        return;
+    };
+    map.check(offset, len, 1);
+    let shared = map.base_addr() as usize + offset;
+    // SAFETY: the shared side is in bounds (checked above). The granted side is a live
+    // registration: the application promised the range is mapped and ours to read or write
+    // while registered (the same promise a NIC's DMA relies on). `ptr::copy` (memmove) is
+    // used because nothing stops an application from registering a receive slot it was handed,
+    // so the two ranges may overlap.
+    unsafe {
+        match direction {
+            CmaDirection::Read => {
+                core::ptr::copy(granted.addr as *const u8, shared as *mut u8, len)
+            }
+            CmaDirection::Write => {
+                core::ptr::copy(shared as *const u8, granted.addr as *mut u8, len)
+            }
+        }
+    }
+}
+
+/// Opens a pidfd for `pid` (Linux 5.3+). `None` when unsupported or the process is gone.
+pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: plain syscall with integer arguments.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    let fd = i32::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// True when the process behind `pidfd` has exited (a pidfd polls readable from then on,
+/// zombies included — which `kill(pid, 0)` would still report alive).
+pub(crate) fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+    rc > 0 && pfd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// True unless `kill(pid, 0)` says no such process (`EPERM` means it exists).
+pub(crate) fn process_exists(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission; nothing is delivered.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// The effective uid and gid of this process.
+pub(crate) fn effective_ids() -> (u32, u32) {
+    // SAFETY: geteuid/getegid cannot fail and touch no memory.
+    unsafe { (libc::geteuid(), libc::getegid()) }
+}
+
+/// True when the calling process has `gid` as its effective or a supplementary group.
+pub(crate) fn in_group(gid: u32) -> bool {
+    if effective_ids().1 == gid {
+        return true;
+    }
+    let mut groups = vec![0 as libc::gid_t; 256];
+    // SAFETY: the buffer holds `groups.len()` entries, as passed.
+    let n = unsafe { libc::getgroups(groups.len() as libc::c_int, groups.as_mut_ptr()) };
+    usize::try_from(n).is_ok_and(|n| groups[..n.min(groups.len())].contains(&gid))
+}
+
+/// True when every page of `[addr, addr + len)` is mapped in this process (`mincore` fails
+/// with `ENOMEM` on a hole).
+pub(crate) fn range_is_mapped(addr: u64, len: u64) -> bool {
+    const PAGE: u64 = 4096;
+    let start = addr & !(PAGE - 1);
+    let Some(end) = addr
+        .checked_add(len)
+        .and_then(|e| e.checked_add(PAGE - 1))
+        .map(|e| e & !(PAGE - 1))
+    else {
+        return false;
+    };
+    let Ok(pages) = usize::try_from((end - start) / PAGE) else {
+        return false;
+    };
+    // Query in bounded batches so a huge registration does not allocate a huge vector.
+    let mut vec = vec![0u8; pages.min(4096)];
+    let mut at = start;
+    while at < end {
+        let batch = (((end - at) / PAGE) as usize).min(vec.len());
+        // SAFETY: `vec` has room for `batch` entries, one per page queried; mincore reads no
+        // memory of the range itself.
+        let rc = unsafe {
+            libc::mincore(
+                at as *mut libc::c_void,
+                batch * PAGE as usize,
+                vec.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return false;
+        }
+        at += batch as u64 * PAGE;
+    }
+    true
+}
+
+/// The CPU the calling thread runs on (`u32::MAX` if unknown).
+pub(crate) fn current_cpu() -> u32 {
+    // SAFETY: sched_getcpu takes no arguments and touches no memory of ours.
+    let cpu = unsafe { libc::sched_getcpu() };
+    u32::try_from(cpu).unwrap_or(u32::MAX)
+}
+
+/// Gives up the CPU once.
+pub(crate) fn yield_now() {
+    std::thread::yield_now();
+}
+
+/// CPU time (user + system) consumed by this process so far. For benchmarks and counters.
+pub fn process_cpu_time() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-parameter for the call.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        u64::try_from(ts.tv_sec).unwrap_or(0),
+        u32::try_from(ts.tv_nsec).unwrap_or(0),
+    )
+}

@@ -1,0 +1,270 @@
+//! Segment files: validation of corrupt/hostile files, access control, name collisions.
+
+mod common;
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+
+use common::{segment_config, TestDir};
+use san_shm::{
+    AccessPolicy, CorruptSegment, PermissionProblem, SegmentConfig, ShmError, ShmSegment,
+};
+
+/// Byte offsets of header fields (layout version 1; see layout.rs).
+const SLOT_SIZE_AT: usize = 24;
+const RECV_SLOTS_AT: usize = 28;
+const TOTAL_SIZE_AT: usize = 16;
+const SIDE1_OFFSET_AT: usize = 56;
+const STATE_AT: usize = 72;
+
+fn valid_segment_bytes(dir: &TestDir) -> Vec<u8> {
+    let segment = ShmSegment::create(dir.path(), "template", &segment_config(512, 8)).unwrap();
+    let bytes = fs::read(segment.path()).unwrap();
+    drop(segment);
+    bytes
+}
+
+fn attach_bytes(dir: &TestDir, name: &str, bytes: &[u8]) -> Result<ShmSegment, ShmError> {
+    let path = dir.path().join(name);
+    fs::write(&path, bytes).unwrap();
+    fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+    ShmSegment::attach(dir.path(), name)
+}
+
+fn with_u32(mut bytes: Vec<u8>, at: usize, value: u32) -> Vec<u8> {
+    bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    bytes
+}
+
+fn with_u64(mut bytes: Vec<u8>, at: usize, value: u64) -> Vec<u8> {
+    bytes[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    bytes
+}
+
+#[test]
+fn an_unmodified_copy_attaches_so_the_corruption_cases_below_are_meaningful() {
+    let dir = TestDir::new("copy");
+    let bytes = valid_segment_bytes(&dir);
+    let segment = attach_bytes(&dir, "copy", &bytes).expect("a faithful copy is a valid segment");
+    assert!(segment.is_attached());
+}
+
+#[test]
+fn corrupt_segment_files_give_errors_not_crashes() {
+    let dir = TestDir::new("corrupt");
+    let bytes = valid_segment_bytes(&dir);
+    let cases: Vec<(&str, Vec<u8>, ShmError)> = vec![
+        (
+            "tiny",
+            bytes[..100].to_vec(),
+            ShmError::Corrupt(CorruptSegment::Truncated),
+        ),
+        (
+            "half",
+            bytes[..bytes.len() / 2].to_vec(),
+            ShmError::Corrupt(CorruptSegment::Truncated),
+        ),
+        (
+            "magic",
+            with_u64(bytes.clone(), 0, 0x4142_4344_4546_4748),
+            ShmError::Corrupt(CorruptSegment::BadMagic),
+        ),
+        (
+            "version",
+            with_u32(bytes.clone(), 8, 99),
+            ShmError::Corrupt(CorruptSegment::UnsupportedVersion(99)),
+        ),
+        (
+            "huge-slot",
+            with_u32(bytes.clone(), SLOT_SIZE_AT, u32::MAX),
+            ShmError::Corrupt(CorruptSegment::SizeOutOfRange),
+        ),
+        (
+            "huge-count",
+            with_u32(bytes.clone(), RECV_SLOTS_AT, 0xFFFF_FFFF),
+            ShmError::Corrupt(CorruptSegment::SizeOutOfRange),
+        ),
+        (
+            "huge-total",
+            with_u64(bytes.clone(), TOTAL_SIZE_AT, u64::MAX),
+            ShmError::Corrupt(CorruptSegment::GeometryMismatch),
+        ),
+        (
+            "moved-side",
+            with_u64(bytes.clone(), SIDE1_OFFSET_AT, 1 << 40),
+            ShmError::Corrupt(CorruptSegment::GeometryMismatch),
+        ),
+        (
+            "bad-state",
+            with_u32(bytes.clone(), STATE_AT, 77),
+            ShmError::Corrupt(CorruptSegment::BadState),
+        ),
+        (
+            "taken",
+            with_u32(bytes.clone(), STATE_AT, 3),
+            ShmError::AlreadyAttached,
+        ),
+    ];
+    for (name, file, expected) in cases {
+        let got = attach_bytes(&dir, name, &file).map(|_| ());
+        assert_eq!(got, Err(expected), "case {name}");
+    }
+}
+
+#[test]
+fn randomly_mutated_headers_never_crash_the_attacher() {
+    let dir = TestDir::new("fuzz");
+    let bytes = valid_segment_bytes(&dir);
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut refused = 0;
+    for round in 0..500 {
+        let mut file = bytes.clone();
+        for _ in 0..1 + next() % 4 {
+            let at = (next() % 80) as usize;
+            file[at] = next() as u8;
+        }
+        if next() % 8 == 0 {
+            file.truncate((next() % bytes.len() as u64) as usize);
+        }
+        if attach_bytes(&dir, &format!("fuzz{}", round % 4), &file).is_err() {
+            refused += 1;
+        }
+    }
+    assert!(
+        refused > 400,
+        "almost every mutation must be refused, got {refused}/500"
+    );
+}
+
+#[test]
+fn files_open_to_group_or_world_symlinks_and_directories_are_refused() {
+    let dir = TestDir::new("perm");
+    let segment = ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).unwrap();
+    fs::set_permissions(segment.path(), fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(
+        ShmSegment::attach(dir.path(), "seg").map(|_| ()),
+        Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
+            mode: 0o644
+        }))
+    );
+    fs::set_permissions(segment.path(), fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink(segment.path(), dir.path().join("link")).unwrap();
+    assert_eq!(
+        ShmSegment::attach(dir.path(), "link").map(|_| ()),
+        Err(ShmError::PermissionDenied(PermissionProblem::Symlink))
+    );
+    fs::create_dir(dir.path().join("sub")).unwrap();
+    assert!(matches!(
+        ShmSegment::attach(dir.path(), "sub"),
+        Err(ShmError::PermissionDenied(_) | ShmError::Io { .. })
+    ));
+    assert_eq!(
+        ShmSegment::attach(dir.path(), "../x").map(|_| ()),
+        Err(ShmError::InvalidName)
+    );
+    assert_eq!(
+        ShmSegment::attach(dir.path(), "absent").map(|_| ()),
+        Err(ShmError::NotFound)
+    );
+    // The refusals left the segment untouched: its rightful attacher still gets in.
+    let attached = ShmSegment::attach(dir.path(), "seg").unwrap();
+    assert!(segment.is_attached());
+    assert_eq!(attached.peer_pid(), Some(std::process::id()));
+    assert_eq!(segment.peer_uid(), Some(effective_uid_from_proc()));
+}
+
+/// Our effective uid, read from /proc so the test needs no `unsafe`.
+fn effective_uid_from_proc() -> u32 {
+    let status = fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    line.split_whitespace().nth(2).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_configured_group_may_attach_and_nobody_else_by_default() {
+    let dir = TestDir::new("group");
+    let status = fs::read_to_string("/proc/self/status").unwrap();
+    let gid: u32 = status
+        .lines()
+        .find(|l| l.starts_with("Gid:"))
+        .unwrap()
+        .split_whitespace()
+        .nth(2)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let config = SegmentConfig {
+        access: AccessPolicy { group: Some(gid) },
+        ..segment_config(256, 4)
+    };
+    let segment = ShmSegment::create(dir.path(), "seg", &config).unwrap();
+    let mode = fs::metadata(segment.path()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660);
+    assert_eq!(
+        ShmSegment::attach(dir.path(), "seg").map(|_| ()),
+        Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
+            mode: 0o660
+        })),
+        "the default policy is same-user only"
+    );
+    assert!(ShmSegment::attach_with(dir.path(), "seg", &AccessPolicy { group: Some(gid) }).is_ok());
+}
+
+#[test]
+fn a_live_creator_keeps_its_name_and_attach_is_exclusive() {
+    let dir = TestDir::new("live");
+    let first = ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).unwrap();
+    assert_eq!(
+        ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).map(|_| ()),
+        Err(ShmError::AlreadyExists)
+    );
+    assert!(!first.is_attached());
+    let _attached = ShmSegment::attach(dir.path(), "seg").unwrap();
+    assert!(first.is_attached());
+    assert_eq!(
+        ShmSegment::attach(dir.path(), "seg").map(|_| ()),
+        Err(ShmError::AlreadyAttached)
+    );
+    first.unlink().unwrap();
+    assert!(!dir.path().join("seg").exists());
+    // The name is free again for a new connection.
+    assert!(ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).is_ok());
+}
+
+#[test]
+fn a_corrupt_file_of_ours_squatting_a_name_is_replaced() {
+    let dir = TestDir::new("squat");
+    fs::write(dir.path().join("seg"), b"garbage").unwrap();
+    fs::set_permissions(dir.path().join("seg"), fs::Permissions::from_mode(0o600)).unwrap();
+    let segment = ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).unwrap();
+    assert!(ShmSegment::attach(dir.path(), "seg").is_ok());
+    drop(segment);
+    assert!(
+        !dir.path().join("seg").exists(),
+        "the creator removes its name on drop"
+    );
+}
+
+#[test]
+fn invalid_configurations_are_refused() {
+    let dir = TestDir::new("config");
+    for config in [
+        segment_config(0, 4),
+        segment_config(4096, 0),
+        SegmentConfig {
+            window_size: 16,
+            ..segment_config(64, 4)
+        },
+    ] {
+        assert!(matches!(
+            ShmSegment::create(dir.path(), "seg", &config),
+            Err(ShmError::InvalidConfig(_))
+        ));
+    }
+}
