@@ -1,0 +1,1296 @@
+//! Socket-semantics conformance program.
+//!
+//! Runs a table of cases against loopback TCP using `libc` directly (the calls C programs make)
+//! and prints one line per case, `case-name: <observed result>`. The integration test runs it
+//! natively and under `LD_PRELOAD=libsandirect.so` and requires identical output: whatever the
+//! interposer does, a program must not be able to tell.
+//!
+//! Observations are chosen to be deterministic on an idle loopback (errno names, byte counts,
+//! flag bits; never fd numbers or ports). Every case runs under `alarm(20)`, and every wait is
+//! a bounded `poll`, so a bug cannot hang the suite: SIGALRM kills the process and the test
+//! sees a missing line.
+//!
+//! Usage: `conformance [CASE-NAME-SUBSTRING]`.
+
+use std::ffi::{c_int, c_void};
+use std::mem::{size_of, zeroed};
+use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use integration::{errno, errno_name, outcome};
+
+type CaseResult = Result<String, String>;
+
+/// A setup step failed: report which and the errno.
+fn check(rc: isize, step: &str) -> Result<isize, String> {
+    if rc < 0 {
+        Err(format!("setup-failed {step} {}", errno_name(errno())))
+    } else {
+        Ok(rc)
+    }
+}
+
+fn check_fd(rc: c_int, step: &str) -> Result<Fd, String> {
+    check(rc as isize, step).map(|_| Fd(rc))
+}
+
+/// An owned fd, closed on drop.
+struct Fd(c_int);
+
+impl Drop for Fd {
+    fn drop(&mut self) {
+        if self.0 >= 0 {
+            // SAFETY: we own the fd.
+            unsafe { libc::close(self.0) };
+        }
+    }
+}
+
+impl Fd {
+    fn raw(&self) -> c_int {
+        self.0
+    }
+
+    fn into_raw(mut self) -> c_int {
+        std::mem::replace(&mut self.0, -1)
+    }
+}
+
+fn set_int_opt(fd: c_int, level: c_int, name: c_int, value: c_int) -> Result<(), String> {
+    // SAFETY: pointer to a live int of the stated size.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&value as *const c_int).cast(),
+            size_of::<c_int>() as u32,
+        )
+    };
+    check(rc as isize, "setsockopt").map(|_| ())
+}
+
+fn get_int_opt(fd: c_int, level: c_int, name: c_int) -> Result<c_int, String> {
+    let mut value: c_int = -1;
+    let mut len = size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: pointers to live locals.
+    let rc =
+        unsafe { libc::getsockopt(fd, level, name, (&mut value as *mut c_int).cast(), &mut len) };
+    check(rc as isize, "getsockopt").map(|_| value)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// An address of the loopback (or any-address for v6 dual-stack) as sockaddr_storage.
+fn sockaddr(family: Family, any: bool, port: u16) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero sockaddr_storage is valid.
+    let mut storage: libc::sockaddr_storage = unsafe { zeroed() };
+    match family {
+        Family::V4 => {
+            // SAFETY: sockaddr_storage is large enough and suitably aligned for sockaddr_in.
+            let sin = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in) };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = port.to_be();
+            sin.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
+            (storage, size_of::<libc::sockaddr_in>() as u32)
+        }
+        Family::V6 => {
+            // SAFETY: as above for sockaddr_in6.
+            let sin6 = unsafe { &mut *(&mut storage as *mut _ as *mut libc::sockaddr_in6) };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = port.to_be();
+            if !any {
+                sin6.sin6_addr.s6_addr[15] = 1;
+            }
+            (storage, size_of::<libc::sockaddr_in6>() as u32)
+        }
+    }
+}
+
+fn domain(family: Family) -> c_int {
+    match family {
+        Family::V4 => libc::AF_INET,
+        Family::V6 => libc::AF_INET6,
+    }
+}
+
+fn local_port(fd: c_int) -> Result<u16, String> {
+    // SAFETY: zeroed storage is valid.
+    let mut storage: libc::sockaddr_storage = unsafe { zeroed() };
+    let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: pointers to live locals of the stated size.
+    let rc =
+        unsafe { libc::getsockname(fd, &mut storage as *mut _ as *mut libc::sockaddr, &mut len) };
+    check(rc as isize, "getsockname")?;
+    // SAFETY: both sockaddr_in and sockaddr_in6 keep the port at the same offset.
+    Ok(u16::from_be(unsafe {
+        (*(&storage as *const _ as *const libc::sockaddr_in)).sin_port
+    }))
+}
+
+/// A listening socket on loopback (`any` + V6: the dual-stack wildcard).
+fn listener_on(family: Family, any: bool) -> Result<(Fd, u16), String> {
+    // SAFETY: plain socket creation.
+    let fd = check_fd(
+        unsafe { libc::socket(domain(family), libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) },
+        "socket",
+    )?;
+    set_int_opt(fd.raw(), libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    if family == Family::V6 && any {
+        set_int_opt(fd.raw(), libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 0)?;
+    }
+    let (addr, len) = sockaddr(family, any, 0);
+    // SAFETY: addr is a valid sockaddr of `len` bytes.
+    check(
+        // SAFETY: addr is a valid sockaddr of `len` bytes.
+        unsafe { libc::bind(fd.raw(), &addr as *const _ as *const libc::sockaddr, len) } as isize,
+        "bind",
+    )?;
+    // SAFETY: fd is a bound socket.
+    check(unsafe { libc::listen(fd.raw(), 16) } as isize, "listen")?;
+    let port = local_port(fd.raw())?;
+    Ok((fd, port))
+}
+
+fn listener() -> Result<(Fd, u16), String> {
+    listener_on(Family::V4, false)
+}
+
+fn connect_to(family: Family, port: u16, extra_type: c_int) -> Result<(Fd, isize), String> {
+    // SAFETY: plain socket creation.
+    let fd = check_fd(
+        unsafe { libc::socket(domain(family), libc::SOCK_STREAM | extra_type, 0) },
+        "socket",
+    )?;
+    let (addr, len) = sockaddr(family, false, port);
+    // SAFETY: addr is a valid sockaddr of `len` bytes.
+    let rc = unsafe { libc::connect(fd.raw(), &addr as *const _ as *const libc::sockaddr, len) };
+    Ok((fd, rc as isize))
+}
+
+fn accept_one(listener: &Fd) -> Result<Fd, String> {
+    wait_for(listener.raw(), libc::POLLIN, 5000)?;
+    // SAFETY: null address pointers are allowed.
+    check_fd(
+        unsafe { libc::accept4(listener.raw(), null_mut(), null_mut(), libc::SOCK_CLOEXEC) },
+        "accept4",
+    )
+}
+
+/// A connected pair over loopback: (client, server side).
+fn pair_on(family: Family) -> Result<(Fd, Fd), String> {
+    let (listener, port) = listener_on(family, false)?;
+    let (client, rc) = connect_to(family, port, libc::SOCK_CLOEXEC)?;
+    check(rc, "connect")?;
+    let server = accept_one(&listener)?;
+    Ok((client, server))
+}
+
+fn pair() -> Result<(Fd, Fd), String> {
+    pair_on(Family::V4)
+}
+
+/// Polls one fd; returns revents (0 on timeout).
+fn poll_one(fd: c_int, events: i16, timeout_ms: c_int) -> Result<i16, String> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+    check(rc as isize, "poll")?;
+    Ok(pfd.revents)
+}
+
+fn wait_for(fd: c_int, events: i16, timeout_ms: c_int) -> Result<i16, String> {
+    let revents = poll_one(fd, events, timeout_ms)?;
+    if revents == 0 {
+        return Err("timeout waiting for readiness".into());
+    }
+    Ok(revents)
+}
+
+fn write_all(fd: c_int, bytes: &[u8]) -> Result<(), String> {
+    // SAFETY: valid buffer.
+    let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
+    if n as usize != bytes.len() {
+        return Err(format!("short write {}", outcome(n)));
+    }
+    Ok(())
+}
+
+fn read_some(fd: c_int, max: usize) -> (isize, Vec<u8>) {
+    let mut buf = vec![0u8; max];
+    // SAFETY: valid buffer of `max` bytes.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), max) };
+    let error = errno();
+    buf.truncate(n.max(0) as usize);
+    if n < 0 {
+        // Restore errno for `outcome` after Vec operations.
+        // SAFETY: writing the thread's errno.
+        unsafe { *libc::__errno_location() = error };
+    }
+    (n, buf)
+}
+
+fn read_text(fd: c_int) -> Result<String, String> {
+    wait_for(fd, libc::POLLIN, 5000)?;
+    let (n, buf) = read_some(fd, 256);
+    if n < 0 {
+        return Ok(outcome(n));
+    }
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+fn revents_text(revents: i16) -> String {
+    let names = [
+        (libc::POLLIN, "IN"),
+        (libc::POLLOUT, "OUT"),
+        (libc::POLLERR, "ERR"),
+        (libc::POLLHUP, "HUP"),
+        (libc::POLLRDHUP, "RDHUP"),
+        (libc::POLLNVAL, "NVAL"),
+    ];
+    let parts: Vec<_> = names
+        .iter()
+        .filter(|(bit, _)| revents & bit != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join("|")
+    }
+}
+
+fn epoll_events_text(events: u32) -> String {
+    let names = [
+        (libc::EPOLLIN, "IN"),
+        (libc::EPOLLOUT, "OUT"),
+        (libc::EPOLLERR, "ERR"),
+        (libc::EPOLLHUP, "HUP"),
+        (libc::EPOLLRDHUP, "RDHUP"),
+    ];
+    let parts: Vec<_> = names
+        .iter()
+        .filter(|(bit, _)| events & *bit as u32 != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join("|")
+    }
+}
+
+fn epoll_new() -> Result<Fd, String> {
+    // SAFETY: plain epoll creation.
+    check_fd(
+        unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) },
+        "epoll_create1",
+    )
+}
+
+fn epoll_add(epfd: c_int, op: c_int, fd: c_int, events: u32, data: u64) -> isize {
+    let mut event = libc::epoll_event { events, u64: data };
+    // SAFETY: live event struct.
+    (unsafe { libc::epoll_ctl(epfd, op, fd, &mut event) }) as isize
+}
+
+/// epoll_wait once; returns the (data, events) pairs.
+fn epoll_collect(epfd: c_int, timeout_ms: c_int) -> Result<Vec<(u64, u32)>, String> {
+    // SAFETY: zeroed epoll_event array is valid.
+    let mut events: [libc::epoll_event; 8] = unsafe { zeroed() };
+    // SAFETY: live array of 8.
+    let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), 8, timeout_ms) };
+    check(n as isize, "epoll_wait")?;
+    Ok(events[..n as usize]
+        .iter()
+        .map(|event| ({ event.u64 }, { event.events }))
+        .collect())
+}
+
+fn settle() {
+    std::thread::sleep(Duration::from_millis(30));
+}
+
+// ---- cases ------------------------------------------------------------------------------------
+
+fn bad_fds() -> CaseResult {
+    let mut buf = [0u8; 4];
+    // SAFETY: invalid fds are the point; buffers are valid.
+    let read_neg = unsafe { libc::read(-1, buf.as_mut_ptr().cast(), 4) };
+    let read_neg = outcome(read_neg);
+    // SAFETY: as above.
+    let close_neg = outcome(unsafe { libc::close(-1) } as isize);
+    // SAFETY: as above; 987654 is beyond any fd this program opens.
+    let send_big = outcome(unsafe { libc::send(987_654, buf.as_ptr().cast(), 4, 0) });
+    let mut fds = [0; 2];
+    // SAFETY: array of two ints.
+    check(
+        // SAFETY: array of two ints.
+        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } as isize,
+        "pipe",
+    )?;
+    let (pipe_r, pipe_w) = (Fd(fds[0]), Fd(fds[1]));
+    // SAFETY: pipe fds are valid but not sockets.
+    let send_pipe = outcome(unsafe { libc::send(pipe_w.raw(), buf.as_ptr().cast(), 4, 0) });
+    let sockopt_pipe = match get_int_opt(pipe_r.raw(), libc::SOL_SOCKET, libc::SO_ERROR) {
+        Ok(value) => value.to_string(),
+        Err(_) => errno_name(errno()),
+    };
+    // SAFETY: as above.
+    let shutdown_pipe = outcome(unsafe { libc::shutdown(pipe_r.raw(), libc::SHUT_RDWR) } as isize);
+    let closed = pipe_w.into_raw();
+    // SAFETY: closing then using a closed fd.
+    unsafe { libc::close(closed) };
+    // SAFETY: as above.
+    let write_closed = outcome(unsafe { libc::write(closed, buf.as_ptr().cast(), 4) });
+    Ok(format!(
+        "read(-1)={read_neg} close(-1)={close_neg} send(987654)={send_big} send(pipe)={send_pipe} \
+         getsockopt(pipe)={sockopt_pipe} shutdown(pipe)={shutdown_pipe} write(closed)={write_closed}"
+    ))
+}
+
+fn nonblocking_connect() -> CaseResult {
+    let (listener, port) = listener()?;
+    let (client, rc) = connect_to(Family::V4, port, libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC)?;
+    let first = if rc < 0 {
+        errno_name(errno())
+    } else {
+        "connected-at-once".into()
+    };
+    let revents = wait_for(client.raw(), libc::POLLOUT, 5000)?;
+    let so_error = errno_name(get_int_opt(client.raw(), libc::SOL_SOCKET, libc::SO_ERROR)?);
+    let (addr, len) = sockaddr(Family::V4, false, port);
+    // SAFETY: valid sockaddr.
+    let again = unsafe {
+        libc::connect(
+            client.raw(),
+            &addr as *const _ as *const libc::sockaddr,
+            len,
+        )
+    };
+    let server = accept_one(&listener)?;
+    drop(server);
+    Ok(format!(
+        "connect={first} poll={} SO_ERROR={so_error} connect-again={}",
+        revents_text(revents),
+        outcome(again as isize)
+    ))
+}
+
+fn refused_connect() -> CaseResult {
+    // A port that was just bound and released, with nothing listening.
+    let port = {
+        // SAFETY: plain socket creation.
+        let probe = check_fd(
+            unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) },
+            "socket",
+        )?;
+        let (addr, len) = sockaddr(Family::V4, false, 0);
+        // SAFETY: valid sockaddr.
+        check(
+            // SAFETY: valid sockaddr.
+            unsafe { libc::bind(probe.raw(), &addr as *const _ as *const libc::sockaddr, len) }
+                as isize,
+            "bind",
+        )?;
+        local_port(probe.raw())?
+    };
+    let (nonblocking, rc) = connect_to(Family::V4, port, libc::SOCK_NONBLOCK)?;
+    let first = if rc < 0 {
+        errno_name(errno())
+    } else {
+        "0".into()
+    };
+    let revents = wait_for(nonblocking.raw(), libc::POLLOUT, 5000)?;
+    let so_error = errno_name(get_int_opt(
+        nonblocking.raw(),
+        libc::SOL_SOCKET,
+        libc::SO_ERROR,
+    )?);
+    let so_error_again = errno_name(get_int_opt(
+        nonblocking.raw(),
+        libc::SOL_SOCKET,
+        libc::SO_ERROR,
+    )?);
+    let (_blocking, blocking_rc) = connect_to(Family::V4, port, 0)?;
+    let blocking = outcome(blocking_rc);
+    Ok(format!(
+        "nonblocking connect={first} poll={} SO_ERROR={so_error} then {so_error_again}; blocking connect={blocking}",
+        revents_text(revents & (libc::POLLOUT | libc::POLLERR | libc::POLLHUP))
+    ))
+}
+
+fn half_close() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(client.raw(), b"ping")?;
+    // SAFETY: valid socket.
+    check(
+        // SAFETY: valid socket.
+        unsafe { libc::shutdown(client.raw(), libc::SHUT_WR) } as isize,
+        "shutdown",
+    )?;
+    let got = read_text(server.raw())?;
+    let eof = read_text(server.raw())?;
+    let eof = if eof.is_empty() {
+        "EOF".to_owned()
+    } else {
+        eof
+    };
+    write_all(server.raw(), b"pong")?;
+    let reply = read_text(client.raw())?;
+    let buf = [0u8; 1];
+    // SAFETY: valid buffer; writing after SHUT_WR must fail with EPIPE (MSG_NOSIGNAL: no signal).
+    let write_after =
+        outcome(unsafe { libc::send(client.raw(), buf.as_ptr().cast(), 1, libc::MSG_NOSIGNAL) });
+    Ok(format!("server read {got:?} then {eof}; server wrote, client read {reply:?}; client send after SHUT_WR={write_after}"))
+}
+
+fn reset_by_peer() -> CaseResult {
+    let (client, server) = pair()?;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: live linger struct.
+    check(
+        // SAFETY: live linger struct.
+        unsafe {
+            libc::setsockopt(
+                server.raw(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                size_of::<libc::linger>() as u32,
+            )
+        } as isize,
+        "SO_LINGER",
+    )?;
+    drop(server); // close with linger 0 sends RST
+    let revents = wait_for(client.raw(), libc::POLLIN, 5000)?;
+    let (first, _) = read_some(client.raw(), 16);
+    let first = outcome(first);
+    let (second, _) = read_some(client.raw(), 16);
+    Ok(format!(
+        "poll={} read={first} then read={}",
+        revents_text(revents & (libc::POLLIN | libc::POLLERR | libc::POLLHUP)),
+        outcome(second)
+    ))
+}
+
+fn so_error_and_type() -> CaseResult {
+    let (client, server) = pair()?;
+    let error = errno_name(get_int_opt(client.raw(), libc::SOL_SOCKET, libc::SO_ERROR)?);
+    let ty = get_int_opt(server.raw(), libc::SOL_SOCKET, libc::SO_TYPE)? == libc::SOCK_STREAM;
+    let domain = get_int_opt(client.raw(), libc::SOL_SOCKET, libc::SO_DOMAIN)? == libc::AF_INET;
+    let listening = get_int_opt(client.raw(), libc::SOL_SOCKET, libc::SO_ACCEPTCONN)?;
+    Ok(format!(
+        "SO_ERROR={error} SO_TYPE=stream:{ty} SO_DOMAIN=inet:{domain} SO_ACCEPTCONN={listening}"
+    ))
+}
+
+fn fionread_siocoutq() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(server.raw(), b"hello")?;
+    wait_for(client.raw(), libc::POLLIN, 5000)?;
+    settle();
+    let mut available: c_int = -1;
+    // SAFETY: FIONREAD writes an int.
+    check(
+        // SAFETY: FIONREAD writes an int.
+        unsafe { libc::ioctl(client.raw(), libc::FIONREAD, &mut available) } as isize,
+        "FIONREAD",
+    )?;
+    let mut unsent: c_int = -1;
+    // SAFETY: SIOCOUTQ (== TIOCOUTQ) writes an int.
+    let rc = unsafe { libc::ioctl(server.raw(), libc::TIOCOUTQ, &mut unsent) };
+    check(rc as isize, "SIOCOUTQ")?;
+    Ok(format!(
+        "FIONREAD={available} SIOCOUTQ-after-delivery={unsent}"
+    ))
+}
+
+fn accept4_flags() -> CaseResult {
+    let (listener, port) = listener()?;
+    let (_c1, rc1) = connect_to(Family::V4, port, 0)?;
+    check(rc1, "connect")?;
+    let (_c2, rc2) = connect_to(Family::V4, port, 0)?;
+    check(rc2, "connect")?;
+    wait_for(listener.raw(), libc::POLLIN, 5000)?;
+    // SAFETY: accepting with flags; null address pointers allowed.
+    let flagged = check_fd(
+        unsafe {
+            libc::accept4(
+                listener.raw(),
+                null_mut(),
+                null_mut(),
+                libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            )
+        },
+        "accept4",
+    )?;
+    wait_for(listener.raw(), libc::POLLIN, 5000)?;
+    // SAFETY: as above.
+    let plain = check_fd(
+        unsafe { libc::accept(listener.raw(), null_mut(), null_mut()) },
+        "accept",
+    )?;
+    let describe = |fd: &Fd| {
+        // SAFETY: F_GETFL/F_GETFD on a valid fd.
+        let fl = unsafe { libc::fcntl(fd.raw(), libc::F_GETFL) };
+        // SAFETY: as above.
+        let fd_flags = unsafe { libc::fcntl(fd.raw(), libc::F_GETFD) };
+        format!(
+            "nonblock={} cloexec={}",
+            fl & libc::O_NONBLOCK != 0,
+            fd_flags & libc::FD_CLOEXEC != 0
+        )
+    };
+    let mut buf = [0u8; 4];
+    // SAFETY: valid buffer; nothing to read on a nonblocking socket.
+    let would_block = outcome(unsafe { libc::recv(flagged.raw(), buf.as_mut_ptr().cast(), 4, 0) });
+    Ok(format!(
+        "accept4(NONBLOCK|CLOEXEC): {} recv={would_block}; accept: {}",
+        describe(&flagged),
+        describe(&plain)
+    ))
+}
+
+fn dup_and_close_order() -> CaseResult {
+    let (client, server) = pair()?;
+    // SAFETY: dup of a valid fd.
+    let copy = check_fd(unsafe { libc::dup(client.raw()) }, "dup")?;
+    // SAFETY: F_DUPFD_CLOEXEC of a valid fd.
+    let copy2 = check_fd(
+        unsafe { libc::fcntl(client.raw(), libc::F_DUPFD_CLOEXEC, 100) },
+        "F_DUPFD_CLOEXEC",
+    )?;
+    // SAFETY: F_GETFD.
+    let copy2_cloexec = unsafe { libc::fcntl(copy2.raw(), libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+    drop(client);
+    write_all(copy.raw(), b"via-dup")?;
+    let got = read_text(server.raw())?;
+    drop(copy);
+    write_all(copy2.raw(), b"via-fcntl")?;
+    let got2 = read_text(server.raw())?;
+    drop(copy2);
+    let eof = read_text(server.raw())?;
+    Ok(format!("after closing the original: {got:?}; after closing the dup: {got2:?} (F_DUPFD_CLOEXEC cloexec={copy2_cloexec}); after the last close: {:?}", if eof.is_empty() { "EOF" } else { &eof }))
+}
+
+fn dup2_over_tracked() -> CaseResult {
+    let (client_a, server_a) = pair()?;
+    let (client_b, server_b) = pair()?;
+    // dup2 a onto b: b's socket loses this fd; writes on b's number now go to a's connection.
+    // SAFETY: valid fds.
+    check(
+        // SAFETY: valid fds.
+        unsafe { libc::dup2(client_a.raw(), client_b.raw()) } as isize,
+        "dup2",
+    )?;
+    write_all(client_b.raw(), b"to-a")?;
+    let on_a = read_text(server_a.raw())?;
+    let b_eof = read_text(server_b.raw())?;
+    // SAFETY: dup3 onto the same fd is EINVAL.
+    let same = outcome(unsafe { libc::dup3(client_a.raw(), client_a.raw(), 0) } as isize);
+    Ok(format!(
+        "write via dup2 target reached a: {on_a:?}; b's peer saw {:?}; dup3(fd,fd)={same}",
+        if b_eof.is_empty() { "EOF" } else { &b_eof }
+    ))
+}
+
+fn epoll_edge_triggered() -> CaseResult {
+    let (client, server) = pair()?;
+    let epfd = epoll_new()?;
+    check(
+        epoll_add(
+            epfd.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            (libc::EPOLLIN | libc::EPOLLET) as u32,
+            7,
+        ),
+        "epoll_ctl",
+    )?;
+    let mut counts = Vec::new();
+    for chunk in [&b"one"[..], b"two"] {
+        write_all(client.raw(), chunk)?;
+        settle();
+        let first = epoll_collect(epfd.raw(), 2000)?;
+        let again = epoll_collect(epfd.raw(), 0)?;
+        counts.push(format!("{}+{}", first.len(), again.len()));
+    }
+    Ok(format!(
+        "events per arrival (unread data stays unreported): {}",
+        counts.join(",")
+    ))
+}
+
+fn epoll_oneshot() -> CaseResult {
+    let (client, server) = pair()?;
+    let epfd = epoll_new()?;
+    check(
+        epoll_add(
+            epfd.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            (libc::EPOLLIN | libc::EPOLLONESHOT) as u32,
+            1,
+        ),
+        "epoll_ctl",
+    )?;
+    write_all(client.raw(), b"a")?;
+    let first = epoll_collect(epfd.raw(), 2000)?.len();
+    write_all(client.raw(), b"b")?;
+    settle();
+    let disarmed = epoll_collect(epfd.raw(), 50)?.len();
+    check(
+        epoll_add(
+            epfd.raw(),
+            libc::EPOLL_CTL_MOD,
+            server.raw(),
+            (libc::EPOLLIN | libc::EPOLLONESHOT) as u32,
+            1,
+        ),
+        "rearm",
+    )?;
+    let rearmed = epoll_collect(epfd.raw(), 2000)?.len();
+    Ok(format!(
+        "first={first} while-disarmed={disarmed} after-rearm={rearmed}"
+    ))
+}
+
+fn epoll_rdhup() -> CaseResult {
+    let (client, server) = pair()?;
+    let epfd = epoll_new()?;
+    check(
+        epoll_add(
+            epfd.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            (libc::EPOLLIN | libc::EPOLLRDHUP) as u32,
+            3,
+        ),
+        "epoll_ctl",
+    )?;
+    // SAFETY: valid socket.
+    check(
+        // SAFETY: valid socket.
+        unsafe { libc::shutdown(client.raw(), libc::SHUT_WR) } as isize,
+        "shutdown",
+    )?;
+    let events = epoll_collect(epfd.raw(), 2000)?;
+    let text: Vec<_> = events
+        .iter()
+        .map(|(data, ev)| format!("data={data} {}", epoll_events_text(*ev)))
+        .collect();
+    Ok(text.join(";"))
+}
+
+fn epoll_exclusive() -> CaseResult {
+    let (_client, server) = pair()?;
+    let epfd = epoll_new()?;
+    let add = outcome(epoll_add(
+        epfd.raw(),
+        libc::EPOLL_CTL_ADD,
+        server.raw(),
+        (libc::EPOLLIN | libc::EPOLLEXCLUSIVE) as u32,
+        1,
+    ));
+    let modify = outcome(epoll_add(
+        epfd.raw(),
+        libc::EPOLL_CTL_MOD,
+        server.raw(),
+        (libc::EPOLLIN | libc::EPOLLEXCLUSIVE) as u32,
+        1,
+    ));
+    let dup_add = outcome(epoll_add(
+        epfd.raw(),
+        libc::EPOLL_CTL_ADD,
+        server.raw(),
+        libc::EPOLLIN as u32,
+        1,
+    ));
+    // SAFETY: deleting with a null event is allowed since Linux 2.6.9.
+    let del = outcome(unsafe {
+        libc::epoll_ctl(epfd.raw(), libc::EPOLL_CTL_DEL, server.raw(), null_mut())
+    } as isize);
+    let del_again = outcome(unsafe {
+        // SAFETY: as above.
+        libc::epoll_ctl(epfd.raw(), libc::EPOLL_CTL_DEL, server.raw(), null_mut())
+    } as isize);
+    Ok(format!("ADD(EXCLUSIVE)={add} MOD(EXCLUSIVE)={modify} ADD-again={dup_add} DEL={del} DEL-again={del_again}"))
+}
+
+fn epoll_two_sets_and_nested() -> CaseResult {
+    let (client, server) = pair()?;
+    let (first, second, outer) = (epoll_new()?, epoll_new()?, epoll_new()?);
+    check(
+        epoll_add(
+            first.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            libc::EPOLLIN as u32,
+            11,
+        ),
+        "add1",
+    )?;
+    check(
+        epoll_add(
+            second.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            libc::EPOLLIN as u32,
+            22,
+        ),
+        "add2",
+    )?;
+    check(
+        epoll_add(
+            outer.raw(),
+            libc::EPOLL_CTL_ADD,
+            first.raw(),
+            libc::EPOLLIN as u32,
+            33,
+        ),
+        "nest",
+    )?;
+    write_all(client.raw(), b"x")?;
+    let nested = epoll_collect(outer.raw(), 2000)?;
+    let in_first = epoll_collect(first.raw(), 2000)?;
+    let in_second = epoll_collect(second.raw(), 2000)?;
+    let loop_rc = outcome(epoll_add(
+        first.raw(),
+        libc::EPOLL_CTL_ADD,
+        outer.raw(),
+        libc::EPOLLIN as u32,
+        44,
+    ));
+    // Closing the socket removes it from both sets.
+    drop(server);
+    let after_close =
+        epoll_collect(first.raw(), 50)?.len() + epoll_collect(second.raw(), 50)?.len();
+    Ok(format!("outer={nested:?} first={in_first:?} second={in_second:?} loop-add={loop_rc} after-close={after_close}"))
+}
+
+fn poll_and_select() -> CaseResult {
+    let (client, server) = pair()?;
+    let idle = revents_text(poll_one(server.raw(), libc::POLLIN, 50)?);
+    write_all(client.raw(), b"data")?;
+    let ready = revents_text(poll_one(server.raw(), libc::POLLIN, 2000)?);
+    let select_ready = {
+        // SAFETY: fd_set manipulation on a zeroed set with an fd below FD_SETSIZE.
+        unsafe {
+            let mut set: libc::fd_set = zeroed();
+            libc::FD_ZERO(&mut set);
+            libc::FD_SET(server.raw(), &mut set);
+            let mut timeout = libc::timeval {
+                tv_sec: 2,
+                tv_usec: 0,
+            };
+            let n = libc::select(
+                server.raw() + 1,
+                &mut set,
+                null_mut(),
+                null_mut(),
+                &mut timeout,
+            );
+            format!(
+                "{} set={}",
+                outcome(n as isize),
+                libc::FD_ISSET(server.raw(), &set)
+            )
+        }
+    };
+    read_text(server.raw())?;
+    let select_timeout = {
+        // SAFETY: as above.
+        unsafe {
+            let mut set: libc::fd_set = zeroed();
+            libc::FD_SET(server.raw(), &mut set);
+            let mut timeout = libc::timeval {
+                tv_sec: 0,
+                tv_usec: 50_000,
+            };
+            outcome(libc::select(
+                server.raw() + 1,
+                &mut set,
+                null_mut(),
+                null_mut(),
+                &mut timeout,
+            ) as isize)
+        }
+    };
+    let ppoll_timeout = {
+        let mut pfd = libc::pollfd {
+            fd: server.raw(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let timeout = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 50_000_000,
+        };
+        // SAFETY: live pollfd and timespec.
+        outcome(unsafe { libc::ppoll(&mut pfd, 1, &timeout, null()) } as isize)
+    };
+    // Both directions shut: POLLHUP.
+    // SAFETY: valid sockets.
+    unsafe {
+        libc::shutdown(client.raw(), libc::SHUT_WR);
+        libc::shutdown(server.raw(), libc::SHUT_WR);
+    }
+    settle();
+    let hup = revents_text(poll_one(
+        server.raw(),
+        libc::POLLIN | libc::POLLRDHUP,
+        2000,
+    )?);
+    let mut nval = libc::pollfd {
+        fd: 987_654,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: live pollfd.
+    let nval_n = unsafe { libc::poll(&mut nval, 1, 0) };
+    Ok(format!(
+        "idle={idle} ready={ready} select={select_ready} select-timeout={select_timeout} ppoll-timeout={ppoll_timeout} hup={hup} bad-fd={nval_n}:{}",
+        revents_text(nval.revents)
+    ))
+}
+
+static SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_usr1(_: c_int) {
+    SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+fn eintr() -> CaseResult {
+    let (_client, server) = pair()?;
+    // SAFETY: installing a handler without SA_RESTART.
+    unsafe {
+        let mut action: libc::sigaction = zeroed();
+        action.sa_sigaction = on_usr1 as *const () as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        action.sa_flags = 0;
+        libc::sigaction(libc::SIGUSR1, &action, null_mut());
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let target = unsafe { libc::pthread_self() };
+    let interrupt_later = move || {
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: the target thread outlives this helper (joined below).
+        unsafe { libc::pthread_kill(target, libc::SIGUSR1) };
+    };
+    let helper = std::thread::spawn(interrupt_later);
+    let mut buf = [0u8; 8];
+    // SAFETY: valid buffer; blocks until the signal.
+    let recv = outcome(unsafe { libc::recv(server.raw(), buf.as_mut_ptr().cast(), 8, 0) });
+    helper.join().map_err(|_| "helper panicked")?;
+    let epfd = epoll_new()?;
+    check(
+        epoll_add(
+            epfd.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            libc::EPOLLIN as u32,
+            1,
+        ),
+        "epoll_ctl",
+    )?;
+    let helper = std::thread::spawn(interrupt_later);
+    // SAFETY: zeroed events array.
+    let mut events: [libc::epoll_event; 1] = unsafe { zeroed() };
+    // SAFETY: live array; blocks until the signal.
+    let wait =
+        outcome(unsafe { libc::epoll_wait(epfd.raw(), events.as_mut_ptr(), 1, 10_000) } as isize);
+    helper.join().map_err(|_| "helper panicked")?;
+    Ok(format!(
+        "recv={recv} epoll_wait={wait} handler-ran={}",
+        SIGNALLED.load(Ordering::SeqCst)
+    ))
+}
+
+fn recv_flags() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(client.raw(), b"abcdef")?;
+    wait_for(server.raw(), libc::POLLIN, 5000)?;
+    settle();
+    let mut peek = [0u8; 3];
+    // SAFETY: valid buffer.
+    let peeked = unsafe { libc::recv(server.raw(), peek.as_mut_ptr().cast(), 3, libc::MSG_PEEK) };
+    let mut all = [0u8; 6];
+    // SAFETY: valid buffer.
+    let got = unsafe { libc::recv(server.raw(), all.as_mut_ptr().cast(), 6, 0) };
+    // SAFETY: valid buffer; nothing queued.
+    let dontwait = outcome(unsafe {
+        libc::recv(server.raw(), all.as_mut_ptr().cast(), 6, libc::MSG_DONTWAIT)
+    });
+    // MSG_WAITALL: the peer sends 10 bytes in two pieces with a pause in between.
+    let writer_fd = client.raw();
+    let writer = std::thread::spawn(move || {
+        // SAFETY: valid fd (owned by the main thread until join).
+        unsafe { libc::write(writer_fd, b"12345".as_ptr().cast(), 5) };
+        std::thread::sleep(Duration::from_millis(50));
+        // SAFETY: as above.
+        unsafe { libc::write(writer_fd, b"67890".as_ptr().cast(), 5) };
+    });
+    let mut whole = [0u8; 10];
+    // SAFETY: valid buffer.
+    let waitall = unsafe {
+        libc::recv(
+            server.raw(),
+            whole.as_mut_ptr().cast(),
+            10,
+            libc::MSG_WAITALL,
+        )
+    };
+    writer.join().map_err(|_| "writer panicked")?;
+    // SAFETY: valid buffer; zero-length send.
+    let zero = outcome(unsafe { libc::send(client.raw(), whole.as_ptr().cast(), 0, 0) });
+    let after_zero = revents_text(poll_one(server.raw(), libc::POLLIN, 50)?);
+    Ok(format!(
+        "peek={}:{:?} recv={}:{:?} dontwait={dontwait} waitall={}:{:?} zero-send={zero} peer-after-zero-send={after_zero}",
+        outcome(peeked),
+        String::from_utf8_lossy(&peek),
+        outcome(got),
+        String::from_utf8_lossy(&all),
+        outcome(waitall),
+        String::from_utf8_lossy(&whole)
+    ))
+}
+
+fn peer_text(fd: c_int) -> Result<String, String> {
+    // SAFETY: zeroed storage.
+    let mut storage: libc::sockaddr_storage = unsafe { zeroed() };
+    let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: live storage of the stated length.
+    check(
+        // SAFETY: live storage of the stated length.
+        unsafe { libc::getpeername(fd, &mut storage as *mut _ as *mut libc::sockaddr, &mut len) }
+            as isize,
+        "getpeername",
+    )?;
+    Ok(match c_int::from(storage.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: AF_INET storage holds a sockaddr_in.
+            let sin = unsafe { &*(&storage as *const _ as *const libc::sockaddr_in) };
+            format!(
+                "inet {}",
+                std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))
+            )
+        }
+        libc::AF_INET6 => {
+            // SAFETY: AF_INET6 storage holds a sockaddr_in6.
+            let sin6 = unsafe { &*(&storage as *const _ as *const libc::sockaddr_in6) };
+            format!("inet6 {}", std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr))
+        }
+        other => format!("family {other}"),
+    })
+}
+
+fn ipv6_and_mapped() -> CaseResult {
+    let (client, server) = pair_on(Family::V6)?;
+    write_all(client.raw(), b"six")?;
+    let got = read_text(server.raw())?;
+    let v6_peer = peer_text(server.raw())?;
+    let (dual, port) = listener_on(Family::V6, true)?;
+    let (v4_client, rc) = connect_to(Family::V4, port, 0)?;
+    check(rc, "connect v4 to dual-stack")?;
+    let mapped_server = accept_one(&dual)?;
+    write_all(v4_client.raw(), b"mapped")?;
+    let got_mapped = read_text(mapped_server.raw())?;
+    let mapped_peer = peer_text(mapped_server.raw())?;
+    let client_view = peer_text(v4_client.raw())?;
+    Ok(format!("v6 {got:?} from {v6_peer}; v4-mapped {got_mapped:?} from {mapped_peer}, client sees {client_view}"))
+}
+
+fn high_fd() -> CaseResult {
+    // 70000 exercises the fd table's second level; where the hard RLIMIT_NOFILE is lower and
+    // cannot be raised (no CAP_SYS_RESOURCE), the highest permitted fd is used instead.
+    const WANTED: c_int = 70_000;
+    // SAFETY: zeroed rlimit, then get/set on this process.
+    let (target, label) = unsafe {
+        let mut limit: libc::rlimit = zeroed();
+        check(
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) as isize,
+            "getrlimit",
+        )?;
+        let wanted = WANTED as libc::rlim_t + 10;
+        let raised = libc::rlimit {
+            rlim_cur: wanted.max(limit.rlim_cur),
+            rlim_max: wanted.max(limit.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+            (WANTED, "70000")
+        } else {
+            limit.rlim_cur = limit.rlim_max;
+            check(
+                libc::setrlimit(libc::RLIMIT_NOFILE, &limit) as isize,
+                "setrlimit",
+            )?;
+            ((limit.rlim_max - 1) as c_int, "hard-limit-minus-1")
+        }
+    };
+    let high_target = target;
+    let (client, server) = pair()?;
+    // SAFETY: dup2 to a high number.
+    let high = check_fd(
+        unsafe { libc::dup2(client.raw(), high_target) },
+        "dup2 high",
+    )?;
+    drop(client);
+    write_all(high.raw(), b"from-70000")?;
+    let got = read_text(server.raw())?;
+    write_all(server.raw(), b"to-70000")?;
+    let back = read_text(high.raw())?;
+    // SAFETY: F_GETFD on the high fd.
+    let cloexec = unsafe { libc::fcntl(high.raw(), libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+    drop(high);
+    let buf = [0u8; 1];
+    // SAFETY: writing to a now-closed fd.
+    let after = outcome(unsafe { libc::write(high_target, buf.as_ptr().cast(), 1) });
+    let eof = read_text(server.raw())?;
+    Ok(format!("fd {label}: peer read {got:?}; fd read {back:?}; cloexec={cloexec}; after close write={after}, peer {:?}", if eof.is_empty() { "EOF" } else { &eof }))
+}
+
+fn sendfile_and_splice() -> CaseResult {
+    let (client, server) = pair()?;
+    let path = std::env::temp_dir().join(format!("sandirect-conformance-{}", std::process::id()));
+    std::fs::write(&path, b"file-contents").map_err(|e| e.to_string())?;
+    let file = std::fs::File::open(&path).map_err(|e| e.to_string())?;
+    std::fs::remove_file(&path).map_err(|e| e.to_string())?;
+    use std::os::fd::AsRawFd;
+    let mut offset: libc::off_t = 0;
+    // SAFETY: valid fds and offset pointer.
+    let sent = unsafe { libc::sendfile(client.raw(), file.as_raw_fd(), &mut offset, 13) };
+    let sent = outcome(sent);
+    wait_for(server.raw(), libc::POLLIN, 5000)?;
+    settle();
+    let mut fds = [0; 2];
+    // SAFETY: array of two ints.
+    check(
+        // SAFETY: array of two ints.
+        unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } as isize,
+        "pipe",
+    )?;
+    let (pipe_r, pipe_w) = (Fd(fds[0]), Fd(fds[1]));
+    // SAFETY: socket → pipe splice.
+    let spliced =
+        outcome(unsafe { libc::splice(server.raw(), null_mut(), pipe_w.raw(), null_mut(), 64, 0) });
+    let (_, through_pipe) = read_some(pipe_r.raw(), 64);
+    // pipe → socket.
+    write_all(pipe_w.raw(), b"back")?;
+    // SAFETY: pipe → socket splice.
+    let spliced_back =
+        outcome(unsafe { libc::splice(pipe_r.raw(), null_mut(), server.raw(), null_mut(), 4, 0) });
+    let back = read_text(client.raw())?;
+    Ok(format!(
+        "sendfile={sent} offset={offset}; splice socket->pipe={spliced} {:?}; splice pipe->socket={spliced_back} {back:?}",
+        String::from_utf8_lossy(&through_pipe)
+    ))
+}
+
+fn mmsg() -> CaseResult {
+    let (client, server) = pair()?;
+    let mut payloads = [*b"aaaa", *b"bbbb", *b"cccc"];
+    let mut iovecs: Vec<libc::iovec> = payloads
+        .iter_mut()
+        .map(|p| libc::iovec {
+            iov_base: p.as_mut_ptr().cast(),
+            iov_len: 4,
+        })
+        .collect();
+    // SAFETY: zeroed mmsghdr is valid; fields set below.
+    let mut messages: Vec<libc::mmsghdr> = iovecs
+        .iter_mut()
+        .map(|iov| {
+            // SAFETY: an all-zero mmsghdr is valid.
+            let mut msg: libc::mmsghdr = unsafe { zeroed() };
+            msg.msg_hdr.msg_iov = iov;
+            msg.msg_hdr.msg_iovlen = 1;
+            msg
+        })
+        .collect();
+    // SAFETY: three initialised messages.
+    let sent = unsafe { libc::sendmmsg(client.raw(), messages.as_mut_ptr(), 3, 0) };
+    let lens: Vec<u32> = messages.iter().map(|m| m.msg_len).collect();
+    wait_for(server.raw(), libc::POLLIN, 5000)?;
+    settle();
+    let mut received = Vec::new();
+    for _ in 0..12 {
+        let mut buffers = [[0u8; 4]; 3];
+        let mut iovs: Vec<libc::iovec> = buffers
+            .iter_mut()
+            .map(|b| libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: 4,
+            })
+            .collect();
+        let mut headers: Vec<libc::mmsghdr> = iovs
+            .iter_mut()
+            .map(|iov| {
+                // SAFETY: zeroed mmsghdr is valid.
+                let mut msg: libc::mmsghdr = unsafe { zeroed() };
+                msg.msg_hdr.msg_iov = iov;
+                msg.msg_hdr.msg_iovlen = 1;
+                msg
+            })
+            .collect();
+        // SAFETY: three initialised headers; nonblocking so the loop cannot hang.
+        let n = unsafe {
+            libc::recvmmsg(
+                server.raw(),
+                headers.as_mut_ptr(),
+                3,
+                libc::MSG_DONTWAIT,
+                null_mut(),
+            )
+        };
+        if n <= 0 {
+            break;
+        }
+        for (header, buffer) in headers.iter().zip(&buffers).take(n as usize) {
+            received.extend_from_slice(&buffer[..header.msg_len as usize]);
+        }
+        if received.len() >= 12 {
+            break;
+        }
+    }
+    let mut msg: libc::msghdr = {
+        // SAFETY: zeroed msghdr is valid.
+        unsafe { zeroed() }
+    };
+    let mut one = *b"z";
+    let mut iov = libc::iovec {
+        iov_base: one.as_mut_ptr().cast::<c_void>(),
+        iov_len: 1,
+    };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    // SAFETY: initialised msghdr.
+    let sendmsg = outcome(unsafe { libc::sendmsg(client.raw(), &msg, 0) });
+    let got = read_text(server.raw())?;
+    Ok(format!(
+        "sendmmsg={} lens={lens:?} received={:?} sendmsg={sendmsg} {got:?}",
+        outcome(sent as isize),
+        String::from_utf8_lossy(&received)
+    ))
+}
+
+fn fork_and_close_range() -> CaseResult {
+    let (client, server) = pair()?;
+    // SAFETY: the child only makes async-signal-safe calls and _exits.
+    let pid = unsafe { libc::fork() };
+    check(pid as isize, "fork")?;
+    if pid == 0 {
+        // SAFETY: child: write on the inherited socket, close everything, report via exit code.
+        unsafe {
+            let ok = libc::write(client.raw(), b"child".as_ptr().cast(), 5) == 5;
+            let closed = libc::close_range(3, !0u32, 0) == 0;
+            let after = libc::write(client.raw(), b"x".as_ptr().cast(), 1);
+            let ebadf = after < 0 && *libc::__errno_location() == libc::EBADF;
+            libc::_exit(if ok && closed && ebadf { 0 } else { 1 });
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waiting for our child.
+    check(
+        // SAFETY: waiting for our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) } as isize,
+        "waitpid",
+    )?;
+    let child_ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    let got = read_text(server.raw())?;
+    write_all(client.raw(), b"parent")?;
+    let parent = read_text(server.raw())?;
+    // close_range with CLOEXEC only marks; the fd stays usable.
+    // SAFETY: valid range on our own fds.
+    let mark = outcome(unsafe {
+        libc::close_range(
+            client.raw() as u32,
+            client.raw() as u32,
+            libc::CLOSE_RANGE_CLOEXEC as c_int,
+        )
+    } as isize);
+    // SAFETY: F_GETFD.
+    let cloexec = unsafe { libc::fcntl(client.raw(), libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+    // SAFETY: invalid range.
+    let bad = outcome(unsafe { libc::close_range(10, 5, 0) } as isize);
+    // vfork + _exit: the parent resumes with its stack intact.
+    let marker = std::hint::black_box(0x5a5a_u32);
+    // SAFETY: the vfork child only calls _exit.
+    let vpid = unsafe {
+        #[allow(deprecated)]
+        let vpid = libc::vfork();
+        if vpid == 0 {
+            libc::_exit(7);
+        }
+        vpid
+    };
+    let mut vstatus = 0;
+    // SAFETY: waiting for our child.
+    unsafe { libc::waitpid(vpid, &mut vstatus, 0) };
+    let vfork_ok = libc::WIFEXITED(vstatus)
+        && libc::WEXITSTATUS(vstatus) == 7
+        && std::hint::black_box(marker) == 0x5a5a;
+    Ok(format!("child wrote {got:?} and close_range(3,~0) closed it: {child_ok}; parent still writes: {parent:?}; CLOSE_RANGE_CLOEXEC={mark} cloexec={cloexec}; close_range(10,5)={bad}; vfork ok={vfork_ok}"))
+}
+
+/// A named case.
+type Case = (&'static str, fn() -> CaseResult);
+
+const CASES: &[Case] = &[
+    ("bad-fds", bad_fds),
+    ("nonblocking-connect", nonblocking_connect),
+    ("refused-connect", refused_connect),
+    ("half-close", half_close),
+    ("reset-by-peer", reset_by_peer),
+    ("so-error-and-type", so_error_and_type),
+    ("fionread-siocoutq", fionread_siocoutq),
+    ("accept4-flags", accept4_flags),
+    ("dup-and-close-order", dup_and_close_order),
+    ("dup2-over-tracked", dup2_over_tracked),
+    ("epoll-edge-triggered", epoll_edge_triggered),
+    ("epoll-oneshot", epoll_oneshot),
+    ("epoll-rdhup", epoll_rdhup),
+    ("epoll-exclusive", epoll_exclusive),
+    ("epoll-two-sets-and-nested", epoll_two_sets_and_nested),
+    ("poll-and-select", poll_and_select),
+    ("eintr", eintr),
+    ("recv-flags", recv_flags),
+    ("ipv6-and-v4-mapped", ipv6_and_mapped),
+    ("high-fd", high_fd),
+    ("sendfile-and-splice", sendfile_and_splice),
+    ("mmsg", mmsg),
+    ("fork-and-close-range", fork_and_close_range),
+];
+
+fn main() {
+    let filter = std::env::args().nth(1).unwrap_or_default();
+    // SIGPIPE must not kill the suite: writes to closed peers are observed as EPIPE.
+    // SAFETY: setting a disposition.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    for (name, case) in CASES
+        .iter()
+        .filter(|(name, _)| name.contains(filter.as_str()))
+    {
+        // SAFETY: alarm has no preconditions; SIGALRM's default action ends a hung run.
+        unsafe { libc::alarm(20) };
+        let line = match case() {
+            Ok(observed) => observed,
+            Err(problem) => format!("FAILED {problem}"),
+        };
+        println!("{name}: {line}");
+    }
+    // SAFETY: cancel the last alarm.
+    unsafe { libc::alarm(0) };
+}

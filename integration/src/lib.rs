@@ -1,0 +1,81 @@
+//! Helpers shared by the conformance program and the integration tests: thin, checked wrappers
+//! over `libc` socket calls (the conformance suite exercises exactly the calls C programs make),
+//! and locating the build products.
+
+use std::ffi::c_int;
+use std::path::PathBuf;
+
+/// The symbolic name of an errno value (stable across runs, unlike messages).
+pub fn errno_name(errno: c_int) -> String {
+    let name = match errno {
+        0 => "0",
+        libc::EBADF => "EBADF",
+        libc::ENOTSOCK => "ENOTSOCK",
+        libc::EINPROGRESS => "EINPROGRESS",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::EAGAIN => "EAGAIN",
+        libc::EINTR => "EINTR",
+        libc::EINVAL => "EINVAL",
+        libc::EPIPE => "EPIPE",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::EISCONN => "EISCONN",
+        libc::EALREADY => "EALREADY",
+        libc::ENOSYS => "ENOSYS",
+        libc::ELOOP => "ELOOP",
+        libc::EEXIST => "EEXIST",
+        libc::ENOENT => "ENOENT",
+        libc::EMFILE => "EMFILE",
+        libc::EFAULT => "EFAULT",
+        libc::ESPIPE => "ESPIPE",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        other => return format!("errno{other}"),
+    };
+    name.to_owned()
+}
+
+/// The calling thread's errno.
+pub fn errno() -> c_int {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// `rc` as text: the value when non-negative, else the errno name.
+pub fn outcome(rc: isize) -> String {
+    if rc < 0 {
+        errno_name(errno())
+    } else {
+        rc.to_string()
+    }
+}
+
+/// The workspace's target directory (honours `CARGO_TARGET_DIR`).
+pub fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("target")
+}
+
+/// The profile directory the tests were built in (`debug` or `release`).
+pub fn profile_dir() -> PathBuf {
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    target_dir().join(profile)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errno_names_are_symbolic() {
+        assert_eq!(errno_name(libc::EBADF), "EBADF");
+        assert_eq!(errno_name(4242), "errno4242");
+        assert_eq!(outcome(7), "7");
+    }
+}

@@ -1,0 +1,927 @@
+//! SAN discovery for the intra-host (`shm`) provider: who is preloaded, how a connection is
+//! named, and where its segment lives.
+//!
+//! The protocol is in `docs/ARCHITECTURE.md` ("Discovery and the exact switch-over point"). This
+//! module provides its building blocks, each a plain API over the C library:
+//!
+//! * [`ListenerMarker`] — published by a preloaded `listen()`: an abstract Unix datagram socket
+//!   named `\0sandirect/<euid>/L/<addr>:<port>`. The abstract namespace ties the name's lifetime
+//!   to the open socket, so a dead server leaves nothing behind.
+//! * [`probe_listener`] — the client's question "is the server preloaded?": `connect()` a
+//!   datagram socket to the marker names. No byte is sent; it costs a few µs.
+//! * [`NegativeCache`] — remembers "plain server" answers per (address, port) for a while, so
+//!   repeated connections to a plain server skip even the probe. Lock-free.
+//! * [`ConnectionKey`] — the canonical 4-tuple and its file-name encoding ([`SegmentName`]),
+//!   identical on both ends of the connection.
+//! * [`SegmentDir`] — the per-user 0700 directory segment files live in, checked before use.
+//!
+//! **Identity.** Names and directories use the *effective* uid: segment files are created with
+//! it, and "only the same user may attach" is a statement about it.
+//!
+//! **Trust.** Anyone on the host can bind an abstract name, including one under our uid. A
+//! squatter can therefore make a probe say "preloaded" (the client then creates a segment in
+//! its own private directory that nobody attaches: the connection stays TCP, see the exact
+//! switch-over rule) or make [`ListenerMarker::publish`] find its name taken (the server then
+//! looks plain). Both are denial of the *optimisation* only; no byte of any connection is
+//! exposed, because the segment's access control (owner, mode, private directory) is what
+//! guards the data, not the marker.
+
+use core::fmt::{self, Write as _};
+use core::hash::{Hash, Hasher};
+use core::mem::{size_of, MaybeUninit};
+use core::sync::atomic::{AtomicU64, Ordering};
+use std::ffi::CString;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::errno;
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+/// Why a segment directory was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DirectoryProblem {
+    /// The path is a symbolic link (refused even if it points somewhere safe: the link can be
+    /// changed under us).
+    Symlink,
+    /// The path exists and is not a directory.
+    NotADirectory,
+    /// The directory belongs to another user (who could read or replace our segments).
+    WrongOwner {
+        /// The owner's uid.
+        uid: u32,
+    },
+    /// Group or other permission bits are set.
+    ModeTooOpen {
+        /// The directory's permission bits.
+        mode: u32,
+    },
+}
+
+/// Errors of discovery (rustls-style: each variant a cause a caller may act on).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DiscoveryError {
+    /// The socket's address family is neither IPv4 nor IPv6.
+    UnsupportedFamily(i32),
+    /// The configured segment directory path is empty or contains a NUL byte.
+    InvalidPath,
+    /// The segment directory exists but must not be used.
+    UnsafeDirectory {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: DirectoryProblem,
+    },
+    /// An unexpected system-call failure.
+    Os {
+        /// What was being done.
+        op: &'static str,
+        /// The `errno`.
+        errno: i32,
+    },
+}
+
+impl DiscoveryError {
+    fn last_os(op: &'static str) -> DiscoveryError {
+        DiscoveryError::Os {
+            op,
+            errno: errno::get(),
+        }
+    }
+}
+
+impl fmt::Display for DiscoveryError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DiscoveryError::UnsupportedFamily(family) => {
+                write!(f, "address family {family} is neither IPv4 nor IPv6")
+            }
+            DiscoveryError::InvalidPath => {
+                f.write_str("segment directory path is empty or has NUL")
+            }
+            DiscoveryError::UnsafeDirectory { path, problem } => {
+                write!(f, "refusing segment directory {}: ", path.display())?;
+                match problem {
+                    DirectoryProblem::Symlink => f.write_str("it is a symbolic link"),
+                    DirectoryProblem::NotADirectory => f.write_str("it is not a directory"),
+                    DirectoryProblem::WrongOwner { uid } => write!(f, "it is owned by uid {uid}"),
+                    DirectoryProblem::ModeTooOpen { mode } => {
+                        write!(f, "mode {mode:04o} grants group/other access")
+                    }
+                }
+            }
+            DiscoveryError::Os { op, errno } => {
+                write!(f, "{op}: {}", std::io::Error::from_raw_os_error(*errno))
+            }
+        }
+    }
+}
+
+impl std::error::Error for DiscoveryError {}
+
+// ---------------------------------------------------------------------------------------------
+// Addresses
+// ---------------------------------------------------------------------------------------------
+
+/// The canonical form of an IP address for naming: v4-mapped IPv6 (`::ffff:a.b.c.d`) folded
+/// to IPv4, so a dual-stack socket and an IPv4 socket name the same endpoint identically.
+pub fn canonical_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+/// [`canonical_ip`] applied to a socket address; IPv6 flow info and scope id are dropped (two
+/// live connections on one host cannot differ only by them).
+pub fn canonical_addr(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(canonical_ip(addr.ip()), addr.port())
+}
+
+/// Converts a kernel socket address to a [`SocketAddr`].
+///
+/// # Errors
+/// [`DiscoveryError::UnsupportedFamily`] for anything but a complete `AF_INET`/`AF_INET6`
+/// address.
+pub fn socket_addr_from_raw(
+    storage: &libc::sockaddr_storage,
+    len: libc::socklen_t,
+) -> Result<SocketAddr, DiscoveryError> {
+    let family = i32::from(storage.ss_family);
+    let len = len as usize;
+    match family {
+        libc::AF_INET if len >= size_of::<libc::sockaddr_in>() => {
+            // SAFETY: the family and length say the storage holds a sockaddr_in; storage is
+            // aligned for every sockaddr type.
+            let sin =
+                unsafe { &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            Ok(SocketAddr::V4(SocketAddrV4::new(
+                ip,
+                u16::from_be(sin.sin_port),
+            )))
+        }
+        libc::AF_INET6 if len >= size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 = unsafe {
+                &*(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>()
+            };
+            let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            Ok(SocketAddr::V6(SocketAddrV6::new(
+                ip,
+                u16::from_be(sin6.sin6_port),
+                sin6.sin6_flowinfo,
+                sin6.sin6_scope_id,
+            )))
+        }
+        _ => Err(DiscoveryError::UnsupportedFamily(family)),
+    }
+}
+
+/// Converts a [`SocketAddr`] to a kernel socket address and its length.
+pub fn socket_addr_to_raw(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: sockaddr_storage is plain data; all-zero is a valid (AF_UNSPEC) value.
+    let mut storage: libc::sockaddr_storage = unsafe { core::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(v4) => {
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            let sin = unsafe {
+                &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>()
+            };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = v4.port().to_be();
+            sin.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+            size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 = unsafe {
+                &mut *(&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in6>()
+            };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = v6.port().to_be();
+            sin6.sin6_flowinfo = v6.flowinfo();
+            sin6.sin6_addr.s6_addr = v6.ip().octets();
+            sin6.sin6_scope_id = v6.scope_id();
+            size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (storage, len as libc::socklen_t)
+}
+
+/// `getsockname` (local) or `getpeername` (peer) of a socket.
+fn socket_name(fd: BorrowedFd<'_>, peer: bool) -> Result<SocketAddr, DiscoveryError> {
+    // SAFETY: plain data, zero is valid.
+    let mut storage: libc::sockaddr_storage = unsafe { core::mem::zeroed() };
+    let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    let storage_ptr = (&mut storage as *mut libc::sockaddr_storage).cast::<libc::sockaddr>();
+    let rc = if peer {
+        // SAFETY: the kernel writes at most `len` bytes into `storage`.
+        unsafe { libc::getpeername(fd.as_raw_fd(), storage_ptr, &mut len) }
+    } else {
+        // SAFETY: as above.
+        unsafe { libc::getsockname(fd.as_raw_fd(), storage_ptr, &mut len) }
+    };
+    if rc != 0 {
+        return Err(DiscoveryError::last_os(if peer {
+            "getpeername"
+        } else {
+            "getsockname"
+        }));
+    }
+    socket_addr_from_raw(&storage, len)
+}
+
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// A small string on the stack: names are built on hook paths that must not allocate.
+#[derive(Clone, Copy)]
+struct StackStr<const N: usize> {
+    bytes: [u8; N],
+    len: usize,
+}
+
+impl<const N: usize> StackStr<N> {
+    const fn new() -> Self {
+        Self {
+            bytes: [0; N],
+            len: 0,
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    fn as_str(&self) -> &str {
+        // Only `write_str` appends, and it appends whole `str`s.
+        core::str::from_utf8(self.as_bytes()).unwrap_or_default()
+    }
+}
+
+impl<const N: usize> fmt::Write for StackStr<N> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self
+            .len
+            .checked_add(s.len())
+            .filter(|&end| end <= N)
+            .ok_or(fmt::Error)?;
+        self.bytes[self.len..end].copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+/// A `socket()` result as an [`OwnedFd`].
+fn new_socket(domain: i32, kind: i32, op: &'static str) -> Result<OwnedFd, DiscoveryError> {
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe { libc::socket(domain, kind | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(DiscoveryError::last_os(op));
+    }
+    // SAFETY: `fd` was just returned by socket() and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Listener markers
+// ---------------------------------------------------------------------------------------------
+
+/// Longest marker name: `sandirect/` + uid (10) + `/L/` + `[` v6 (39) `]` + `:` + port (5).
+const MARKER_NAME_CAPACITY: usize = 80;
+
+/// The abstract socket address of the marker for `addr` (already canonical) under `uid`.
+fn marker_address(uid: u32, addr: SocketAddr) -> (libc::sockaddr_un, libc::socklen_t) {
+    let mut name = StackStr::<MARKER_NAME_CAPACITY>::new();
+    // Cannot fail: the capacity covers the longest uid, IPv6 text and port (SocketAddr's
+    // Display prints `[v6]:port` without scope for a canonical address).
+    let _ = write!(name, "sandirect/{uid}/L/{addr}");
+    // SAFETY: plain data, zero is valid.
+    let mut sun: libc::sockaddr_un = unsafe { core::mem::zeroed() };
+    sun.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    // sun_path[0] stays NUL: the abstract namespace. The name is not NUL-terminated; its length
+    // is carried by the address length.
+    for (dst, &src) in sun.sun_path[1..].iter_mut().zip(name.as_bytes()) {
+        *dst = src as libc::c_char;
+    }
+    let len = size_of::<libc::sa_family_t>() + 1 + name.len;
+    (sun, len as libc::socklen_t)
+}
+
+/// The marker's addresses for a listener bound to `bound`, exact first.
+fn marker_names_for_listener(bound: SocketAddr, v6_only: bool) -> [Option<SocketAddr>; 2] {
+    let bound = canonical_addr(bound);
+    let also_v4_wildcard = match bound.ip() {
+        // A dual-stack `::` listener also accepts IPv4 clients, who probe `0.0.0.0`.
+        IpAddr::V6(v6) if v6.is_unspecified() && !v6_only => Some(SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            bound.port(),
+        )),
+        _ => None,
+    };
+    [Some(bound), also_v4_wildcard]
+}
+
+/// The published proof that a preloaded process listens on an address.
+///
+/// **Lifetime.** Dropping the marker (when the listener closes) closes its sockets and the
+/// names vanish; so does the death of every process holding them, with no file left behind.
+///
+/// **Fork and exec.** The sockets are `SOCK_CLOEXEC`. A forked worker inherits them together
+/// with the listening fd, so a pre-fork server stays discoverable as long as any process
+/// holding the listener lives (each process's hook layer closes its copy when it closes its
+/// copy of the listener). Across `exec` the marker is dropped on purpose: the new program may
+/// not be preloaded, and a marker outliving sandirect in a process would make clients create
+/// segments nobody attaches (harmless, but a wasted attempt per connection). A preloaded
+/// program that inherits a listening fd across exec (socket activation, binary upgrade)
+/// re-publishes it at init; that is the hook layer's job.
+///
+/// **Shared names.** If a name is already bound (a `SO_REUSEPORT` sibling listener in another
+/// process, or a squatter), this marker does not hold it and [`is_published`] tells; clients
+/// still find the sibling's marker while the sibling lives.
+///
+/// [`is_published`]: ListenerMarker::is_published
+#[derive(Debug)]
+pub struct ListenerMarker {
+    sockets: [Option<OwnedFd>; 2],
+}
+
+impl ListenerMarker {
+    /// Publishes the marker of a listener bound to `bound` (as `getsockname` reports it after
+    /// `listen()`). `v6_only` is the listener's `IPV6_V6ONLY`; a dual-stack wildcard listener
+    /// publishes the IPv4 wildcard name too.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::Os`] if a socket cannot be created or a name cannot be bound for a
+    /// reason other than "already taken".
+    pub fn publish(bound: SocketAddr, v6_only: bool) -> Result<ListenerMarker, DiscoveryError> {
+        let uid = effective_uid();
+        let mut sockets = [None, None];
+        for (slot, name) in sockets
+            .iter_mut()
+            .zip(marker_names_for_listener(bound, v6_only))
+        {
+            let Some(name) = name else { continue };
+            let socket = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker socket")?;
+            let (sun, len) = marker_address(uid, name);
+            // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+            let rc = unsafe {
+                libc::bind(
+                    socket.as_raw_fd(),
+                    (&sun as *const libc::sockaddr_un).cast(),
+                    len,
+                )
+            };
+            if rc == 0 {
+                *slot = Some(socket);
+            } else if errno::get() != libc::EADDRINUSE {
+                return Err(DiscoveryError::last_os("bind listener marker"));
+            }
+        }
+        Ok(ListenerMarker { sockets })
+    }
+
+    /// [`publish`](Self::publish) for a listening socket: reads its bound address and
+    /// `IPV6_V6ONLY`.
+    ///
+    /// # Errors
+    /// As `publish`, plus `getsockname`/`getsockopt` failures and
+    /// [`DiscoveryError::UnsupportedFamily`] for a non-IP socket.
+    pub fn publish_for_listener(
+        listener: BorrowedFd<'_>,
+    ) -> Result<ListenerMarker, DiscoveryError> {
+        let bound = socket_name(listener, false)?;
+        let v6_only = match bound {
+            SocketAddr::V4(_) => false,
+            SocketAddr::V6(_) => {
+                let mut value: libc::c_int = 0;
+                let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+                // SAFETY: the kernel writes at most `len` bytes into `value`.
+                let rc = unsafe {
+                    libc::getsockopt(
+                        listener.as_raw_fd(),
+                        libc::IPPROTO_IPV6,
+                        libc::IPV6_V6ONLY,
+                        (&mut value as *mut libc::c_int).cast(),
+                        &mut len,
+                    )
+                };
+                if rc != 0 {
+                    return Err(DiscoveryError::last_os("getsockopt IPV6_V6ONLY"));
+                }
+                value != 0
+            }
+        };
+        ListenerMarker::publish(bound, v6_only)
+    }
+
+    /// Whether this marker holds at least one of its names (false: every name was already
+    /// taken by someone else).
+    pub fn is_published(&self) -> bool {
+        self.sockets.iter().any(Option::is_some)
+    }
+}
+
+/// Whether `ip` is assigned to this host (in this network namespace): binding to it succeeds.
+/// Loopback addresses are local without a system call.
+fn is_local_address(ip: IpAddr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    let domain = if ip.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    let Ok(socket) = new_socket(domain, libc::SOCK_DGRAM, "locality probe") else {
+        return false;
+    };
+    let (storage, len) = socket_addr_to_raw(SocketAddr::new(ip, 0));
+    // SAFETY: `storage` holds a valid address of length `len`.
+    let rc = unsafe {
+        libc::bind(
+            socket.as_raw_fd(),
+            (&storage as *const libc::sockaddr_storage).cast(),
+            len,
+        )
+    };
+    rc == 0
+}
+
+/// Whether a preloaded process listens on `peer` (the server address of a connection this
+/// process just established): `connect()`s a datagram socket to the exact marker name, then to
+/// the wildcard name of the address family. No byte is sent.
+///
+/// A wildcard marker only counts when `peer` is an address of this host: a `0.0.0.0:80`
+/// listener here says nothing about another host's port 80. (An exact marker implies a local
+/// address already, since a listener can only bind one, barring `IP_FREEBIND`.)
+///
+/// Any failure (no marker, out of fds, …) answers `false`: the connection stays plain TCP,
+/// which is always correct.
+pub fn probe_listener(peer: SocketAddr) -> bool {
+    let peer = canonical_addr(peer);
+    let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
+        return false;
+    };
+    let uid = effective_uid();
+    let connects = |name: SocketAddr| {
+        let (sun, len) = marker_address(uid, name);
+        // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+        let rc = unsafe {
+            libc::connect(
+                socket.as_raw_fd(),
+                (&sun as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        rc == 0
+    };
+    if connects(peer) {
+        return true;
+    }
+    let wildcard = match peer.ip() {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    peer.ip() != wildcard
+        && connects(SocketAddr::new(wildcard, peer.port()))
+        && is_local_address(peer.ip())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Negative-capability cache
+// ---------------------------------------------------------------------------------------------
+
+/// Configuration of a [`NegativeCache`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NegativeCacheConfig {
+    /// How long a "plain server" answer is trusted. A server restarted with sandirect within
+    /// this time is treated as plain until the entry expires.
+    pub ttl: Duration,
+    /// Maximum number of entries (rounded up to a multiple of the associativity, 4, and to a
+    /// power of two). When full, the entry closest to expiry in the set is replaced.
+    pub capacity: usize,
+}
+
+impl Default for NegativeCacheConfig {
+    fn default() -> Self {
+        NegativeCacheConfig {
+            ttl: Duration::from_secs(10),
+            capacity: 1024,
+        }
+    }
+}
+
+/// The answer of [`NegativeCache::probe`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PeerKind {
+    /// A listener marker exists: the server is preloaded.
+    Preloaded,
+    /// No marker (the answer is now cached).
+    Plain,
+    /// The cache said plain; no probe was made.
+    PlainCached,
+}
+
+/// Ways per set.
+const WAYS: usize = 4;
+/// Bits of an entry holding the deadline (milliseconds since the cache was created: 34 years).
+const DEADLINE_BITS: u32 = 40;
+const DEADLINE_MASK: u64 = (1 << DEADLINE_BITS) - 1;
+
+/// "Plain server" answers per (address, port), each with an expiry.
+///
+/// Lock-free and allocation-free after construction: a set-associative table of `AtomicU64`
+/// entries, each packing a 24-bit fingerprint of the address (beside the bits that chose the
+/// set) and a 40-bit deadline, so an entry is read and replaced in one atomic access and can
+/// never be seen torn. The price of fingerprints is a rare false "plain" for an address that
+/// shares set and fingerprint with a cached one (about 4 in 2^24 per lookup in a full set):
+/// that connection stays on TCP, which is always correct. Concurrent inserts into one set may
+/// overwrite each other; the loser is probed again next time.
+#[derive(Debug)]
+pub struct NegativeCache {
+    entries: Box<[AtomicU64]>,
+    set_mask: usize,
+    ttl_ms: u64,
+    epoch: Instant,
+}
+
+impl NegativeCache {
+    /// An empty cache.
+    pub fn new(config: NegativeCacheConfig) -> NegativeCache {
+        let sets = config.capacity.div_ceil(WAYS).max(1).next_power_of_two();
+        let ttl_ms = u64::try_from(config.ttl.as_millis())
+            .unwrap_or(u64::MAX)
+            .min(DEADLINE_MASK / 2);
+        NegativeCache {
+            entries: (0..sets * WAYS).map(|_| AtomicU64::new(0)).collect(),
+            set_mask: sets - 1,
+            ttl_ms,
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Number of entries the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn now_ms(&self, now: Instant) -> u64 {
+        let elapsed = now.saturating_duration_since(self.epoch).as_millis();
+        u64::try_from(elapsed)
+            .unwrap_or(u64::MAX)
+            .min(DEADLINE_MASK)
+    }
+
+    /// The set's entries and the fingerprint of `server`.
+    fn locate(&self, server: SocketAddr) -> (&[AtomicU64], u64) {
+        let server = canonical_addr(server);
+        // SipHash with fixed keys: deterministic, allocation-free. Adversarial collisions only
+        // cost extra probes.
+        let mut hasher = std::hash::DefaultHasher::new();
+        server.ip().hash(&mut hasher);
+        server.port().hash(&mut hasher);
+        let hash = hasher.finish();
+        let set = (hash as usize) & self.set_mask;
+        let fingerprint = (hash >> DEADLINE_BITS).max(1);
+        (&self.entries[set * WAYS..(set + 1) * WAYS], fingerprint)
+    }
+
+    /// Whether `server` is known to be plain now.
+    pub fn is_plain(&self, server: SocketAddr) -> bool {
+        self.is_plain_at(server, Instant::now())
+    }
+
+    /// [`is_plain`](Self::is_plain) at a given time (for tests and for callers that already
+    /// read the clock).
+    pub fn is_plain_at(&self, server: SocketAddr, now: Instant) -> bool {
+        let (set, fingerprint) = self.locate(server);
+        let now = self.now_ms(now);
+        set.iter().any(|entry| {
+            let value = entry.load(Ordering::Relaxed);
+            value >> DEADLINE_BITS == fingerprint && value & DEADLINE_MASK > now
+        })
+    }
+
+    /// Records that `server` has no marker.
+    pub fn mark_plain(&self, server: SocketAddr) {
+        self.mark_plain_at(server, Instant::now());
+    }
+
+    /// [`mark_plain`](Self::mark_plain) at a given time.
+    pub fn mark_plain_at(&self, server: SocketAddr, now: Instant) {
+        let (set, fingerprint) = self.locate(server);
+        let now = self.now_ms(now);
+        let deadline = now.saturating_add(self.ttl_ms).min(DEADLINE_MASK);
+        let value = fingerprint << DEADLINE_BITS | deadline;
+        // Refresh our own entry if present, else take the entry closest to (or past) expiry.
+        let victim = set
+            .iter()
+            .find(|entry| entry.load(Ordering::Relaxed) >> DEADLINE_BITS == fingerprint)
+            .or_else(|| {
+                set.iter()
+                    .min_by_key(|entry| entry.load(Ordering::Relaxed) & DEADLINE_MASK)
+            });
+        if let Some(entry) = victim {
+            entry.store(value, Ordering::Relaxed);
+        }
+    }
+
+    /// Drops the entry of `server`, if any (e.g. after learning it became preloaded).
+    pub fn forget(&self, server: SocketAddr) {
+        let (set, fingerprint) = self.locate(server);
+        for entry in set {
+            let value = entry.load(Ordering::Relaxed);
+            if value >> DEADLINE_BITS == fingerprint {
+                // Lose gracefully to a concurrent replacement.
+                let _ = entry.compare_exchange(value, 0, Ordering::Relaxed, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The client's whole discovery step: the cache, else [`probe_listener`] (caching a
+    /// negative answer).
+    pub fn probe(&self, server: SocketAddr) -> PeerKind {
+        if self.is_plain(server) {
+            return PeerKind::PlainCached;
+        }
+        if probe_listener(server) {
+            PeerKind::Preloaded
+        } else {
+            self.mark_plain(server);
+            PeerKind::Plain
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Connection keys
+// ---------------------------------------------------------------------------------------------
+
+/// Which end of a TCP connection a socket is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Returned by a successful `connect()`.
+    Connecting,
+    /// Returned by `accept()`.
+    Accepting,
+}
+
+/// The canonical 4-tuple of a TCP connection: client (connecting) endpoint → server
+/// (accepting) endpoint, v4-mapped addresses folded to IPv4. Both ends compute the same key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnectionKey {
+    client: SocketAddr,
+    server: SocketAddr,
+}
+
+/// Longest segment name: two endpoints of 32 hex digits + `-` + 5-digit port, and a `_`.
+const SEGMENT_NAME_CAPACITY: usize = 2 * (32 + 1 + 5) + 1;
+
+/// A segment file name: `<client>_<server>`, each endpoint `<ip>-<port>` with IPv4 in dotted
+/// decimal and IPv6 as 32 lowercase hex digits. Only `[0-9a-f._-]`: safe as a file name.
+/// Built on the stack (no allocation).
+#[derive(Clone, Copy)]
+pub struct SegmentName(StackStr<SEGMENT_NAME_CAPACITY>);
+
+impl SegmentName {
+    /// The name.
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl AsRef<str> for SegmentName {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl fmt::Display for SegmentName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for SegmentName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl PartialEq for SegmentName {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for SegmentName {}
+
+fn write_endpoint(out: &mut impl fmt::Write, addr: SocketAddr) -> fmt::Result {
+    match addr.ip() {
+        IpAddr::V4(v4) => write!(out, "{v4}")?,
+        IpAddr::V6(v6) => {
+            for byte in v6.octets() {
+                write!(out, "{byte:02x}")?;
+            }
+        }
+    }
+    write!(out, "-{}", addr.port())
+}
+
+fn parse_endpoint(text: &str) -> Option<SocketAddr> {
+    let (ip, port) = text.rsplit_once('-')?;
+    let port = port.parse::<u16>().ok()?;
+    let ip = if ip.len() == 32 {
+        let mut octets = [0u8; 16];
+        for (octet, pair) in octets.iter_mut().zip(ip.as_bytes().chunks_exact(2)) {
+            *octet = u8::from_str_radix(core::str::from_utf8(pair).ok()?, 16).ok()?;
+        }
+        IpAddr::V6(Ipv6Addr::from(octets))
+    } else {
+        IpAddr::V4(ip.parse::<Ipv4Addr>().ok()?)
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+impl ConnectionKey {
+    /// The key of a connection from `client` to `server` (any form; canonicalised here).
+    pub fn new(client: SocketAddr, server: SocketAddr) -> ConnectionKey {
+        ConnectionKey {
+            client: canonical_addr(client),
+            server: canonical_addr(server),
+        }
+    }
+
+    /// The key as the connecting side sees it: `local` is `getsockname`, `peer` `getpeername`.
+    pub fn from_connecting_side(local: SocketAddr, peer: SocketAddr) -> ConnectionKey {
+        ConnectionKey::new(local, peer)
+    }
+
+    /// The key as the accepting side sees it: the reverse view of the same connection.
+    pub fn from_accepting_side(local: SocketAddr, peer: SocketAddr) -> ConnectionKey {
+        ConnectionKey::new(peer, local)
+    }
+
+    /// The key of a connected TCP socket, from `getsockname`/`getpeername`.
+    ///
+    /// # Errors
+    /// The system call's failure (e.g. `ENOTCONN`), or [`DiscoveryError::UnsupportedFamily`].
+    pub fn of_socket(socket: BorrowedFd<'_>, role: Role) -> Result<ConnectionKey, DiscoveryError> {
+        let local = socket_name(socket, false)?;
+        let peer = socket_name(socket, true)?;
+        Ok(match role {
+            Role::Connecting => ConnectionKey::from_connecting_side(local, peer),
+            Role::Accepting => ConnectionKey::from_accepting_side(local, peer),
+        })
+    }
+
+    /// The connecting endpoint (canonical).
+    pub fn client(&self) -> SocketAddr {
+        self.client
+    }
+
+    /// The accepting endpoint (canonical).
+    pub fn server(&self) -> SocketAddr {
+        self.server
+    }
+
+    /// The segment file name of this connection.
+    pub fn segment_name(&self) -> SegmentName {
+        let mut name = StackStr::new();
+        // Cannot fail: the capacity covers two IPv6 endpoints.
+        let _ = write_endpoint(&mut name, self.client)
+            .and_then(|()| name.write_str("_"))
+            .and_then(|()| write_endpoint(&mut name, self.server));
+        SegmentName(name)
+    }
+
+    /// Parses a segment file name (as found in a segment directory, e.g. by `sandirect stat`).
+    /// Only the canonical encoding [`segment_name`](Self::segment_name) produces is accepted.
+    pub fn parse_segment_name(name: &str) -> Option<ConnectionKey> {
+        let (client, server) = name.split_once('_')?;
+        let key = ConnectionKey::new(parse_endpoint(client)?, parse_endpoint(server)?);
+        (key.segment_name().as_str() == name).then_some(key)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Segment directory
+// ---------------------------------------------------------------------------------------------
+
+/// The per-user directory segment files live in, verified private.
+///
+/// Opened with `O_NOFOLLOW|O_DIRECTORY` and checked with `fstat` on the open descriptor, so
+/// the check is about the directory itself, not whatever a path resolves to later. The
+/// segment layer reopens files by path under it; in the default location (`/dev/shm`, sticky)
+/// no other user can rename or replace our directory, and with an override in a place others
+/// can write, the segment's own checks (owner and mode of each file, `O_NOFOLLOW`) still refuse
+/// what is not ours.
+#[derive(Debug)]
+pub struct SegmentDir {
+    path: PathBuf,
+    fd: OwnedFd,
+}
+
+impl SegmentDir {
+    /// `/dev/shm/sandirect-<euid>`.
+    pub fn default_path() -> PathBuf {
+        PathBuf::from(format!("/dev/shm/sandirect-{}", effective_uid()))
+    }
+
+    /// Opens (creating it 0700 if missing; parents are not created) the segment directory:
+    /// `override_path` (the `SANDIRECT_SHM_DIR` setting, read by the caller) or the default.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::UnsafeDirectory`] for a symlink, a non-directory, a directory of
+    /// another user or one with group/other permission bits; [`DiscoveryError::InvalidPath`];
+    /// system-call failures.
+    pub fn open(override_path: Option<&Path>) -> Result<SegmentDir, DiscoveryError> {
+        let path = override_path.map_or_else(SegmentDir::default_path, Path::to_path_buf);
+        let refuse = |problem| DiscoveryError::UnsafeDirectory {
+            path: path.clone(),
+            problem,
+        };
+        let c_path = CString::new(path.as_os_str().as_bytes())
+            .ok()
+            .filter(|c| !c.as_bytes().is_empty())
+            .ok_or(DiscoveryError::InvalidPath)?;
+        // SAFETY: NUL-terminated path. An existing entry is examined below, whatever it is.
+        if unsafe { libc::mkdir(c_path.as_ptr(), 0o700) } != 0 && errno::get() != libc::EEXIST {
+            return Err(DiscoveryError::last_os("create segment directory"));
+        }
+        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        // SAFETY: NUL-terminated path.
+        let raw = unsafe { libc::open(c_path.as_ptr(), flags) };
+        if raw < 0 {
+            return Err(match errno::get() {
+                libc::ELOOP => refuse(DirectoryProblem::Symlink),
+                // O_DIRECTORY|O_NOFOLLOW on a symlink also reports ENOTDIR on some kernels:
+                // tell the two apart with lstat.
+                libc::ENOTDIR => refuse(if is_symlink(&c_path) {
+                    DirectoryProblem::Symlink
+                } else {
+                    DirectoryProblem::NotADirectory
+                }),
+                _ => DiscoveryError::last_os("open segment directory"),
+            });
+        }
+        // SAFETY: `raw` was just returned by open() and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let mut stat = MaybeUninit::<libc::stat>::uninit();
+        // SAFETY: fstat writes a whole `struct stat` on success.
+        if unsafe { libc::fstat(fd.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
+            return Err(DiscoveryError::last_os("fstat segment directory"));
+        }
+        // SAFETY: fstat succeeded.
+        let stat = unsafe { stat.assume_init() };
+        if stat.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(refuse(DirectoryProblem::NotADirectory));
+        }
+        if stat.st_uid != effective_uid() {
+            return Err(refuse(DirectoryProblem::WrongOwner { uid: stat.st_uid }));
+        }
+        if stat.st_mode & 0o077 != 0 {
+            return Err(refuse(DirectoryProblem::ModeTooOpen {
+                mode: stat.st_mode & 0o7777,
+            }));
+        }
+        Ok(SegmentDir { path, fd })
+    }
+
+    /// The directory's path (what the shm provider's `create`/`attach` take).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsFd for SegmentDir {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+fn is_symlink(path: &CString) -> bool {
+    let mut stat = MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: NUL-terminated path; lstat writes a whole `struct stat` on success.
+    if unsafe { libc::lstat(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: lstat succeeded.
+    let stat = unsafe { stat.assume_init() };
+    stat.st_mode & libc::S_IFMT == libc::S_IFLNK
+}

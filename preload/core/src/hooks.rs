@@ -1,0 +1,150 @@
+//! The hook table: the single declaration every interposed symbol is generated from.
+//!
+//! [`sandirect_hook_table!`](crate::sandirect_hook_table) hands the whole table to a callback
+//! macro. Three callbacks consume it:
+//!
+//! * [`crate::real`] generates, per symbol, the `real::NAME` slot (resolved once in the
+//!   constructor with `dlsym(RTLD_NEXT, …)`), a typed `real::NAME(…)` caller, and a
+//!   compile-time proof that the table's signature equals `libc::NAME`'s;
+//! * [`crate::inventory`] generates the symbol inventory (name, disposition, signature, note)
+//!   that `sandirect symbols` prints and `.ci/check-exports.sh` diffs against `nm -D`;
+//! * the `sandirect-preload` cdylib generates the exported `#[no_mangle] extern "C"` functions,
+//!   each a one-line call into [`crate::ops`].
+//!
+//! Entry grammar (one per symbol):
+//!
+//! ```text
+//! DISPOSITION CHECK EXPORT "note" fn NAME(arg: Type, …[; vararg: Type]) -> Ret;
+//! ```
+//!
+//! * `DISPOSITION`: a [`crate::inventory::Disposition`] variant.
+//! * `CHECK`: `libc` — the signature is checked against the `libc` crate's declaration;
+//!   `glibc` — the `libc` crate does not declare it (FORTIFY entry points, `fcntl64`), the
+//!   signature is taken from glibc's headers and its `debug/` sources.
+//! * `EXPORT`: `generated` — the cdylib generates the export; `handwritten` — the cdylib
+//!   writes it by hand (`vfork`, which must not have a stack frame of its own).
+//! * `; vararg: Type` marks a C variadic function. Rust cannot *define* a C-variadic function
+//!   on stable, so the export takes the one optional argument as a pointer-sized integer, which
+//!   is exactly what glibc's own `fcntl`/`ioctl` do (`va_arg(ap, void *)`); on the SysV x86-64
+//!   and AAPCS64 ABIs the first variadic argument travels in the same register as a fixed one.
+//!   The real function is called through its variadic pointer type.
+
+/// Hands the hook table to `$callback!`. See the [module docs](crate::hooks) for the grammar.
+#[macro_export]
+macro_rules! sandirect_hook_table {
+    ($callback:ident) => {
+        $callback! {
+            // ---- sockets: creation, addressing, options -------------------------------------
+            Accelerate libc generated "AF_INET/AF_INET6 SOCK_STREAM sockets become TCP candidates (tracked)"
+                fn socket(domain: ::libc::c_int, ty: ::libc::c_int, protocol: ::libc::c_int) -> ::libc::c_int;
+            PassThrough libc generated "AF_UNIX pairs are never SAN candidates"
+                fn socketpair(domain: ::libc::c_int, ty: ::libc::c_int, protocol: ::libc::c_int, fds: *mut ::libc::c_int) -> ::libc::c_int;
+            PassThrough libc generated "the kernel socket is bound; the SAN session reuses its address"
+                fn bind(fd: ::libc::c_int, addr: *const ::libc::sockaddr, len: ::libc::socklen_t) -> ::libc::c_int;
+            Accelerate libc generated "tracked candidate becomes a listener"
+                fn listen(fd: ::libc::c_int, backlog: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "accepted sockets of a tracked listener are tracked (server role)"
+                fn accept(fd: ::libc::c_int, addr: *mut ::libc::sockaddr, len: *mut ::libc::socklen_t) -> ::libc::c_int;
+            Accelerate libc generated "as accept; SOCK_NONBLOCK/SOCK_CLOEXEC recorded"
+                fn accept4(fd: ::libc::c_int, addr: *mut ::libc::sockaddr, len: *mut ::libc::socklen_t, flags: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "tracked candidate becomes connected (client role); config rules decide the path"
+                fn connect(fd: ::libc::c_int, addr: *const ::libc::sockaddr, len: ::libc::socklen_t) -> ::libc::c_int;
+            PassThrough libc generated "the kernel anchor holds the true addresses"
+                fn getsockname(fd: ::libc::c_int, addr: *mut ::libc::sockaddr, len: *mut ::libc::socklen_t) -> ::libc::c_int;
+            PassThrough libc generated "the kernel anchor holds the true addresses"
+                fn getpeername(fd: ::libc::c_int, addr: *mut ::libc::sockaddr, len: *mut ::libc::socklen_t) -> ::libc::c_int;
+            PassThrough libc generated "applied to the kernel anchor"
+                fn setsockopt(fd: ::libc::c_int, level: ::libc::c_int, name: ::libc::c_int, value: *const ::libc::c_void, len: ::libc::socklen_t) -> ::libc::c_int;
+            PassThrough libc generated "answered by the kernel anchor; an SO_ERROR answer settles a pending non-blocking connect"
+                fn getsockopt(fd: ::libc::c_int, level: ::libc::c_int, name: ::libc::c_int, value: *mut ::libc::c_void, len: *mut ::libc::socklen_t) -> ::libc::c_int;
+            Accelerate libc generated "half-close recorded per socket"
+                fn shutdown(fd: ::libc::c_int, how: ::libc::c_int) -> ::libc::c_int;
+            // ---- descriptor lifetime ------------------------------------------------------------
+            Accelerate libc generated "drops this fd's reference to the socket object"
+                fn close(fd: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "drops every tracked fd in the range (or marks it close-on-exec)"
+                fn close_range(first: ::libc::c_uint, last: ::libc::c_uint, flags: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "the copy maps to the same socket object"
+                fn dup(fd: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "the copy maps to the same socket object; a tracked target is released"
+                fn dup2(old: ::libc::c_int, new: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "as dup2, plus O_CLOEXEC"
+                fn dup3(old: ::libc::c_int, new: ::libc::c_int, flags: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "F_DUPFD*, F_SETFL O_NONBLOCK and F_SETFD FD_CLOEXEC are tracked"
+                fn fcntl(fd: ::libc::c_int, cmd: ::libc::c_int; arg: usize) -> ::libc::c_int;
+            Accelerate glibc generated "glibc >= 2.28 alias of fcntl with 64-bit locks; tracked as fcntl"
+                fn fcntl64(fd: ::libc::c_int, cmd: ::libc::c_int; arg: usize) -> ::libc::c_int;
+            Accelerate libc generated "FIONBIO is tracked; FIONREAD/SIOCOUTQ answered by the kernel today"
+                fn ioctl(fd: ::libc::c_int, request: ::libc::c_ulong; arg: usize) -> ::libc::c_int;
+            // ---- data transfer --------------------------------------------------------------------
+            Accelerate libc generated "byte counters per path"
+                fn read(fd: ::libc::c_int, buf: *mut ::libc::c_void, count: ::libc::size_t) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn readv(fd: ::libc::c_int, iov: *const ::libc::iovec, iovcnt: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn write(fd: ::libc::c_int, buf: *const ::libc::c_void, count: ::libc::size_t) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn writev(fd: ::libc::c_int, iov: *const ::libc::iovec, iovcnt: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn send(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path; MSG_FASTOPEN connects like connect"
+                fn sendto(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int, addr: *const ::libc::sockaddr, addrlen: ::libc::socklen_t) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn sendmsg(fd: ::libc::c_int, msg: *const ::libc::msghdr, flags: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn sendmmsg(fd: ::libc::c_int, msgvec: *mut ::libc::mmsghdr, vlen: ::libc::c_uint, flags: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "byte counters per path"
+                fn recv(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn recvfrom(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int, addr: *mut ::libc::sockaddr, addrlen: *mut ::libc::socklen_t) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn recvmsg(fd: ::libc::c_int, msg: *mut ::libc::msghdr, flags: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate libc generated "byte counters per path"
+                fn recvmmsg(fd: ::libc::c_int, msgvec: *mut ::libc::mmsghdr, vlen: ::libc::c_uint, flags: ::libc::c_int, timeout: *mut ::libc::timespec) -> ::libc::c_int;
+            Accelerate glibc generated "FORTIFY_SOURCE read (glibc debug/read_chk.c)"
+                fn __read_chk(fd: ::libc::c_int, buf: *mut ::libc::c_void, nbytes: ::libc::size_t, buflen: ::libc::size_t) -> ::libc::ssize_t;
+            Accelerate glibc generated "FORTIFY_SOURCE recv (glibc debug/recv_chk.c)"
+                fn __recv_chk(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, buflen: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
+            Accelerate glibc generated "FORTIFY_SOURCE recvfrom (glibc debug/recvfrom_chk.c)"
+                fn __recvfrom_chk(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, buflen: ::libc::size_t, flags: ::libc::c_int, addr: *mut ::libc::sockaddr, addrlen: *mut ::libc::socklen_t) -> ::libc::ssize_t;
+            FallBack libc generated "kernel sendfile; a SAN socket as target will be downgraded to TCP"
+                fn sendfile(out_fd: ::libc::c_int, in_fd: ::libc::c_int, offset: *mut ::libc::off_t, count: ::libc::size_t) -> ::libc::ssize_t;
+            FallBack libc generated "as sendfile"
+                fn sendfile64(out_fd: ::libc::c_int, in_fd: ::libc::c_int, offset: *mut ::libc::off64_t, count: ::libc::size_t) -> ::libc::ssize_t;
+            FallBack libc generated "kernel splice; a SAN socket on either end will be downgraded to TCP"
+                fn splice(fd_in: ::libc::c_int, off_in: *mut ::libc::loff_t, fd_out: ::libc::c_int, off_out: *mut ::libc::loff_t, len: ::libc::size_t, flags: ::libc::c_uint) -> ::libc::ssize_t;
+            // ---- readiness ------------------------------------------------------------------------
+            Accelerate libc generated "kernel readiness today; SAN sockets will report mirrored readiness"
+                fn poll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "as poll"
+                fn ppoll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
+            Accelerate glibc generated "FORTIFY_SOURCE poll (glibc debug/poll_chk.c)"
+                fn __poll_chk(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int, fdslen: ::libc::size_t) -> ::libc::c_int;
+            Accelerate glibc generated "FORTIFY_SOURCE ppoll (glibc debug/ppoll_chk.c)"
+                fn __ppoll_chk(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t, fdslen: ::libc::size_t) -> ::libc::c_int;
+            Accelerate libc generated "as poll"
+                fn select(nfds: ::libc::c_int, readfds: *mut ::libc::fd_set, writefds: *mut ::libc::fd_set, exceptfds: *mut ::libc::fd_set, timeout: *mut ::libc::timeval) -> ::libc::c_int;
+            Accelerate libc generated "as poll"
+                fn pselect(nfds: ::libc::c_int, readfds: *mut ::libc::fd_set, writefds: *mut ::libc::fd_set, exceptfds: *mut ::libc::fd_set, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
+            Accelerate libc generated "epoll instances are tracked so registrations can move to a readiness mirror"
+                fn epoll_create(size: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "as epoll_create"
+                fn epoll_create1(flags: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "registrations of tracked sockets (epfd, events, data) are recorded"
+                fn epoll_ctl(epfd: ::libc::c_int, op: ::libc::c_int, fd: ::libc::c_int, event: *mut ::libc::epoll_event) -> ::libc::c_int;
+            Accelerate libc generated "kernel readiness today"
+                fn epoll_wait(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: ::libc::c_int) -> ::libc::c_int;
+            Accelerate libc generated "kernel readiness today"
+                fn epoll_pwait(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: ::libc::c_int, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
+            Accelerate libc generated "kernel readiness today (ENOSYS where glibc < 2.35 lacks it)"
+                fn epoll_pwait2(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
+            // ---- processes ------------------------------------------------------------------------
+            PassThrough libc generated "child state is reset by pthread_atfork handlers (stats identity, SAN sockets downgraded)"
+                fn fork() -> ::libc::pid_t;
+            PassThrough libc handwritten "frameless trampoline to the real vfork: no Rust code runs in the child"
+                fn vfork() -> ::libc::pid_t;
+            PassThrough libc generated "only fds survive exec; the new image starts untracked"
+                fn execve(path: *const ::libc::c_char, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
+        }
+    };
+}

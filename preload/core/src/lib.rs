@@ -1,0 +1,30 @@
+//! # preload-core: everything the sandirect interposer does, as a testable rlib
+//!
+//! The `sandirect-preload` cdylib (`libsandirect.so`) contains only the exported hook
+//! functions; each is one call into [`ops`]. Everything else lives here so unit tests link it
+//! without exporting `read`, `close`, … into the test binary.
+//!
+//! * [`hooks`] — the declarative hook table every generated piece comes from;
+//! * [`real`] — the real functions, resolved once in the constructor;
+//! * [`fdtable`] — fd → socket object, one atomic load per lookup;
+//! * [`record`], [`registry`] — socket objects (all atomics) in published shared memory;
+//! * [`ops`] — the hooks' behaviour; [`runtime`] — init, environment, fork, logging;
+//! * [`config`] — the rules file; [`inventory`] — the symbol inventory; [`stats`] — reading
+//!   other processes' published connections (for `sandirect stat`);
+//! * [`guard`] — the reentrancy guard; [`errno`] — errno access.
+
+pub mod config;
+pub mod discovery;
+pub mod errno;
+pub mod fdtable;
+pub mod guard;
+#[macro_use]
+pub mod hooks;
+pub mod inventory;
+pub mod mirror;
+pub mod ops;
+pub mod real;
+pub mod record;
+pub mod registry;
+pub mod runtime;
+pub mod stats;

@@ -1,0 +1,1278 @@
+//! What every hook does. The exported functions in the cdylib are one-line calls into here.
+//!
+//! # The passthrough path
+//!
+//! For an fd that is not ours a hook does exactly: one atomic load from the fd table, then the
+//! real call through its resolved pointer. No lock, no allocation, no logging, no `std::env`,
+//! no errno change: async-signal-safe. Calls that never need per-fd state today (`poll`,
+//! `select`, `epoll_wait`, `getsockname`, …) go straight to the real function.
+//!
+//! # The tracked path
+//!
+//! For our fds the real call still happens first and its result (and `errno`) is what the
+//! caller gets. The bookkeeping after it runs inside `bookkeeping`: `errno` is saved and
+//! restored, the reentrancy guard is held, and a panic (which would be a bug) is caught and
+//! counted — the real call's result is returned regardless, because turning a completed
+//! `accept` or `close` into a failure would leak or double-close an fd. Nothing runs the real
+//! call twice.
+
+use core::ffi::{c_int, c_uint, c_ulong, c_void};
+use core::sync::atomic::{AtomicU64, Ordering};
+use std::net::SocketAddr;
+
+use libc::{size_t, sockaddr, socklen_t, ssize_t};
+
+use crate::config::Role;
+use crate::fdtable::{table, FdEntry};
+use crate::guard::{self, ReentrancyGuard};
+use crate::record::{flags, Bypass, Counter, SocketRecord, SocketState};
+use crate::registry::registry;
+use crate::{errno, real, runtime};
+
+static INTERNAL_FAULTS: AtomicU64 = AtomicU64::new(0);
+
+/// Bookkeeping steps that panicked (always a bug; the real call's result was still returned).
+pub fn internal_faults() -> u64 {
+    INTERNAL_FAULTS.load(Ordering::Relaxed)
+}
+
+/// Runs post-call bookkeeping: errno preserved, guard held, panics caught and counted.
+#[inline]
+fn bookkeeping(work: impl FnOnce()) {
+    let _errno = errno::Preserved::save();
+    let _guard = ReentrancyGuard::enter();
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).is_err() {
+        INTERNAL_FAULTS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The record behind a tracked entry.
+#[inline]
+fn record_of(entry: FdEntry) -> Option<(u32, &'static SocketRecord)> {
+    let index = entry.socket_index()?;
+    registry().get(index).map(|record| (index, record))
+}
+
+/// The tracked socket on `fd`, unless we are inside our own code.
+#[inline(always)]
+fn tracked(fd: c_int) -> Option<FdEntry> {
+    let entry = table().lookup(fd);
+    if entry.is_none() || guard::is_inside() {
+        return None;
+    }
+    Some(entry)
+}
+
+#[cold]
+fn count_bytes(entry: FdEntry, counter: Counter, bytes: u64) {
+    if let Some((_, record)) = record_of(entry) {
+        record.count(counter, bytes);
+        // Bytes moved, so a non-blocking connect has completed.
+        if record.flags() & flags::CONNECTING != 0 {
+            record.set_flag(flags::CONNECTING, false);
+        }
+    }
+}
+
+/// A data call: one lookup, the real call, and a counter bump for our sockets.
+#[inline(always)]
+fn data_call(fd: c_int, counter: Counter, call: impl FnOnce() -> ssize_t) -> ssize_t {
+    let entry = table().lookup(fd);
+    let result = call();
+    if !entry.is_none() && result > 0 {
+        count_bytes(entry, counter, result as u64);
+    }
+    result
+}
+
+/// As [`data_call`] for the `*mmsg` calls, which return a message count.
+#[inline(always)]
+fn mmsg_call(
+    fd: c_int,
+    counter: Counter,
+    msgvec: *const libc::mmsghdr,
+    call: impl FnOnce() -> c_int,
+) -> c_int {
+    let entry = table().lookup(fd);
+    let result = call();
+    if !entry.is_none() && result > 0 && !msgvec.is_null() {
+        // SAFETY: the kernel just filled `result` entries of the caller's vector.
+        let messages = unsafe { core::slice::from_raw_parts(msgvec, result as usize) };
+        let bytes = messages.iter().map(|m| u64::from(m.msg_len)).sum();
+        count_bytes(entry, counter, bytes);
+    }
+    result
+}
+
+// ---- release and tracking helpers ----------------------------------------------------------
+
+/// Drops whatever `entry` held for `fd` (the fd is gone or re-pointed).
+fn release_entry(fd: c_int, entry: FdEntry) {
+    if let Some(index) = entry.socket_index() {
+        registry().release(index);
+    } else if entry.is_epoll() {
+        // The epoll instance died with its last fd; registrations naming it are stale.
+        registry().for_each_live(|_, record| record.unregister_epoll(fd));
+    }
+}
+
+/// Starts tracking a new socket on `fd`.
+fn track_new(
+    fd: c_int,
+    state: SocketState,
+    socket_flags: u32,
+    cloexec: bool,
+) -> Option<&'static SocketRecord> {
+    let (index, record) = registry().claim(fd, state)?;
+    record.set_flag(socket_flags, true);
+    match table().replace(fd, FdEntry::socket(index, cloexec)) {
+        Ok(stale) => {
+            // An fd closed behind our back (e.g. glibc-internal close) left a stale entry.
+            release_entry(fd, stale);
+            Some(record)
+        }
+        Err(_) => {
+            registry().release(index);
+            None
+        }
+    }
+}
+
+/// Points `new_fd` at the socket of `entry` (a dup).
+fn track_dup(new_fd: c_int, entry: FdEntry) {
+    if let Some(index) = entry.socket_index() {
+        registry().add_ref(index);
+        match table().replace(new_fd, entry) {
+            Ok(previous) => release_entry(new_fd, previous),
+            Err(_) => {
+                registry().release(index);
+            }
+        }
+    } else if entry.is_epoll() {
+        if let Ok(previous) = table().replace(new_fd, entry) {
+            release_entry(new_fd, previous);
+        }
+    }
+}
+
+fn untrack(fd: c_int) {
+    let previous = table().take(fd);
+    release_entry(fd, previous);
+}
+
+fn is_tcp(domain: c_int, ty: c_int, protocol: c_int) -> bool {
+    let base_type = ty & !(libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC);
+    (domain == libc::AF_INET || domain == libc::AF_INET6)
+        && base_type == libc::SOCK_STREAM
+        && (protocol == 0 || protocol == libc::IPPROTO_TCP)
+}
+
+fn family_flag(domain: c_int) -> u32 {
+    if domain == libc::AF_INET6 {
+        flags::INET6
+    } else {
+        0
+    }
+}
+
+/// Decodes an AF_INET/AF_INET6 socket address given by the application or the kernel.
+///
+/// # Safety
+/// `addr` must be null or point to `len` readable bytes.
+pub unsafe fn decode_sockaddr(addr: *const sockaddr, len: socklen_t) -> Option<SocketAddr> {
+    if addr.is_null() || (len as usize) < core::mem::size_of::<libc::sa_family_t>() {
+        return None;
+    }
+    // SAFETY: at least the family field is readable (checked above).
+    let family = c_int::from(unsafe { (*addr).sa_family });
+    match family {
+        libc::AF_INET if len as usize >= core::mem::size_of::<libc::sockaddr_in>() => {
+            // SAFETY: enough bytes for a sockaddr_in; read unaligned (caller's buffer).
+            let sin = unsafe { addr.cast::<libc::sockaddr_in>().read_unaligned() };
+            Some(SocketAddr::from((
+                u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                u16::from_be(sin.sin_port),
+            )))
+        }
+        libc::AF_INET6 if len as usize >= core::mem::size_of::<libc::sockaddr_in6>() => {
+            // SAFETY: enough bytes for a sockaddr_in6.
+            let sin6 = unsafe { addr.cast::<libc::sockaddr_in6>().read_unaligned() };
+            Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                sin6.sin6_addr.s6_addr.into(),
+                u16::from_be(sin6.sin6_port),
+                u32::from_be(sin6.sin6_flowinfo),
+                sin6.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
+fn kernel_address(
+    fd: c_int,
+    query: unsafe fn(c_int, *mut sockaddr, *mut socklen_t) -> c_int,
+) -> Option<SocketAddr> {
+    let mut storage = core::mem::MaybeUninit::<libc::sockaddr_storage>::zeroed();
+    let mut len = core::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+    // SAFETY: storage is large enough for any address; len says so.
+    if unsafe { query(fd, storage.as_mut_ptr().cast(), &mut len) } != 0 {
+        return None;
+    }
+    // SAFETY: the kernel wrote `len` bytes (bounded by the storage size).
+    unsafe {
+        decode_sockaddr(
+            storage.as_ptr().cast(),
+            len.min(core::mem::size_of::<libc::sockaddr_storage>() as socklen_t),
+        )
+    }
+}
+
+fn local_address(fd: c_int) -> Option<SocketAddr> {
+    kernel_address(fd, real::getsockname)
+}
+
+fn peer_address(fd: c_int) -> Option<SocketAddr> {
+    kernel_address(fd, real::getpeername)
+}
+
+fn mark_connected(
+    record: &SocketRecord,
+    role: Role,
+    local: Option<SocketAddr>,
+    peer: Option<SocketAddr>,
+) {
+    record.set_addresses(local, peer);
+    // A client's rules match the peer; a server's match its own (listening) address.
+    let endpoint = if role == Role::Client { peer } else { local };
+    let bypass = runtime::decide(role, endpoint);
+    record.bypass.store(bypass as u32, Ordering::Release);
+    record.set_state(SocketState::ConnectedTcp);
+    tracing::debug!(
+        fd = record.fd.load(Ordering::Relaxed),
+        ?role,
+        ?local,
+        ?peer,
+        reason = bypass.label(),
+        "connection on TCP"
+    );
+}
+
+// ---- sockets ------------------------------------------------------------------------------
+
+/// `socket(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
+    // SAFETY: forwarded.
+    let fd = unsafe { real::socket(domain, ty, protocol) };
+    if fd >= 0 && is_tcp(domain, ty, protocol) && runtime::tracking_enabled() && !guard::is_inside()
+    {
+        bookkeeping(|| {
+            let nonblock = if ty & libc::SOCK_NONBLOCK != 0 {
+                flags::NONBLOCK
+            } else {
+                0
+            };
+            track_new(
+                fd,
+                SocketState::TcpCandidate,
+                family_flag(domain) | nonblock,
+                ty & libc::SOCK_CLOEXEC != 0,
+            );
+        });
+    }
+    fd
+}
+
+/// `socketpair(2)`: never a SAN candidate.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn socketpair(domain: c_int, ty: c_int, protocol: c_int, fds: *mut c_int) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::socketpair(domain, ty, protocol, fds) }
+}
+
+/// `bind(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::bind(fd, addr, len) }
+}
+
+/// `listen(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::listen(fd, backlog) };
+    if let (0, Some(entry)) = (rc, entry) {
+        bookkeeping(|| {
+            if let Some((_, record)) = record_of(entry) {
+                record.set_addresses(local_address(fd), None);
+                record.set_state(SocketState::Listener);
+            }
+        });
+    }
+    rc
+}
+
+fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
+    let Some(listener) = listener else { return };
+    bookkeeping(|| {
+        let Some((_, listening)) = record_of(listener) else {
+            return;
+        };
+        if listening.state() != SocketState::Listener {
+            return;
+        }
+        let inet6 = listening.flags() & flags::INET6;
+        let nonblock = if accept_flags & libc::SOCK_NONBLOCK != 0 {
+            flags::NONBLOCK
+        } else {
+            0
+        };
+        let cloexec = accept_flags & libc::SOCK_CLOEXEC != 0;
+        if let Some(record) = track_new(
+            fd,
+            SocketState::TcpCandidate,
+            inet6 | nonblock | flags::SERVER,
+            cloexec,
+        ) {
+            mark_connected(record, Role::Server, local_address(fd), peer_address(fd));
+        }
+    });
+}
+
+/// `accept(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    let listener = tracked(fd);
+    // SAFETY: forwarded.
+    let new_fd = unsafe { real::accept(fd, addr, len) };
+    if new_fd >= 0 {
+        on_accepted(listener, new_fd, 0);
+    }
+    new_fd
+}
+
+/// `accept4(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    accept_flags: c_int,
+) -> c_int {
+    let listener = tracked(fd);
+    // SAFETY: forwarded.
+    let new_fd = unsafe { real::accept4(fd, addr, len, accept_flags) };
+    if new_fd >= 0 {
+        on_accepted(listener, new_fd, accept_flags);
+    }
+    new_fd
+}
+
+/// A tracked candidate started (or finished) connecting to `peer`.
+fn on_connect_started(fd: c_int, entry: FdEntry, peer: Option<SocketAddr>, in_progress: bool) {
+    let Some((_, record)) = record_of(entry) else {
+        return;
+    };
+    if peer.is_none() || record.state() != SocketState::TcpCandidate {
+        return; // AF_UNSPEC disconnect, or a second connect on a connected socket.
+    }
+    record.set_flag(flags::CLIENT, true);
+    record.set_flag(flags::CONNECTING, in_progress);
+    mark_connected(record, Role::Client, local_address(fd), peer);
+}
+
+/// `connect(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::connect(fd, addr, len) };
+    let Some(entry) = entry else { return rc };
+    let in_progress = rc != 0 && errno::get() == libc::EINPROGRESS;
+    if rc == 0 || in_progress {
+        // SAFETY: the kernel accepted (addr, len) as a valid address just now.
+        let peer = unsafe { decode_sockaddr(addr, len) };
+        bookkeeping(|| on_connect_started(fd, entry, peer, in_progress));
+    }
+    rc
+}
+
+/// `getsockname(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::getsockname(fd, addr, len) }
+}
+
+/// `getpeername(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::getpeername(fd, addr, len) }
+}
+
+/// `setsockopt(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    value: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::setsockopt(fd, level, name, value, len) }
+}
+
+/// `getsockopt(2)`. `SO_ERROR` is how a non-blocking connect reports its outcome, so it
+/// settles a connecting socket: 0 means connected, an error means back to unconnected.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    value: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    let entry = table().lookup(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::getsockopt(fd, level, name, value, len) };
+    let is_so_error = level == libc::SOL_SOCKET && name == libc::SO_ERROR;
+    if rc == 0 && is_so_error && !entry.is_none() && !value.is_null() && !guard::is_inside() {
+        // SAFETY: the kernel just wrote an int there.
+        let error = unsafe { value.cast::<c_int>().read_unaligned() };
+        bookkeeping(|| settle_connect(entry, error));
+    }
+    rc
+}
+
+fn settle_connect(entry: FdEntry, error: c_int) {
+    let Some((_, record)) = record_of(entry) else {
+        return;
+    };
+    if record.flags() & flags::CONNECTING == 0 {
+        return;
+    }
+    record.set_flag(flags::CONNECTING, false);
+    if error != 0 {
+        record.set_addresses(None, None);
+        record.set_flag(flags::CLIENT, false);
+        record.bypass.store(Bypass::None as u32, Ordering::Release);
+        record.set_state(SocketState::TcpCandidate);
+    }
+}
+
+/// `shutdown(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::shutdown(fd, how) };
+    if let (0, Some(entry)) = (rc, entry) {
+        bookkeeping(|| {
+            if let Some((_, record)) = record_of(entry) {
+                let bits = match how {
+                    libc::SHUT_RD => flags::SHUT_RD,
+                    libc::SHUT_WR => flags::SHUT_WR,
+                    _ => flags::SHUT_RD | flags::SHUT_WR,
+                };
+                record.set_flag(bits, true);
+            }
+        });
+    }
+    rc
+}
+
+// ---- descriptor lifetime --------------------------------------------------------------------
+
+/// `close(2)`. The entry is cleared *before* the real close: once the kernel frees the number,
+/// another thread's `socket()` may reuse it, and its fresh entry must not be wiped by us.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn close(fd: c_int) -> c_int {
+    let entry = table().take(fd);
+    if !entry.is_none() {
+        bookkeeping(|| release_entry(fd, entry));
+    }
+    // SAFETY: forwarded.
+    unsafe { real::close(fd) }
+}
+
+/// `close_range(2)`.
+///
+/// # Safety
+/// As the C function.
+pub unsafe fn close_range(first: c_uint, last: c_uint, range_flags: c_int) -> c_int {
+    let known = (libc::CLOSE_RANGE_CLOEXEC | libc::CLOSE_RANGE_UNSHARE) as c_int;
+    let valid = first <= last && range_flags & !known == 0;
+    let first_fd = first.min(c_int::MAX as c_uint) as c_int;
+    let last_fd = last.min(c_int::MAX as c_uint) as c_int;
+    let only_cloexec = range_flags & libc::CLOSE_RANGE_CLOEXEC as c_int != 0;
+    if valid && !only_cloexec && table().high_water() >= first_fd {
+        bookkeeping(|| table().for_each_in(first_fd, last_fd, |fd, _| untrack(fd)));
+    }
+    // SAFETY: forwarded.
+    let rc = unsafe { real::close_range(first, last, range_flags) };
+    if rc == 0 && only_cloexec {
+        bookkeeping(|| {
+            table().for_each_in(first_fd, last_fd, |fd, entry| {
+                table().update(fd, entry, entry.with_cloexec(true));
+            })
+        });
+    }
+    rc
+}
+
+/// `dup(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn dup(fd: c_int) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let new_fd = unsafe { real::dup(fd) };
+    if let (true, Some(entry)) = (new_fd >= 0, entry) {
+        bookkeeping(|| track_dup(new_fd, entry.with_cloexec(false)));
+    }
+    new_fd
+}
+
+fn after_dup2(old: c_int, new: c_int, old_entry: FdEntry, cloexec: bool) {
+    if old == new {
+        return;
+    }
+    bookkeeping(|| {
+        if old_entry.is_none() {
+            untrack(new); // the kernel closed whatever `new` was
+        } else {
+            track_dup(new, old_entry.with_cloexec(cloexec));
+        }
+    });
+}
+
+/// `dup2(2)`: a tracked target is released (the kernel closed it), atomically with the swap.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn dup2(old: c_int, new: c_int) -> c_int {
+    let old_entry = table().lookup(old);
+    let new_entry = table().lookup(new);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::dup2(old, new) };
+    if rc >= 0 && !(old_entry.is_none() && new_entry.is_none()) && !guard::is_inside() {
+        after_dup2(old, new, old_entry, false);
+    }
+    rc
+}
+
+/// `dup3(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn dup3(old: c_int, new: c_int, dup_flags: c_int) -> c_int {
+    let old_entry = table().lookup(old);
+    let new_entry = table().lookup(new);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::dup3(old, new, dup_flags) };
+    if rc >= 0 && !(old_entry.is_none() && new_entry.is_none()) && !guard::is_inside() {
+        after_dup2(old, new, old_entry, dup_flags & libc::O_CLOEXEC != 0);
+    }
+    rc
+}
+
+fn after_fcntl(fd: c_int, entry: FdEntry, cmd: c_int, arg: usize, rc: c_int) {
+    bookkeeping(|| match cmd {
+        libc::F_DUPFD | libc::F_DUPFD_CLOEXEC => {
+            track_dup(rc, entry.with_cloexec(cmd == libc::F_DUPFD_CLOEXEC))
+        }
+        libc::F_SETFD => {
+            table().update(
+                fd,
+                entry,
+                entry.with_cloexec(arg as c_int & libc::FD_CLOEXEC != 0),
+            );
+        }
+        libc::F_SETFL => {
+            if let Some((_, record)) = record_of(entry) {
+                record.set_flag(flags::NONBLOCK, arg as c_int & libc::O_NONBLOCK != 0);
+            }
+        }
+        _ => {}
+    });
+}
+
+fn fcntl_changes_state(cmd: c_int) -> bool {
+    matches!(
+        cmd,
+        libc::F_DUPFD | libc::F_DUPFD_CLOEXEC | libc::F_SETFD | libc::F_SETFL
+    )
+}
+
+/// `fcntl(2)`; the variadic argument arrives pointer-sized, as glibc reads it.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    let entry = table().lookup(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::fcntl(fd, cmd, arg) };
+    if rc >= 0 && !entry.is_none() && fcntl_changes_state(cmd) && !guard::is_inside() {
+        after_fcntl(fd, entry, cmd, arg, rc);
+    }
+    rc
+}
+
+/// `fcntl64` (glibc ≥ 2.28).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    let entry = table().lookup(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::fcntl64(fd, cmd, arg) };
+    if rc >= 0 && !entry.is_none() && fcntl_changes_state(cmd) && !guard::is_inside() {
+        after_fcntl(fd, entry, cmd, arg, rc);
+    }
+    rc
+}
+
+/// `ioctl(2)`; FIONBIO is tracked.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn ioctl(fd: c_int, request: c_ulong, arg: usize) -> c_int {
+    let entry = table().lookup(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::ioctl(fd, request, arg) };
+    if rc == 0 && request == libc::FIONBIO && !entry.is_none() && arg != 0 && !guard::is_inside() {
+        // SAFETY: FIONBIO takes an int pointer, and the kernel just read it successfully.
+        let on = unsafe { (arg as *const c_int).read_unaligned() } != 0;
+        bookkeeping(|| {
+            if let Some((_, record)) = record_of(entry) {
+                record.set_flag(flags::NONBLOCK, on);
+            }
+        });
+    }
+    rc
+}
+
+// ---- data transfer --------------------------------------------------------------------------
+
+macro_rules! data_ops {
+    ($( $name:ident($fd:ident $(, $arg:ident: $ty:ty)*) => $counter:ident; )*) => {$(
+        #[doc = concat!("`", stringify!($name), "`: counted per path for our sockets.")]
+        ///
+        /// # Safety
+        /// As the C function.
+        #[inline(always)]
+        pub unsafe fn $name($fd: c_int $(, $arg: $ty)*) -> ssize_t {
+            // SAFETY: forwarded.
+            data_call($fd, Counter::$counter, || unsafe { real::$name($fd $(, $arg)*) })
+        }
+    )*};
+}
+
+data_ops! {
+    read(fd, buf: *mut c_void, count: size_t) => TcpReceived;
+    readv(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpReceived;
+    write(fd, buf: *const c_void, count: size_t) => TcpSent;
+    writev(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpSent;
+    send(fd, buf: *const c_void, len: size_t, send_flags: c_int) => TcpSent;
+    sendmsg(fd, msg: *const libc::msghdr, send_flags: c_int) => TcpSent;
+    recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived;
+    recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived;
+    recvmsg(fd, msg: *mut libc::msghdr, recv_flags: c_int) => TcpReceived;
+    __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived;
+    __recv_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int) => TcpReceived;
+    __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived;
+}
+
+/// `sendto(2)`: counted; with `MSG_FASTOPEN` it is also a connect (TCP Fast Open).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    len: size_t,
+    send_flags: c_int,
+    addr: *const sockaddr,
+    addrlen: socklen_t,
+) -> ssize_t {
+    // SAFETY: forwarded.
+    let sent = data_call(fd, Counter::TcpSent, || unsafe {
+        real::sendto(fd, buf, len, send_flags, addr, addrlen)
+    });
+    if send_flags & libc::MSG_FASTOPEN != 0 && !addr.is_null() {
+        let in_progress = sent < 0 && errno::get() == libc::EINPROGRESS;
+        if let (true, Some(entry)) = (sent >= 0 || in_progress, tracked(fd)) {
+            // SAFETY: the kernel accepted (addr, addrlen) as the destination just now.
+            let peer = unsafe { decode_sockaddr(addr, addrlen) };
+            bookkeeping(|| on_connect_started(fd, entry, peer, in_progress));
+        }
+    }
+    sent
+}
+
+/// `sendmmsg(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendmmsg(
+    fd: c_int,
+    msgvec: *mut libc::mmsghdr,
+    vlen: c_uint,
+    send_flags: c_int,
+) -> c_int {
+    // SAFETY: forwarded.
+    mmsg_call(fd, Counter::TcpSent, msgvec, || unsafe {
+        real::sendmmsg(fd, msgvec, vlen, send_flags)
+    })
+}
+
+/// `recvmmsg(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn recvmmsg(
+    fd: c_int,
+    msgvec: *mut libc::mmsghdr,
+    vlen: c_uint,
+    recv_flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    // SAFETY: forwarded.
+    mmsg_call(fd, Counter::TcpReceived, msgvec, || unsafe {
+        real::recvmmsg(fd, msgvec, vlen, recv_flags, timeout)
+    })
+}
+
+/// `sendfile(2)`: kernel only; the bytes count as TCP bytes of the target socket.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendfile(
+    out_fd: c_int,
+    in_fd: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    // SAFETY: forwarded.
+    data_call(out_fd, Counter::TcpSent, || unsafe {
+        real::sendfile(out_fd, in_fd, offset, count)
+    })
+}
+
+/// `sendfile64`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendfile64(
+    out_fd: c_int,
+    in_fd: c_int,
+    offset: *mut libc::off64_t,
+    count: size_t,
+) -> ssize_t {
+    // SAFETY: forwarded.
+    data_call(out_fd, Counter::TcpSent, || unsafe {
+        real::sendfile64(out_fd, in_fd, offset, count)
+    })
+}
+
+/// `splice(2)`: kernel only; counted on both ends when they are ours.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn splice(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    splice_flags: c_uint,
+) -> ssize_t {
+    let in_entry = table().lookup(fd_in);
+    // SAFETY: forwarded.
+    let moved = data_call(fd_out, Counter::TcpSent, || unsafe {
+        real::splice(fd_in, off_in, fd_out, off_out, len, splice_flags)
+    });
+    if moved > 0 && !in_entry.is_none() {
+        count_bytes(in_entry, Counter::TcpReceived, moved as u64);
+    }
+    moved
+}
+
+// ---- readiness ------------------------------------------------------------------------------
+
+macro_rules! passthrough_ops {
+    ($( $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty; )*) => {$(
+        #[doc = concat!("`", stringify!($name), "`: kernel readiness (no SAN socket exists yet).")]
+        ///
+        /// # Safety
+        /// As the C function.
+        #[inline(always)]
+        pub unsafe fn $name($($arg: $ty),*) -> $ret {
+            // SAFETY: forwarded.
+            unsafe { real::$name($($arg),*) }
+        }
+    )*};
+}
+
+passthrough_ops! {
+    poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -> c_int;
+    ppoll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
+    __poll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int;
+    __ppoll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: *const libc::timespec, sigmask: *const libc::sigset_t, fdslen: size_t) -> c_int;
+    select(nfds: c_int, readfds: *mut libc::fd_set, writefds: *mut libc::fd_set, exceptfds: *mut libc::fd_set, timeout: *mut libc::timeval) -> c_int;
+    pselect(nfds: c_int, readfds: *mut libc::fd_set, writefds: *mut libc::fd_set, exceptfds: *mut libc::fd_set, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
+    epoll_wait(epfd: c_int, events: *mut libc::epoll_event, maxevents: c_int, timeout: c_int) -> c_int;
+    epoll_pwait(epfd: c_int, events: *mut libc::epoll_event, maxevents: c_int, timeout: c_int, sigmask: *const libc::sigset_t) -> c_int;
+    epoll_pwait2(epfd: c_int, events: *mut libc::epoll_event, maxevents: c_int, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
+    fork() -> libc::pid_t;
+    execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+}
+
+fn track_epoll_instance(epfd: c_int, cloexec: bool) {
+    if epfd >= 0 && runtime::tracking_enabled() && !guard::is_inside() {
+        bookkeeping(|| {
+            if let Ok(previous) = table().replace(epfd, FdEntry::epoll(cloexec)) {
+                release_entry(epfd, previous);
+            }
+        });
+    }
+}
+
+/// `epoll_create(2)`: the instance is tracked.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn epoll_create(size: c_int) -> c_int {
+    // SAFETY: forwarded.
+    let epfd = unsafe { real::epoll_create(size) };
+    track_epoll_instance(epfd, false);
+    epfd
+}
+
+/// `epoll_create1(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn epoll_create1(create_flags: c_int) -> c_int {
+    // SAFETY: forwarded.
+    let epfd = unsafe { real::epoll_create1(create_flags) };
+    track_epoll_instance(epfd, create_flags & libc::EPOLL_CLOEXEC != 0);
+    epfd
+}
+
+fn note_registration(record: &SocketRecord, epfd: c_int, event: libc::epoll_event) {
+    if !record.register_epoll(epfd, event.events, event.u64) {
+        // The record mirrors a few sets only; such a socket must stay on TCP.
+        let _ = record.bypass.compare_exchange(
+            Bypass::None as u32,
+            Bypass::TooManyEpollSets as u32,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+/// `epoll_ctl(2)`: registrations of our sockets are recorded.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epoll_event) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::epoll_ctl(epfd, op, fd, event) };
+    if let (0, Some(entry)) = (rc, entry) {
+        // SAFETY: the kernel accepted `event` (required for ADD/MOD) just now.
+        let registered = (!event.is_null()).then(|| unsafe { event.read_unaligned() });
+        bookkeeping(|| {
+            let Some((_, record)) = record_of(entry) else {
+                return;
+            };
+            match (op, registered) {
+                (libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD, Some(event)) => {
+                    note_registration(record, epfd, event)
+                }
+                (libc::EPOLL_CTL_DEL, _) => record.unregister_epoll(epfd),
+                _ => {}
+            }
+        });
+    }
+    rc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refs(fd: c_int) -> Option<(u32, u32)> {
+        let (index, record) = record_of(table().lookup(fd))?;
+        Some((index, record.fd_refs.load(Ordering::Acquire)))
+    }
+
+    fn tcp_socket(extra: c_int) -> c_int {
+        // SAFETY: plain socket creation through the op.
+        let fd = unsafe { socket(libc::AF_INET, libc::SOCK_STREAM | extra, 0) };
+        assert!(fd >= 0);
+        fd
+    }
+
+    #[test]
+    fn dup_family_keeps_one_socket_object_until_the_last_close() {
+        let fd = tcp_socket(libc::SOCK_CLOEXEC);
+        let entry = table().lookup(fd);
+        assert!(entry.cloexec());
+        let (index, refs_after_socket) = refs(fd).expect("TCP socket must be tracked");
+        assert_eq!(refs_after_socket, 1);
+        // SAFETY: dup/fcntl/dup3 on our own fd.
+        let (copy, copy2) = unsafe { (dup(fd), fcntl(fd, libc::F_DUPFD_CLOEXEC, 200)) };
+        assert!(copy >= 0 && copy2 >= 200);
+        assert_eq!(refs(copy), Some((index, 3)));
+        assert!(!table().lookup(copy).cloexec(), "dup clears close-on-exec");
+        assert!(table().lookup(copy2).cloexec(), "F_DUPFD_CLOEXEC sets it");
+        // SAFETY: closing our fds.
+        assert_eq!(unsafe { close(fd) }, 0);
+        assert!(table().lookup(fd).is_none());
+        assert_eq!(
+            refs(copy),
+            Some((index, 2)),
+            "the copies keep the object alive"
+        );
+        // SAFETY: as above.
+        unsafe { close(copy) };
+        let record = registry().get(index).unwrap();
+        assert_eq!(record.state(), SocketState::TcpCandidate);
+        // SAFETY: as above.
+        unsafe { close(copy2) };
+        assert_eq!(
+            record.state(),
+            SocketState::Free,
+            "last close frees the object"
+        );
+    }
+
+    #[test]
+    fn dup2_onto_a_tracked_fd_releases_the_old_socket() {
+        let (a, b) = (tcp_socket(0), tcp_socket(0));
+        let (index_a, _) = refs(a).unwrap();
+        let (index_b, _) = refs(b).unwrap();
+        // SAFETY: our fds.
+        assert_eq!(unsafe { dup2(a, b) }, b);
+        assert_eq!(refs(b), Some((index_a, 2)));
+        assert_eq!(registry().get(index_b).unwrap().state(), SocketState::Free);
+        // A foreign fd dup2'ed over a tracked one untracks it.
+        let mut pipe = [0; 2];
+        // SAFETY: pipe creation.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: our fds.
+        assert_eq!(unsafe { dup3(pipe[0], b, libc::O_CLOEXEC) }, b);
+        assert!(table().lookup(b).is_none());
+        assert_eq!(refs(a), Some((index_a, 1)));
+        // SAFETY: our fds.
+        unsafe {
+            close(a);
+            close(b);
+            close(pipe[0]);
+            close(pipe[1]);
+        }
+    }
+
+    #[test]
+    fn flags_and_epoll_registrations_are_tracked() {
+        let fd = tcp_socket(0);
+        let (_, record) = record_of(table().lookup(fd)).unwrap();
+        // SAFETY: fcntl/ioctl on our fd with valid arguments.
+        unsafe {
+            fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK as usize);
+            assert_ne!(record.flags() & flags::NONBLOCK, 0);
+            let off: c_int = 0;
+            ioctl(fd, libc::FIONBIO, &off as *const c_int as usize);
+            assert_eq!(record.flags() & flags::NONBLOCK, 0);
+            fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC as usize);
+        }
+        assert!(table().lookup(fd).cloexec());
+        // SAFETY: epoll calls with live event structs.
+        let epfd = unsafe { epoll_create1(libc::EPOLL_CLOEXEC) };
+        assert!(table().lookup(epfd).is_epoll());
+        let mut event = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 99,
+        };
+        // SAFETY: as above.
+        let added = unsafe { epoll_ctl(epfd, libc::EPOLL_CTL_ADD, fd, &mut event) };
+        assert_eq!(added, 0);
+        assert_eq!(
+            record.epoll_registrations().collect::<Vec<_>>(),
+            vec![(epfd, libc::EPOLLIN as u32, 99)]
+        );
+        // Closing the epoll instance forgets its registrations.
+        // SAFETY: our fd.
+        unsafe { close(epfd) };
+        assert_eq!(record.epoll_registrations().count(), 0);
+        // SAFETY: our fd.
+        unsafe { close(fd) };
+    }
+
+    #[test]
+    fn close_range_untracks_and_cloexec_marks() {
+        let fds: Vec<c_int> = (0..3).map(|_| tcp_socket(0)).collect();
+        let (low, high) = (*fds.iter().min().unwrap(), *fds.iter().max().unwrap());
+        let cloexec_flag = libc::CLOSE_RANGE_CLOEXEC as c_int;
+        // SAFETY: marking our own fds close-on-exec.
+        let marked = unsafe { close_range(low as c_uint, high as c_uint, cloexec_flag) };
+        assert_eq!(marked, 0);
+        assert!(fds.iter().all(|&fd| table().lookup(fd).cloexec()));
+        for &fd in &fds {
+            // SAFETY: closing exactly our own fd (one at a time: other tests own fds between).
+            let closed = unsafe { close_range(fd as c_uint, fd as c_uint, 0) };
+            assert_eq!(closed, 0);
+            assert!(table().lookup(fd).is_none());
+        }
+        // SAFETY: invalid range: EINVAL, nothing untracked.
+        assert_eq!(unsafe { close_range(10, 5, 0) }, -1);
+        assert_eq!(errno::get(), libc::EINVAL);
+    }
+
+    #[test]
+    fn connect_listen_accept_record_roles_addresses_and_bytes() {
+        let listener = tcp_socket(0);
+        let any = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 0,
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_be_bytes([127, 0, 0, 1]).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = core::mem::size_of_val(&any) as socklen_t;
+        // SAFETY: valid sockaddr for our socket.
+        unsafe {
+            assert_eq!(
+                bind(listener, (&any as *const libc::sockaddr_in).cast(), len),
+                0
+            );
+            assert_eq!(listen(listener, 4), 0);
+        }
+        let (_, listening) = record_of(table().lookup(listener)).unwrap();
+        assert_eq!(listening.state(), SocketState::Listener);
+        let bound = listening.addresses().0.unwrap();
+        let client = tcp_socket(0);
+        let mut target = any;
+        target.sin_port = bound.port().to_be();
+        // SAFETY: valid sockaddr; blocking loopback connect.
+        let connected =
+            unsafe { connect(client, (&target as *const libc::sockaddr_in).cast(), len) };
+        assert_eq!(connected, 0);
+        // SAFETY: accept with null address pointers.
+        let server = unsafe {
+            accept4(
+                listener,
+                core::ptr::null_mut(),
+                core::ptr::null_mut(),
+                libc::SOCK_NONBLOCK,
+            )
+        };
+        assert!(server >= 0);
+        let (_, client_record) = record_of(table().lookup(client)).unwrap();
+        let (_, server_record) = record_of(table().lookup(server)).unwrap();
+        assert_eq!(client_record.state(), SocketState::ConnectedTcp);
+        assert_ne!(client_record.flags() & flags::CLIENT, 0);
+        assert_ne!(server_record.flags() & flags::SERVER, 0);
+        assert_ne!(server_record.flags() & flags::NONBLOCK, 0);
+        assert_eq!(client_record.addresses().1, Some(bound));
+        assert_eq!(server_record.addresses().0, Some(bound));
+        assert_eq!(server_record.addresses().1, client_record.addresses().0);
+        // SAFETY: valid buffers.
+        unsafe {
+            assert_eq!(write(client, b"12345".as_ptr().cast(), 5), 5);
+            let mut buf = [0u8; 8];
+            let mut pfd = libc::pollfd {
+                fd: server,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            poll(&mut pfd, 1, 2000);
+            assert_eq!(recv(server, buf.as_mut_ptr().cast(), 8, 0), 5);
+            assert_eq!(shutdown(client, libc::SHUT_WR), 0);
+        }
+        assert_eq!(client_record.counter(Counter::TcpSent), 5);
+        assert_eq!(server_record.counter(Counter::TcpReceived), 5);
+        assert_ne!(client_record.flags() & flags::SHUT_WR, 0);
+        // SAFETY: our fds.
+        unsafe {
+            close(client);
+            close(server);
+            close(listener);
+        }
+    }
+
+    #[test]
+    fn so_error_settles_a_nonblocking_connect() {
+        let loopback = |port: u16| libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_be_bytes([127, 0, 0, 1]).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let so_error = |fd: c_int| {
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLOUT,
+                revents: 0,
+            };
+            let mut value: c_int = -1;
+            let mut len = core::mem::size_of::<c_int>() as socklen_t;
+            // SAFETY: live pollfd and int.
+            unsafe {
+                poll(&mut pfd, 1, 2000);
+                getsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_ERROR,
+                    (&mut value as *mut c_int).cast(),
+                    &mut len,
+                );
+            }
+            value
+        };
+        // Port 1 on loopback refuses: the socket goes back to being a candidate.
+        let refused = tcp_socket(libc::SOCK_NONBLOCK);
+        let target = loopback(1);
+        // SAFETY: valid sockaddr.
+        let rc = unsafe { connect(refused, (&target as *const libc::sockaddr_in).cast(), 16) };
+        assert_eq!((rc, errno::get()), (-1, libc::EINPROGRESS));
+        let (_, record) = record_of(table().lookup(refused)).unwrap();
+        assert_eq!(record.state(), SocketState::ConnectedTcp);
+        assert_ne!(record.flags() & flags::CONNECTING, 0);
+        assert_eq!(so_error(refused), libc::ECONNREFUSED);
+        assert_eq!(record.state(), SocketState::TcpCandidate);
+        assert_eq!(record.flags() & (flags::CONNECTING | flags::CLIENT), 0);
+        // SAFETY: our fd.
+        unsafe { close(refused) };
+    }
+
+    #[test]
+    fn errno_of_the_real_call_survives_bookkeeping() {
+        let fd = tcp_socket(0);
+        let unreachable = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 1u16.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_be_bytes([127, 0, 0, 1]).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: valid sockaddr; nothing listens on port 1.
+        let rc = unsafe { connect(fd, (&unreachable as *const libc::sockaddr_in).cast(), 16) };
+        assert_eq!((rc, errno::get()), (-1, libc::ECONNREFUSED));
+        // SAFETY: closing a never-opened fd.
+        assert_eq!((unsafe { close(-7) }, errno::get()), (-1, libc::EBADF));
+        // SAFETY: our fd.
+        unsafe { close(fd) };
+    }
+
+    #[test]
+    fn tcp_classification() {
+        assert!(is_tcp(
+            libc::AF_INET,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0
+        ));
+        assert!(is_tcp(libc::AF_INET6, libc::SOCK_STREAM, libc::IPPROTO_TCP));
+        assert!(!is_tcp(libc::AF_INET, libc::SOCK_DGRAM, 0));
+        assert!(!is_tcp(libc::AF_UNIX, libc::SOCK_STREAM, 0));
+        assert!(!is_tcp(
+            libc::AF_INET,
+            libc::SOCK_STREAM,
+            libc::IPPROTO_SCTP
+        ));
+    }
+
+    #[test]
+    fn sockaddr_decoding_rejects_short_and_foreign_addresses() {
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: 8080u16.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from_be_bytes([127, 0, 0, 1]).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let ptr = (&sin as *const libc::sockaddr_in).cast::<sockaddr>();
+        let full = core::mem::size_of_val(&sin) as socklen_t;
+        // SAFETY: pointers to a live local of the stated length.
+        unsafe {
+            assert_eq!(
+                decode_sockaddr(ptr, full),
+                Some("127.0.0.1:8080".parse().unwrap())
+            );
+            assert_eq!(decode_sockaddr(ptr, 4), None);
+            assert_eq!(decode_sockaddr(core::ptr::null(), full), None);
+        }
+        let unix = libc::sockaddr {
+            sa_family: libc::AF_UNIX as libc::sa_family_t,
+            sa_data: [0; 14],
+        };
+        // SAFETY: as above.
+        assert_eq!(unsafe { decode_sockaddr(&unix, 16) }, None);
+    }
+}

@@ -1,0 +1,257 @@
+//! Process-wide settings, the constructor's work, fork handling and logging.
+//!
+//! # Environment
+//!
+//! | variable | values | effect |
+//! |---|---|---|
+//! | `SANDIRECT_MODE` | `auto` (default), `tcp`, `off` | `off`: track nothing, pure passthrough; `tcp`: track, never upgrade; `auto`: the rules decide |
+//! | `SANDIRECT_CONFIG` | path | the rules file ([`crate::config`]) |
+//! | `SANDIRECT_LOG` | `error`, `warn`, `info`, `debug`, `trace` | `tracing` output on stderr (off by default, and then free) |
+//! | `SANDIRECT_STAT_DIR` | path or `off` | where live connections are published (default `/dev/shm/sandirect-$UID`) |
+//!
+//! # Lifetime
+//!
+//! * **Constructor** ([`init`]): resolve every real function, read the environment and the
+//!   rules, install logging, register the `pthread_atfork` child handler. All of it inside the
+//!   reentrancy guard.
+//! * **fork**: the child handler ([`after_fork_in_child`]) gives the child its own stats file
+//!   and marks inherited sockets; SAN sessions are downgraded to TCP in the child (counted,
+//!   reason `after-fork`) because a session cannot be shared by two processes while the kernel
+//!   anchor can. The library holds no locks of its own, so no lock can be left held by a thread
+//!   that does not exist in the child; the log writer is a raw `write(2)` for the same reason.
+//! * **exec**: nothing survives but fds. The new image initialises from scratch and sees
+//!   inherited sockets as not ours (plain passthrough).
+
+use std::ffi::CStr;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+use crate::config::{self, Config, Role, UseMode};
+use crate::guard::ReentrancyGuard;
+use crate::record::Bypass;
+use crate::{real, registry};
+
+/// `SANDIRECT_MODE`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Track sockets; rules decide.
+    Auto,
+    /// Track sockets; everything stays on TCP.
+    Tcp,
+    /// Track nothing.
+    Off,
+}
+
+impl Mode {
+    /// Parses the variable's value.
+    pub fn parse(value: &str) -> Option<Mode> {
+        match value {
+            "auto" | "" => Some(Self::Auto),
+            "tcp" => Some(Self::Tcp),
+            "off" => Some(Self::Off),
+            _ => None,
+        }
+    }
+}
+
+/// Settings fixed at init.
+#[derive(Debug)]
+pub struct Settings {
+    /// The mode.
+    pub mode: Mode,
+    /// Program name (basename of `argv[0]`).
+    pub program: String,
+    /// Rules already filtered for this program; `None` when the file was invalid.
+    pub rules: Option<Config>,
+}
+
+static SETTINGS: OnceLock<Settings> = OnceLock::new();
+static TRACKING: AtomicBool = AtomicBool::new(true);
+
+/// The settings, once the constructor ran.
+pub fn settings() -> Option<&'static Settings> {
+    SETTINGS.get()
+}
+
+/// False when `SANDIRECT_MODE=off`: no socket is tracked.
+#[inline(always)]
+pub fn tracking_enabled() -> bool {
+    TRACKING.load(Ordering::Relaxed)
+}
+
+/// The path decision for a new connection (today every outcome is a TCP reason, since no SAN
+/// provider is linked in yet; the SAN driver will turn `NoProvider` into an upgrade attempt).
+pub fn decide(role: Role, endpoint: Option<SocketAddr>) -> Bypass {
+    let Some(settings) = settings() else {
+        return Bypass::NoProvider;
+    };
+    let Some(rules) = &settings.rules else {
+        return Bypass::ConfigInvalid;
+    };
+    if settings.mode == Mode::Tcp {
+        return Bypass::ConfigSaysTcp;
+    }
+    let mode = endpoint.map_or(UseMode::Both, |endpoint| {
+        rules.decide(&settings.program, role, endpoint.ip(), endpoint.port())
+    });
+    match mode {
+        UseMode::Tcp => Bypass::ConfigSaysTcp,
+        UseMode::San => {
+            tracing::warn!(
+                ?endpoint,
+                "rule requires SAN, but no SAN provider is available; using TCP"
+            );
+            Bypass::NoProvider
+        }
+        _ => Bypass::NoProvider,
+    }
+}
+
+/// The constructor's work. `argv0` comes from the `.init_array` arguments when available.
+pub fn init(argv0: Option<&CStr>) {
+    real::resolve_all();
+    let _guard = ReentrancyGuard::enter();
+    let result = std::panic::catch_unwind(|| init_guarded(argv0));
+    if result.is_err() {
+        // Never take the host down: stay a passthrough library.
+        TRACKING.store(false, Ordering::Relaxed);
+    }
+}
+
+fn init_guarded(argv0: Option<&CStr>) {
+    install_logging(std::env::var("SANDIRECT_LOG").ok().as_deref());
+    let mode = match std::env::var("SANDIRECT_MODE") {
+        Err(_) => Mode::Auto,
+        Ok(value) => Mode::parse(&value).unwrap_or_else(|| {
+            eprintln!("sandirect: SANDIRECT_MODE={value:?} is not auto, tcp or off; using auto");
+            Mode::Auto
+        }),
+    };
+    if mode == Mode::Off {
+        TRACKING.store(false, Ordering::Relaxed);
+    }
+    let program = program_name(argv0);
+    let rules = match std::env::var_os("SANDIRECT_CONFIG") {
+        None => Some(Config::default()),
+        Some(path) => match load_config(std::path::Path::new(&path)) {
+            Ok(config) => Some(config.for_program(&program)),
+            Err(message) => {
+                eprintln!("sandirect: {message}; every connection stays on TCP");
+                None
+            }
+        },
+    };
+    tracing::debug!(?mode, program, rules = ?rules.as_ref().map(|r| r.rules.len()), "sandirect initialised");
+    let _ = SETTINGS.set(Settings {
+        mode,
+        program,
+        rules,
+    });
+    // SAFETY: registering a plain extern "C" handler.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+}
+
+/// Reads and parses a rules file; the message names file and line.
+pub fn load_config(path: &std::path::Path) -> Result<Config, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|error| format!("cannot read config {}: {error}", path.display()))?;
+    config::parse(&text, &path.display().to_string())
+        .map_err(|error| format!("config error: {error}"))
+}
+
+fn program_name(argv0: Option<&CStr>) -> String {
+    let from_argv = argv0.map(|arg| arg.to_string_lossy().into_owned());
+    let full = from_argv
+        .filter(|name| !name.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/self/comm")
+                .ok()
+                .map(|s| s.trim_end().to_owned())
+        })
+        .unwrap_or_default();
+    full.rsplit('/').next().unwrap_or_default().to_owned()
+}
+
+/// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.
+pub extern "C" fn after_fork_in_child() {
+    registry::registry().after_fork_in_child();
+}
+
+/// Destructor's work: stop publishing.
+pub fn at_exit() {
+    registry::registry().unpublish_at_exit();
+}
+
+fn install_logging(level: Option<&str>) {
+    let Some(level) = level else { return };
+    let Ok(parsed) = level.parse::<tracing::Level>() else {
+        eprintln!("sandirect: SANDIRECT_LOG={level:?} is not a level (error..trace); logging off");
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(parsed)
+        .with_ansi(false)
+        .with_writer(|| RawStderr)
+        .try_init();
+}
+
+/// stderr through a single `write(2)` per chunk: no lock (std's stderr lock could be left held
+/// across fork), no buffering (one formatted event is one write).
+struct RawStderr;
+
+impl std::io::Write for RawStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // SAFETY: writing our own buffer to fd 2.
+        let written = unsafe { real::write(2, buf.as_ptr().cast(), buf.len()) };
+        if written < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(written as usize)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!(Mode::parse("off"), Some(Mode::Off));
+        assert_eq!(Mode::parse("tcp"), Some(Mode::Tcp));
+        assert_eq!(Mode::parse("auto"), Some(Mode::Auto));
+        assert_eq!(Mode::parse("fast"), None);
+    }
+
+    #[test]
+    fn program_name_is_the_basename() {
+        assert_eq!(program_name(Some(c"/usr/bin/redis-server")), "redis-server");
+        assert_eq!(program_name(Some(c"curl")), "curl");
+        assert!(
+            !program_name(None).is_empty(),
+            "falls back to /proc/self/comm"
+        );
+    }
+
+    #[test]
+    fn load_config_reports_file_and_line() {
+        let dir = std::env::temp_dir().join(format!("sandirect-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("bad.conf");
+        std::fs::write(&path, "use tcp any * *:*\nuse sun any * *:*\n").unwrap();
+        let message = load_config(&path).unwrap_err();
+        assert!(
+            message.contains(&format!("{}:2:", path.display())),
+            "{message}"
+        );
+        assert!(load_config(&dir.join("missing.conf"))
+            .unwrap_err()
+            .contains("cannot read config"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

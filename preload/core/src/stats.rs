@@ -1,0 +1,285 @@
+//! Reading the connections other processes publish (the `sandirect stat` side).
+//!
+//! Each preloaded process publishes its socket records in `DIR/PID` (see [`crate::registry`]).
+//! A reader takes a snapshot of the file, checks the header, and skips (or, with `remove_stale`,
+//! deletes) files whose process is gone or whose pid now belongs to a different process
+//! (start time mismatch).
+
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use crate::record::{Bypass, Counter, DataPath, SocketRecord, SocketState};
+use crate::registry::{
+    parse_start_time, FileHeader, CHUNK_BYTES, CHUNK_RECORDS, HEADER_BYTES, MAGIC, VERSION,
+};
+
+/// One published socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectionInfo {
+    /// Owning process.
+    pub pid: u32,
+    /// The fd that created it.
+    pub fd: i32,
+    /// Number of fds referring to it in the owner.
+    pub fd_refs: u32,
+    /// Lifecycle state.
+    pub state: SocketState,
+    /// `record::flags` bits.
+    pub flags: u32,
+    /// Local address.
+    pub local: Option<SocketAddr>,
+    /// Peer address.
+    pub peer: Option<SocketAddr>,
+    /// Data path.
+    pub path: DataPath,
+    /// Why TCP, for TCP connections.
+    pub bypass: Bypass,
+    /// Byte counters, indexed by [`Counter`].
+    pub counters: [u64; 6],
+}
+
+impl ConnectionInfo {
+    /// A counter's value.
+    pub fn counter(&self, counter: Counter) -> u64 {
+        self.counters[counter as usize]
+    }
+}
+
+/// Why a stats file was skipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Skipped {
+    /// Not a stats file (bad magic, version, record size or truncated).
+    NotAStatsFile,
+    /// The owner is gone, or its pid was reused.
+    Stale,
+}
+
+/// Reads one stats file. `Err(Skipped)` explains files that hold no live process.
+pub fn read_file(path: &Path) -> io::Result<Result<Vec<ConnectionInfo>, Skipped>> {
+    let bytes = std::fs::read(path)?;
+    Ok(parse_file(&bytes, process_start_time))
+}
+
+/// Parses a stats file snapshot; `start_time_of(pid)` gives a live process's start time.
+pub fn parse_file(
+    bytes: &[u8],
+    start_time_of: impl Fn(u32) -> Option<u64>,
+) -> Result<Vec<ConnectionInfo>, Skipped> {
+    if bytes.len() < HEADER_BYTES {
+        return Err(Skipped::NotAStatsFile);
+    }
+    let word32 = |offset: usize| {
+        u32::from_ne_bytes([
+            bytes[offset],
+            bytes[offset + 1],
+            bytes[offset + 2],
+            bytes[offset + 3],
+        ])
+    };
+    let word64 = |offset: usize| {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(&bytes[offset..offset + 8]);
+        u64::from_ne_bytes(raw)
+    };
+    // Offsets of FileHeader's repr(C) fields.
+    let (magic, version, record_size) = (word64(0), word32(8), word32(12));
+    let (pid, chunk_records, start_time) = (word32(16), word32(20), word64(24));
+    if magic != MAGIC
+        || version != VERSION
+        || record_size as usize != core::mem::size_of::<SocketRecord>()
+        || chunk_records as usize != CHUNK_RECORDS
+    {
+        return Err(Skipped::NotAStatsFile);
+    }
+    match start_time_of(pid) {
+        Some(live) if start_time == 0 || live == start_time => {}
+        _ => return Err(Skipped::Stale),
+    }
+    let mut connections = Vec::new();
+    let records = &bytes[HEADER_BYTES..];
+    let whole_chunks = records.len() / CHUNK_BYTES;
+    for raw in
+        records[..whole_chunks * CHUNK_BYTES].chunks_exact(core::mem::size_of::<SocketRecord>())
+    {
+        let record = record_from_bytes(raw);
+        let state = record.state();
+        if matches!(state, SocketState::Free | SocketState::Claiming) {
+            continue;
+        }
+        let (local, peer) = record.addresses();
+        connections.push(ConnectionInfo {
+            pid,
+            fd: record.fd.load(core::sync::atomic::Ordering::Relaxed),
+            fd_refs: record.fd_refs.load(core::sync::atomic::Ordering::Relaxed),
+            state,
+            flags: record.flags(),
+            local,
+            peer,
+            path: record.path(),
+            bypass: record.bypass(),
+            counters: core::array::from_fn(|i| {
+                record.counters[i].load(core::sync::atomic::Ordering::Relaxed)
+            }),
+        });
+    }
+    Ok(connections)
+}
+
+fn record_from_bytes(raw: &[u8]) -> Box<SocketRecord> {
+    // SAFETY: all-zero bytes are a valid record (atomics of zero).
+    let mut record: Box<SocketRecord> = Box::new(unsafe { core::mem::zeroed() });
+    let len = raw.len().min(core::mem::size_of::<SocketRecord>());
+    // SAFETY: copying at most size_of::<SocketRecord>() plain bytes into it; every bit pattern
+    // of its integer atomics is valid.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            raw.as_ptr(),
+            (&mut *record as *mut SocketRecord).cast::<u8>(),
+            len,
+        )
+    };
+    record
+}
+
+const _: () = assert!(core::mem::offset_of!(FileHeader, start_time) == 24);
+const _: () = assert!(core::mem::offset_of!(FileHeader, pid) == 16);
+
+/// Start time of live process `pid` (clock ticks since boot), or `None` if it does not exist.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    parse_start_time(&stat)
+}
+
+/// The directory this user's processes publish into (`SANDIRECT_STAT_DIR` or
+/// `/dev/shm/sandirect-$UID`); `None` when publication is off.
+pub fn default_dir() -> Option<PathBuf> {
+    match std::env::var_os("SANDIRECT_STAT_DIR") {
+        Some(dir) if dir == "off" || dir.is_empty() => None,
+        Some(dir) => Some(PathBuf::from(dir)),
+        // SAFETY: getuid has no preconditions.
+        None => Some(PathBuf::from(format!("/dev/shm/sandirect-{}", unsafe {
+            libc::getuid()
+        }))),
+    }
+}
+
+/// Every live connection published in `dir`, sorted by pid then fd. Stale files are removed
+/// when `remove_stale` (they belong to this user's dead processes).
+pub fn read_dir(dir: &Path, remove_stale: bool) -> io::Result<Vec<ConnectionInfo>> {
+    let mut all = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(all),
+        Err(error) => return Err(error),
+    };
+    for entry in entries {
+        let path = entry?.path();
+        let Some(pid) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if process_start_time(pid).is_none() {
+            // Its process is gone (possibly killed before it finished writing the header).
+            if remove_stale {
+                let _ = std::fs::remove_file(&path);
+            }
+            continue;
+        }
+        match read_file(&path) {
+            Ok(Ok(connections)) => all.extend(connections),
+            Ok(Err(Skipped::Stale)) if remove_stale => {
+                let _ = std::fs::remove_file(&path);
+            }
+            // Vanished between listing and reading (its process exited): nothing to show.
+            Ok(Err(_)) | Err(_) => {}
+        }
+    }
+    all.sort_by_key(|c| (c.pid, c.fd));
+    Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(pid: u32, start: u64) -> Vec<u8> {
+        let mut bytes = vec![0u8; HEADER_BYTES + CHUNK_BYTES];
+        bytes[0..8].copy_from_slice(&MAGIC.to_ne_bytes());
+        bytes[8..12].copy_from_slice(&VERSION.to_ne_bytes());
+        bytes[12..16].copy_from_slice(&(core::mem::size_of::<SocketRecord>() as u32).to_ne_bytes());
+        bytes[16..20].copy_from_slice(&pid.to_ne_bytes());
+        bytes[20..24].copy_from_slice(&(CHUNK_RECORDS as u32).to_ne_bytes());
+        bytes[24..32].copy_from_slice(&start.to_ne_bytes());
+        bytes
+    }
+
+    #[test]
+    fn parses_live_records_and_skips_free_ones() {
+        let mut bytes = header(42, 1000);
+        // SAFETY: zeroed record is valid.
+        let record: Box<SocketRecord> = Box::new(unsafe { core::mem::zeroed() });
+        record.reset();
+        record.set_state(SocketState::ConnectedTcp);
+        record.fd.store(9, core::sync::atomic::Ordering::Relaxed);
+        record.bypass.store(
+            Bypass::NoProvider as u32,
+            core::sync::atomic::Ordering::Relaxed,
+        );
+        record.set_addresses(
+            Some("127.0.0.1:1".parse().unwrap()),
+            Some("127.0.0.1:2".parse().unwrap()),
+        );
+        record.count(Counter::TcpSent, 77);
+        let size = core::mem::size_of::<SocketRecord>();
+        let slot = HEADER_BYTES + 3 * size;
+        // SAFETY: reading the record's bytes.
+        let raw = unsafe {
+            core::slice::from_raw_parts((&*record as *const SocketRecord).cast::<u8>(), size)
+        };
+        bytes[slot..slot + size].copy_from_slice(raw);
+        let live = parse_file(&bytes, |pid| (pid == 42).then_some(1000)).unwrap();
+        assert_eq!(live.len(), 1);
+        assert_eq!(live[0].fd, 9);
+        assert_eq!(live[0].state, SocketState::ConnectedTcp);
+        assert_eq!(live[0].bypass, Bypass::NoProvider);
+        assert_eq!(live[0].counter(Counter::TcpSent), 77);
+        assert_eq!(live[0].peer, Some("127.0.0.1:2".parse().unwrap()));
+    }
+
+    #[test]
+    fn stale_and_foreign_files_are_skipped() {
+        let bytes = header(42, 1000);
+        assert_eq!(
+            parse_file(&bytes, |_| None),
+            Err(Skipped::Stale),
+            "dead pid"
+        );
+        assert_eq!(
+            parse_file(&bytes, |_| Some(999)),
+            Err(Skipped::Stale),
+            "reused pid"
+        );
+        assert_eq!(
+            parse_file(&bytes[..100], |_| Some(1000)),
+            Err(Skipped::NotAStatsFile)
+        );
+        let mut wrong = bytes.clone();
+        wrong[0] ^= 1;
+        assert_eq!(
+            parse_file(&wrong, |_| Some(1000)),
+            Err(Skipped::NotAStatsFile)
+        );
+        assert_eq!(parse_file(&bytes, |_| Some(1000)), Ok(vec![]));
+    }
+
+    #[test]
+    fn own_start_time_is_readable() {
+        assert!(process_start_time(std::process::id()).is_some());
+        assert!(process_start_time(u32::MAX).is_none());
+    }
+}
