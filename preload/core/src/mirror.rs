@@ -27,7 +27,14 @@
 //! imprecision is spurious readiness: a token still in flight when we lower (the producer is
 //! between its CAS and its write; [`ReadLowering::TokenInFlight`]) arrives after we emptied
 //! the queue, so `M` is readable once with nothing to read. The kernel allows that of any
-//! socket (another thread may have read first), and the next lowering removes it.
+//! socket (another thread may have read first), and the next lowering removes it. (A producer
+//! *stopped* between its CAS and its write, e.g. by SIGSTOP, delays the wake-up for its data
+//! until it runs again; a producer killed there closes `K`, which wakes us with HUP.)
+//!
+//! **Edge-triggered waiters** get one event per rising edge (per token). A TCP socket may
+//! signal again for every segment that arrives while it is already readable; an ET
+//! application must read until `EAGAIN` either way, so it cannot tell the difference, and the
+//! hooks report `EAGAIN` only after a lowering, which re-arms the edge.
 //!
 //! **No local raise for IN.** Only `K` writes into `M`'s receive queue, so we cannot make `M`
 //! readable ourselves, and the token protocol never needs to: it never consumes a token before
@@ -41,9 +48,11 @@
 //! smallest send buffer the kernel allows; [`Mirror::lower_writable`] writes filler bytes into
 //! `M` until `EAGAIN` (they queue in `K`, [`Mirror::last_fill_bytes`] tells how many), *then*
 //! puts the `write_lowered` flag up and re-checks for space. The peer, after returning space,
-//! calls [`raise_writable`]: with the flag up it CASes it 1→0 and drains `K`, which makes `M`
-//! writable and wakes its waiters. Because the flag goes up only after the fill, a peer's drain
-//! can never precede the fill it is meant to undo.
+//! calls [`raise_writable`]: with the flag up it CASes it 1→0 and drains the filler queued in
+//! `K` (one short read takes it all), which makes `M` writable and wakes its waiters. Because
+//! the flag goes up only after the fill, a peer's drain can never precede the fill it is meant
+//! to undo; a drain racing with a *newer* fill can eat part of it, which leaves `M` spuriously
+//! writable until our next lowering (a write then finds no space, and lowering again fills).
 //!
 //! **Local raise for OUT (necessary).** If the re-check finds space and we win the CAS back
 //! (the peer checked the flag before we raised it and will not drain), `M` is full and nobody
@@ -164,6 +173,9 @@ pub struct MirrorWords {
     write_lowered: AtomicU32,
 }
 
+// Both processes map these words: their layout is part of the segment format.
+const _: () = assert!(size_of::<MirrorWords>() == 8 && core::mem::align_of::<MirrorWords>() == 4);
+
 impl MirrorWords {
     /// Both flags down: `M` not readable, writable.
     pub const fn new() -> MirrorWords {
@@ -194,7 +206,8 @@ impl MirrorWords {
 pub enum ReadLowering {
     /// The flag was already down: `M` was not readable (no system call made).
     NotRaised,
-    /// `M` is no longer readable; any later push raises it again.
+    /// The token is consumed: `M` is no longer readable (unless at end of file); any later
+    /// push raises it again.
     Lowered,
     /// Data arrived meanwhile: `M` stays readable. Read again instead of reporting `EAGAIN`.
     StillReadable,
@@ -497,6 +510,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         if took_back.is_err() {
             return Ok(WriteLowering::RaisePending);
         }
+        self.raise_writable_local()?;
         Ok(WriteLowering::StillWritable)
     }
 

@@ -19,7 +19,9 @@ use preload_core::discovery::{
 /// live in a host-wide namespace, so tests must not share names.
 fn unique_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20_000 + (std::process::id() % 2_000) as u16 * 16;
+    // Below the ephemeral range, where real listeners of concurrent test runs (which may
+    // publish markers when preloaded) get their ports.
+    let base = 20_000 + (std::process::id() % 350) as u16 * 32;
     base + NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
@@ -67,7 +69,7 @@ fn exact_marker_is_found_until_dropped() {
     assert!(marker.is_published());
     assert!(probe_listener(server));
     assert!(
-        !probe_listener(v4(127, 0, 0, 1, port + 1)),
+        !probe_listener(v4(127, 0, 0, 1, unique_port())),
         "another port has no marker"
     );
     assert!(
@@ -124,6 +126,30 @@ fn v4_mapped_listener_address_is_folded() {
     let mapped = v6(Ipv4Addr::new(127, 0, 0, 1).to_ipv6_mapped(), port);
     let _marker = ListenerMarker::publish(mapped, true).unwrap();
     assert!(probe_listener(v4(127, 0, 0, 1, port)));
+}
+
+#[test]
+fn marker_names_follow_the_documented_scheme() {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let port = unique_port();
+    let _v4 = ListenerMarker::publish(v4(127, 0, 0, 1, port), false).unwrap();
+    let _v6 = ListenerMarker::publish(v6(Ipv6Addr::LOCALHOST, port), false).unwrap();
+    let dual_port = unique_port();
+    let _dual = ListenerMarker::publish(v6(Ipv6Addr::UNSPECIFIED, dual_port), false).unwrap();
+    // /proc/net/unix lists abstract names with a leading '@'.
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    for expected in [
+        format!("@sandirect/{uid}/L/127.0.0.1:{port}"),
+        format!("@sandirect/{uid}/L/[::1]:{port}"),
+        format!("@sandirect/{uid}/L/[::]:{dual_port}"),
+        format!("@sandirect/{uid}/L/0.0.0.0:{dual_port}"),
+    ] {
+        assert!(
+            table.lines().any(|line| line.ends_with(&expected)),
+            "{expected} not published"
+        );
+    }
 }
 
 #[test]
@@ -251,6 +277,61 @@ fn marker_vanishes_when_its_process_is_killed() {
     assert!(wait_until(Duration::from_secs(1), || !probe_listener(
         server
     )));
+}
+
+#[test]
+fn exec_drops_the_marker_fork_alone_does_not() {
+    let _forking = forking();
+    let server = v4(127, 0, 0, 1, unique_port());
+    let marker = ListenerMarker::publish(server, false).unwrap();
+    let sleep = c"/bin/sleep";
+    let argv = [sleep.as_ptr(), c"5".as_ptr(), std::ptr::null()];
+    let child = fork_or_die();
+    if child == 0 {
+        // SAFETY: execv with NUL-terminated strings and a NULL-terminated argv; _exit if it fails.
+        unsafe {
+            libc::execv(sleep.as_ptr(), argv.as_ptr());
+            libc::_exit(127);
+        }
+    }
+    drop(marker);
+    // Once the child has exec'd, its close-on-exec copy is gone too.
+    let withdrawn = wait_until(Duration::from_secs(2), || !probe_listener(server));
+    kill_and_reap(child);
+    assert!(
+        withdrawn,
+        "an exec'd program does not keep the marker alive"
+    );
+}
+
+#[test]
+fn probe_cost() {
+    const ROUNDS: u32 = 2_000;
+    let _no_fork = no_fork_now();
+    let hit = v4(127, 0, 0, 1, unique_port());
+    let _marker = ListenerMarker::publish(hit, false).unwrap();
+    let miss = v4(127, 0, 0, 1, unique_port());
+    let cache = NegativeCache::new(NegativeCacheConfig::default());
+    cache.mark_plain(miss);
+    let time = |f: &dyn Fn() -> bool, expected: bool| {
+        let start = Instant::now();
+        for _ in 0..ROUNDS {
+            assert_eq!(f(), expected);
+        }
+        start.elapsed() / ROUNDS
+    };
+    let hit_cost = time(&|| probe_listener(hit), true);
+    let miss_cost = time(&|| probe_listener(miss), false);
+    let cached_cost = time(&|| cache.is_plain(miss), true);
+    println!(
+        "probe ({} build): marker found {hit_cost:?}, no marker {miss_cost:?}, negative cache \
+         hit {cached_cost:?}",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        }
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

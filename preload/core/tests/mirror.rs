@@ -101,6 +101,9 @@ fn fork_child(body: impl FnOnce()) -> libc::pid_t {
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork failed");
     if pid == 0 {
+        // A child must not outlive a parent whose assertion failed (it may be waiting for it).
+        // SAFETY: prctl with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
         let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).is_ok();
         // SAFETY: leaving the child without running the parent's atexit handlers.
         unsafe { libc::_exit(if ok { 0 } else { 1 }) };
@@ -302,7 +305,7 @@ fn level_triggered_epoll_reports_in_exactly_while_data_is_available() {
     );
     let mut rng = Rng(0x1234_5678);
     for step in 0..5_000 {
-        if rng.next() % 2 == 0 {
+        if rng.next().is_multiple_of(2) {
             for _ in 0..=rng.next() % 3 {
                 push(&shared, k.as_fd());
             }
@@ -498,10 +501,8 @@ fn writability_is_lowered_and_raised_by_the_peer() {
 fn queued_in(fd: BorrowedFd<'_>) -> usize {
     let mut queued: libc::c_int = 0;
     // SAFETY: FIONREAD writes one c_int.
-    assert_eq!(
-        unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut queued) },
-        0
-    );
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut queued) };
+    assert_eq!(rc, 0);
     queued as usize
 }
 
@@ -802,6 +803,72 @@ fn descriptor_passing_edge_cases() {
     assert_eq!((n, fd.is_none()), (0, true));
 }
 
+/// `sendmsg` with several descriptors in one `SCM_RIGHTS` message (what a hostile or buggy
+/// sender could do).
+fn send_many_fds(socket: BorrowedFd<'_>, fds: &[RawFd]) {
+    #[repr(C, align(8))]
+    struct Control([u8; 256]);
+    let mut control = Control([0; 256]);
+    let data_len = std::mem::size_of_val(fds) as u32;
+    // SAFETY: pure size arithmetic.
+    let space = unsafe { libc::CMSG_SPACE(data_len) } as usize;
+    assert!(space <= control.0.len());
+    let payload = [7u8];
+    let mut iov = libc::iovec {
+        iov_base: payload.as_ptr().cast_mut().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: msghdr is plain data.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer holds one header with room for `fds`.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(data_len) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cmsg).cast(), fds.len());
+    }
+    // SAFETY: valid message.
+    assert_eq!(unsafe { libc::sendmsg(socket.as_raw_fd(), &msg, 0) }, 1);
+}
+
+fn hung_up(fd: BorrowedFd<'_>) -> bool {
+    poll_fd(fd) & libc::POLLHUP != 0
+}
+
+#[test]
+fn surplus_and_truncated_descriptors_are_closed() {
+    let _no_fork = no_fork_now();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut buf = [0u8; 4];
+
+    // Three copies of `x` arrive: one is returned, the other two must be closed, or `y` would
+    // never see `x` hang up.
+    let (x, y) = UnixStream::pair().unwrap();
+    send_many_fds(a.as_fd(), &[x.as_raw_fd(); 3]);
+    drop(x);
+    let (n, received) = recv_fd(b.as_fd(), &mut buf).unwrap();
+    assert_eq!(n, 1);
+    let received = received.expect("first descriptor returned");
+    assert!(!hung_up(y.as_fd()), "the returned copy keeps x open");
+    drop(received);
+    assert!(hung_up(y.as_fd()), "surplus copies were closed");
+
+    // More than fit the control buffer: an error, and nothing leaks.
+    let (x, y) = UnixStream::pair().unwrap();
+    send_many_fds(a.as_fd(), &[x.as_raw_fd(); 12]);
+    drop(x);
+    assert_eq!(
+        recv_fd(b.as_fd(), &mut buf).unwrap_err(),
+        MirrorError::AncillaryTruncated
+    );
+    assert!(hung_up(y.as_fd()), "every received copy was closed");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Two-process stress
 // ---------------------------------------------------------------------------------------------
@@ -857,7 +924,7 @@ fn stress_readable_never_loses_a_wakeup() {
         let available = shared.data.load(Ordering::SeqCst) > 0;
         let is_readable = readable(mirror.as_fd());
         let after = shared.peer_epoch.load(Ordering::SeqCst);
-        if before == after && before % 2 == 0 {
+        if before == after && before.is_multiple_of(2) {
             checks += 1;
             assert!(
                 !available || is_readable,
@@ -942,7 +1009,7 @@ fn stress_writable_never_loses_a_wakeup() {
         let space = shared.space.load(Ordering::SeqCst) > 0;
         let is_writable = writable(mirror.as_fd());
         let after = shared.peer_epoch.load(Ordering::SeqCst);
-        if before == after && before % 2 == 0 && space {
+        if before == after && before.is_multiple_of(2) && space {
             checks += 1;
             assert!(is_writable, "space available but M not writable");
         }
