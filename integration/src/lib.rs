@@ -2,6 +2,8 @@
 //! over `libc` socket calls (the conformance suite exercises exactly the calls C programs make),
 //! and locating the build products.
 
+pub mod apps;
+
 use std::ffi::c_int;
 use std::path::PathBuf;
 

@@ -1,0 +1,170 @@
+//! Acceptance 13: nginx (a master that listens and forks 2 workers) under `sandirect run`,
+//! loaded with wrk (bounded) and serving a 64 MiB file to curl that arrives with the right
+//! sha256 — through `write` and through `sendfile` — every connection on the expected path.
+
+use std::io::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+use integration::apps::{
+    assert_paths, exclusive, free_port, require_program, wait_for_port, PathRecorder, Preloaded,
+    Sandbox,
+};
+
+const LARGE_FILE_BYTES: usize = 64 << 20;
+
+fn nginx_config(root: &Path, port: u16) -> String {
+    let root = root.display();
+    // SAFETY: geteuid has no preconditions.
+    let user = if unsafe { libc::geteuid() } == 0 {
+        // Workers of a root master switch to `nobody`, who could not read the private
+        // sandbox: keep them root (a test-only choice).
+        "user root root;"
+    } else {
+        ""
+    };
+    format!(
+        r#"daemon off;
+master_process on;
+worker_processes 2;
+{user}
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {root}/tmp/body;
+    proxy_temp_path {root}/tmp/proxy;
+    fastcgi_temp_path {root}/tmp/fastcgi;
+    uwsgi_temp_path {root}/tmp/uwsgi;
+    scgi_temp_path {root}/tmp/scgi;
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root}/www;
+        sendfile off;
+        location /sendfile/ {{ alias {root}/www/; sendfile on; }}
+    }}
+}}
+"#
+    )
+}
+
+/// A deterministic, incompressible-looking file of `bytes` bytes.
+fn write_document(path: &Path, bytes: usize) {
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path).expect("create document"));
+    let mut state = 0x1234_5678_9abc_def1u64;
+    let mut block = [0u8; 8192];
+    for _ in 0..bytes / block.len() {
+        for chunk in block.chunks_exact_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            chunk.copy_from_slice(&state.to_le_bytes());
+        }
+        file.write_all(&block).expect("write document");
+    }
+    file.flush().expect("flush document");
+}
+
+fn sha256(path: &Path) -> String {
+    let output = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("run sha256sum");
+    assert!(output.status.success(), "sha256sum {}", path.display());
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn nginx_under_sandirect(preloaded: Preloaded) {
+    let _serial = exclusive();
+    let nginx = require_program("nginx", "nginx-light");
+    let wrk = require_program("wrk", "wrk");
+    let curl = require_program("curl", "curl");
+    let sandbox = Sandbox::new(&format!("nginx-{preloaded:?}"));
+    let root = sandbox.path();
+    std::fs::create_dir_all(root.join("www")).expect("create www");
+    std::fs::create_dir_all(root.join("tmp")).expect("create tmp");
+    std::fs::write(root.join("www/index.html"), "<p>sandirect</p>\n".repeat(64))
+        .expect("write index");
+    let large = root.join("www/large.bin");
+    write_document(&large, LARGE_FILE_BYTES);
+    let port = free_port();
+    std::fs::write(root.join("nginx.conf"), nginx_config(root, port)).expect("write config");
+
+    let mut command = sandbox.command(&nginx, preloaded.server());
+    command
+        .arg("-p")
+        .arg(root)
+        .arg("-c")
+        .arg(root.join("nginx.conf"))
+        .arg("-e")
+        .arg(root.join("error.log"));
+    let mut server = sandbox.spawn("nginx", command);
+    wait_for_port(port, &mut server, Duration::from_secs(20));
+
+    let recorder = PathRecorder::start(&sandbox, Duration::from_millis(5));
+    let mut command = sandbox.command(&wrk, preloaded.client());
+    command
+        .args(["-t", "2", "-c", "16", "-d", "2s", "--timeout", "5s"])
+        .arg(format!("http://127.0.0.1:{port}/index.html"));
+    let report = sandbox.run("wrk", command, Duration::from_secs(60));
+    let observed = recorder.finish();
+    let requests = report
+        .lines()
+        .find(|line| line.contains("requests in"))
+        .and_then(|line| line.split_whitespace().next())
+        .and_then(|count| count.parse::<u64>().ok());
+    assert!(
+        requests.is_some_and(|count| count > 0),
+        "wrk made no requests:\n{report}"
+    );
+    assert!(
+        !report.contains("Socket errors") && !report.contains("Non-2xx"),
+        "wrk saw errors:\n{report}"
+    );
+    assert_paths(&observed, port, preloaded.expected_path(), 16);
+
+    let expected = sha256(&large);
+    for location in ["large.bin", "sendfile/large.bin"] {
+        let downloaded = root.join("downloaded.bin");
+        let recorder = PathRecorder::start(&sandbox, Duration::from_millis(5));
+        let mut command = sandbox.command(&curl, preloaded.client());
+        // The rate limit keeps the transfer open long enough (~0.25 s) to be sampled.
+        command
+            .args([
+                "--silent",
+                "--show-error",
+                "--fail",
+                "--limit-rate",
+                "256M",
+                "-o",
+            ])
+            .arg(&downloaded)
+            .arg(format!("http://127.0.0.1:{port}/{location}"));
+        sandbox.run("curl", command, Duration::from_secs(60));
+        let observed = recorder.finish();
+        assert_eq!(sha256(&downloaded), expected, "{location}: sha256 differs");
+        assert_paths(&observed, port, preloaded.expected_path(), 1);
+        std::fs::remove_file(&downloaded).expect("remove download");
+    }
+
+    // SIGQUIT: graceful shutdown; the master waits for its workers.
+    let status = server.stop(libc::SIGQUIT, Duration::from_secs(20));
+    assert!(status.success(), "nginx exit: {status}");
+    sandbox.assert_nothing_left_behind();
+}
+
+#[test]
+fn nginx_with_client_and_server_preloaded() {
+    nginx_under_sandirect(Preloaded::Both);
+}
+
+#[test]
+fn nginx_with_only_the_client_preloaded() {
+    nginx_under_sandirect(Preloaded::ClientOnly);
+}
