@@ -6,7 +6,9 @@ use std::fs;
 use std::path::PathBuf;
 
 fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
     let mut inputs: Vec<(PathBuf, Vec<u8>)> = fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("corpus directory {} unreadable: {e}", dir.display()))
         .map(|entry| {
@@ -28,7 +30,10 @@ fn replay(target: &str, body: impl Fn(&[u8])) {
     for (path, bytes) in corpus(target) {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&bytes)));
         if outcome.is_err() {
-            panic!("fuzz corpus input {} of target {target} failed", path.display());
+            panic!(
+                "fuzz corpus input {} of target {target} failed",
+                path.display()
+            );
         }
     }
 }
