@@ -32,7 +32,10 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-apt_install ca-certificates build-essential pkg-config iproute2 procps
+# libclang-dev, libibverbs-dev and librdmacm-dev build the verbs provider (rdma-sys runs bindgen);
+# only libsandirect_verbs.so links them, the preload itself loads on hosts without rdma-core.
+apt_install ca-certificates build-essential pkg-config iproute2 procps \
+  libclang-dev libibverbs-dev librdmacm-dev
 
 # Rust: use the machine's toolchain when there is one (rustup or distribution); otherwise
 # Debian 12's security-updated `rustc-web`/`cargo-web` (a current stable release: the plain

@@ -19,6 +19,8 @@ extern crate alloc;
 extern crate std;
 
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod mr_cache;
 pub mod session;
 pub mod wire;

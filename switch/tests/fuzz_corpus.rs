@@ -2,6 +2,8 @@
 //! functions the cargo-fuzz targets call, so every input the fuzzer ever found interesting stays a
 //! regression test on stable Rust. Each target body panics only when an invariant breaks.
 
+mod common;
+
 use std::fs;
 use std::path::PathBuf;
 
@@ -43,4 +45,14 @@ fn mr_cache_ops_corpus_holds_every_invariant() {
     replay("mr_cache_ops", |bytes| {
         switch::mr_cache::fuzzing::run_ops(bytes);
     });
+}
+
+#[test]
+fn ctrl_decode_corpus_never_panics_and_round_trips() {
+    replay("ctrl_decode", switch::fuzzing::ctrl_decode);
+}
+
+#[test]
+fn session_ops_corpus_holds_every_simulation_invariant() {
+    replay("session_ops", common::world::run_fuzz_input);
 }

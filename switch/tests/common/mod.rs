@@ -3,6 +3,8 @@
 //! that do what the preload does (register buffers, post zero-copy receives).
 #![allow(dead_code)] // each test binary uses a different part of the harness
 
+pub mod world;
+
 use std::collections::HashMap;
 
 use san_api::{Access, Capabilities, SlotConfig};

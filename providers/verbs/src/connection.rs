@@ -1,0 +1,827 @@
+//! One RC connection ([`SanConnection`]): queue pair, completion queue, slot pools, and the
+//! adaptive spin-then-block wait.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdma_sys::{ibv_wc, ibv_wc_status, rdma_cm_event_type};
+use san_api::{
+    Access, Completion, CompletionError, CompletionKind, LocalSegment, PostError, RecvSlot,
+    RemoteDescriptor, SanConnection, SlotConfig, WrId,
+};
+
+use crate::cm::{self, CmId, EventChannel};
+use crate::cq::CompletionQueue;
+use crate::domain::{DomainShared, VerbsDomain};
+use crate::qp::{QueuePair, SendOp};
+use crate::slots::SlotPool;
+use crate::{errno, ConnectParams, SetupError};
+
+/// How long [`VerbsConnection::wait`] polls the CQ before arming the channel and blocking:
+/// about one cross-core wake-up on the 2-vCPU machines this runs on, so a reply that is
+/// already on its way is caught without a sleep, and an idle connection costs no CPU.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// Empty polls between two (non-blocking) checks of the CM channel when not armed.
+const CM_CHECK_INTERVAL: u32 = 64;
+/// Completions fetched per `ibv_poll_cq` call.
+const WC_BATCH: usize = 32;
+
+// Work-request ids: the tag in the top 16 bits says which table the low bits index.
+const TAG_SHIFT: u32 = 48;
+const TAG_SEND: u64 = 1;
+const TAG_RECV: u64 = 2;
+const TAG_RDMA: u64 = 3;
+
+fn encode_wr(tag: u64, index: u16) -> u64 {
+    (tag << TAG_SHIFT) | u64::from(index)
+}
+
+/// What [`VerbsConnection::wait`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitOutcome {
+    /// Completions are ready to poll.
+    Ready,
+    /// The connection went down (its outstanding work completes with errors; poll them).
+    Disconnected,
+    /// Nothing happened before the timeout.
+    TimedOut,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RecvState {
+    Idle,
+    Posted(WrId),
+    Holding(u32),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct RdmaOp {
+    wr_id: WrId,
+    read: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LinkState {
+    Connecting,
+    Established,
+    /// The QP is (being) moved to the error state; posts fail, work completes flushed.
+    Down,
+}
+
+/// An RC queue pair with its pools ([`SanConnection`]).
+pub struct VerbsConnection {
+    // Field order is drop order, and it matters: the id destroys the QP (no DMA after
+    // that), then the CQ goes (no QP uses it), then the pools are deregistered and
+    // unmapped, then the channel and finally the domain (PD) reference.
+    id: CmId,
+    cq: CompletionQueue,
+    send_pool: SlotPool,
+    recv_pool: SlotPool,
+    channel: Arc<EventChannel>,
+    domain: Arc<DomainShared>,
+    epoll: OwnedFd,
+    qp: QueuePair,
+    slots: SlotConfig,
+    free_send: Vec<u16>,
+    send_owner: Vec<Option<WrId>>,
+    recv_state: Vec<RecvState>,
+    rdma_ops: Vec<Option<RdmaOp>>,
+    free_rdma: Vec<u16>,
+    ready: VecDeque<Completion>,
+    state: LinkState,
+    armed: bool,
+    empty_polls: u32,
+    wc: Vec<ibv_wc>,
+    spin: Duration,
+    peer: Option<SocketAddr>,
+}
+
+// SAFETY: all verbs/rdma_cm objects inside may be used from any thread (libibverbs and
+// librdmacm are thread-safe); the connection is used through `&mut self` only, and the
+// shared domain state is behind a mutex.
+unsafe impl Send for VerbsConnection {}
+
+impl VerbsConnection {
+    /// Connects to a listener at `remote` (rdma_cm active side). Returns the connection
+    /// and the listener's reply blob.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for bad slot sizes or a blob over 55 bytes; `Unreachable` when
+    /// address or route resolution fails; `WrongDevice` when the route leaves through
+    /// another device than `domain`'s; `Rejected` when the peer has no listener or
+    /// declines; `TimedOut`; `Os` for failed verbs calls.
+    pub fn connect(
+        domain: &VerbsDomain,
+        remote: SocketAddr,
+        params: &ConnectParams<'_>,
+    ) -> Result<(Self, Vec<u8>), SetupError> {
+        let frame = cm::encode_blob(params.private_data)?;
+        validate_slots(domain, params)?;
+        let deadline = cm::deadline_after(params.timeout);
+        let timeout_ms = i32::try_from(params.timeout.as_millis())
+            .unwrap_or(i32::MAX)
+            .max(1);
+        let (channel, id) = resolve_address(remote, params.local, deadline)?;
+        // SAFETY: live id with a resolved address.
+        if unsafe { rdma_sys::rdma_resolve_route(id.as_ptr(), timeout_ms) } != 0 {
+            return Err(map_resolve_errno(errno()));
+        }
+        cm::expect_event(
+            &id,
+            rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_RESOLVED,
+            deadline,
+        )?;
+        id.set_ack_timeout();
+        let mut connection = Self::build(domain, id, channel, params)?;
+        connection.peer = Some(remote);
+        let device = &domain.shared.pd.device;
+        let mut param = cm::conn_param(
+            &frame,
+            device.max_responder_resources,
+            device.max_initiator_depth,
+        );
+        // SAFETY: live id with a QP; `param` points at `frame`, which outlives the call.
+        if unsafe { rdma_sys::rdma_connect(connection.id.as_ptr(), &mut param) } != 0 {
+            return Err(SetupError::Os(errno()));
+        }
+        let established = cm::expect_event(
+            &connection.id,
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            deadline,
+        )?;
+        connection.state = LinkState::Established;
+        Ok((connection, established.blob))
+    }
+
+    /// Sets up CQ, QP and pools on `id` (bound to a device), and pre-posts receives.
+    pub(crate) fn build(
+        domain: &VerbsDomain,
+        id: CmId,
+        channel: Arc<EventChannel>,
+        params: &ConnectParams<'_>,
+    ) -> Result<Self, SetupError> {
+        validate_slots(domain, params)?;
+        let shared = domain.shared.clone();
+        let device = &shared.pd.device;
+        if id.context() != Some(device.context) {
+            return Err(SetupError::WrongDevice);
+        }
+        let slots = params.slots;
+        let send_depth = u32::from(slots.send_slots) + u32::from(params.rdma_depth);
+        let recv_depth = u32::from(slots.recv_slots);
+        let cq = CompletionQueue::create(device, send_depth + recv_depth)?;
+        // Rebound after the CQ so that, should a later step fail, the id (and its QP)
+        // is dropped before the CQ the QP uses (locals drop in reverse order).
+        let mut id = id;
+        let qp = id.create_qp(&shared.pd, cq.as_ptr(), send_depth, recv_depth)?;
+        let pool_error = |_| SetupError::Os(libc::ENOMEM);
+        let send_pool = SlotPool::new(&shared.pd, slots.send_slots, slots.slot_size, Access::NONE)
+            .map_err(pool_error)?;
+        let recv_pool = SlotPool::new(
+            &shared.pd,
+            slots.recv_slots,
+            slots.slot_size,
+            Access::LOCAL_WRITE,
+        )
+        .map_err(pool_error)?;
+        let epoll = new_epoll(&[cq.fd(), channel.fd()])?;
+        let mut connection = Self {
+            id,
+            cq,
+            send_pool,
+            recv_pool,
+            channel,
+            domain: shared,
+            epoll,
+            qp,
+            slots,
+            free_send: (0..slots.send_slots).rev().collect(),
+            send_owner: vec![None; usize::from(slots.send_slots)],
+            recv_state: vec![RecvState::Idle; usize::from(slots.recv_slots)],
+            rdma_ops: vec![None; usize::from(params.rdma_depth)],
+            free_rdma: (0..params.rdma_depth).rev().collect(),
+            ready: VecDeque::new(),
+            state: LinkState::Connecting,
+            armed: false,
+            empty_polls: 0,
+            wc: (0..WC_BATCH).map(|_| zeroed_wc()).collect(),
+            spin: DEFAULT_SPIN,
+            peer: None,
+        };
+        if params.pre_post_receives {
+            for slot in 0..slots.recv_slots {
+                connection
+                    .post_recv_slot(WrId(u64::from(slot)), slot)
+                    .map_err(|_| SetupError::Internal)?;
+            }
+        }
+        Ok(connection)
+    }
+
+    pub(crate) fn set_established(&mut self) {
+        self.state = LinkState::Established;
+    }
+
+    pub(crate) fn id(&self) -> &CmId {
+        &self.id
+    }
+
+    /// The peer's address, when known (active side).
+    pub fn peer(&self) -> Option<SocketAddr> {
+        self.peer
+    }
+
+    /// True once the connection went down (peer disconnected, QP error).
+    pub fn is_down(&self) -> bool {
+        self.state == LinkState::Down
+    }
+
+    /// Sets how long [`Self::wait`] polls before blocking (zero: block at once).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
+    /// A pollable fd: readable when the armed CQ got a completion or a connection event
+    /// (disconnect) arrived. Arm with [`Self::arm`] before blocking on it.
+    pub fn fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    /// Arms the completion channel. Returns `false` when completions are already pending
+    /// (poll them instead of blocking).
+    pub fn arm(&mut self) -> bool {
+        if !self.ready.is_empty() || self.drain_cq() > 0 {
+            return false;
+        }
+        if !self.armed {
+            if self.cq.arm().is_err() {
+                // Cannot arm: make the caller poll rather than sleep forever.
+                return false;
+            }
+            self.armed = true;
+        }
+        // A completion that arrived between the drain and the arm raises no event: look
+        // once more now that the CQ is armed.
+        self.drain_cq() == 0
+    }
+
+    /// Handles queued connection events (non-blocking); a disconnect moves the QP to the
+    /// error state so every outstanding work request completes (flushed).
+    pub fn process_events(&mut self) {
+        loop {
+            match self.channel.try_next() {
+                Ok(Some(event)) => match event.kind {
+                    rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED
+                    | rdma_cm_event_type::RDMA_CM_EVENT_DEVICE_REMOVAL
+                    | rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_ERROR
+                    | rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE
+                    | rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => self.go_down(),
+                    rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED
+                        if self.state == LinkState::Connecting =>
+                    {
+                        self.state = LinkState::Established;
+                    }
+                    // TIMEWAIT_EXIT and address changes need no action.
+                    _ => {}
+                },
+                Ok(None) => return,
+                Err(_) => {
+                    self.go_down();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits until completions are ready, the connection went down, or `timeout` passed
+    /// (`None`: no limit). Polls the CQ for the spin budget first, then arms the channel
+    /// and sleeps in the kernel, so an idle connection uses no CPU.
+    pub fn wait(&mut self, timeout: Option<Duration>) -> WaitOutcome {
+        let start = Instant::now();
+        let deadline = timeout.map(|t| {
+            start
+                .checked_add(t)
+                .unwrap_or(start + Duration::from_secs(86_400))
+        });
+        let was_down = self.is_down();
+        let spin_until = start + timeout.map_or(self.spin, |t| t.min(self.spin));
+        loop {
+            if !self.ready.is_empty() || self.drain_cq() > 0 {
+                return WaitOutcome::Ready;
+            }
+            if Instant::now() >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            self.process_events();
+            // Report the transition once; afterwards keep waiting only while flushed
+            // completions are still due (with nothing outstanding, nothing will come).
+            if self.is_down() && (!was_down || !self.has_outstanding_work()) {
+                return WaitOutcome::Disconnected;
+            }
+            if !self.arm() {
+                return WaitOutcome::Ready;
+            }
+            let timeout_ms = match deadline {
+                None => -1,
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return WaitOutcome::TimedOut;
+                    }
+                    i32::try_from(left.as_micros().div_ceil(1000)).unwrap_or(i32::MAX)
+                }
+            };
+            // Blocks in the kernel on the epoll set (completion channel + CM channel).
+            if cm::wait_readable(self.epoll.as_raw_fd(), timeout_ms).is_err() {
+                return WaitOutcome::Ready;
+            }
+            if self.cq.consume_events() > 0 {
+                self.armed = false;
+            }
+        }
+    }
+
+    /// True while some posted work request has not completed yet.
+    fn has_outstanding_work(&self) -> bool {
+        self.send_owner.iter().any(Option::is_some)
+            || self.rdma_ops.iter().any(Option::is_some)
+            || self
+                .recv_state
+                .iter()
+                .any(|state| matches!(state, RecvState::Posted(_)))
+    }
+
+    fn go_down(&mut self) {
+        if self.state == LinkState::Down {
+            return;
+        }
+        self.state = LinkState::Down;
+        // rdma_disconnect moves the QP to the error state (flushing every outstanding work
+        // request) and tells the peer; if it fails, force the error state ourselves.
+        // SAFETY: live id.
+        if unsafe { rdma_sys::rdma_disconnect(self.id.as_ptr()) } != 0 {
+            // SAFETY: the QP lives as long as `self.id`.
+            let _ = unsafe { self.qp.set_error() };
+        }
+    }
+
+    /// Polls the CQ into `ready`; returns how many completions were added.
+    fn drain_cq(&mut self) -> usize {
+        let mut added = 0;
+        loop {
+            let Ok(got) = self.cq.poll(&mut self.wc) else {
+                self.go_down();
+                return added;
+            };
+            for index in 0..got {
+                let wc = &self.wc[index];
+                let (wr_id, status, byte_len) = (wc.wr_id, wc.status, wc.byte_len);
+                if let Some(completion) = self.complete(wr_id, status, byte_len) {
+                    self.ready.push_back(completion);
+                    added += 1;
+                }
+            }
+            if got < self.wc.len() {
+                return added;
+            }
+        }
+    }
+
+    /// Turns a work completion into the caller's completion, releasing its slot.
+    fn complete(
+        &mut self,
+        wr_id: u64,
+        status: ibv_wc_status::Type,
+        byte_len: u32,
+    ) -> Option<Completion> {
+        let status = completion_status(status);
+        if status.is_err() {
+            // An RC QP is in the error state after any failed completion.
+            self.go_down();
+        }
+        let index = u16::try_from(wr_id & 0xffff).ok()?;
+        match wr_id >> TAG_SHIFT {
+            TAG_SEND => {
+                let wr_id = self.send_owner.get_mut(usize::from(index))?.take()?;
+                self.free_send.push(index);
+                Some(Completion {
+                    wr_id,
+                    kind: CompletionKind::Send,
+                    status,
+                })
+            }
+            TAG_RECV => {
+                let state = self.recv_state.get_mut(usize::from(index))?;
+                let RecvState::Posted(wr_id) = *state else {
+                    return None;
+                };
+                let len = if status.is_ok() {
+                    byte_len.min(self.recv_pool.size())
+                } else {
+                    0
+                };
+                *state = if status.is_ok() {
+                    RecvState::Holding(len)
+                } else {
+                    RecvState::Idle
+                };
+                Some(Completion {
+                    wr_id,
+                    kind: CompletionKind::Recv {
+                        slot: RecvSlot(index),
+                        len,
+                    },
+                    status,
+                })
+            }
+            TAG_RDMA => {
+                let op = self.rdma_ops.get_mut(usize::from(index))?.take()?;
+                self.free_rdma.push(index);
+                let kind = if op.read {
+                    CompletionKind::Read
+                } else {
+                    CompletionKind::Write
+                };
+                Some(Completion {
+                    wr_id: op.wr_id,
+                    kind,
+                    status,
+                })
+            }
+            _ => None,
+        }
+    }
+
+    fn check_up(&self) -> Result<(), PostError> {
+        match self.state {
+            LinkState::Down => Err(PostError::Disconnected),
+            LinkState::Connecting | LinkState::Established => Ok(()),
+        }
+    }
+
+    fn post_recv_slot(&mut self, wr_id: WrId, slot: u16) -> Result<(), PostError> {
+        self.check_up()?;
+        let state = self
+            .recv_state
+            .get(usize::from(slot))
+            .ok_or(PostError::InvalidArgument)?;
+        if matches!(state, RecvState::Posted(_)) {
+            return Err(PostError::QueueFull);
+        }
+        let sge = self
+            .recv_pool
+            .sge(slot, self.recv_pool.size())
+            .ok_or(PostError::InvalidArgument)?;
+        // SAFETY: the QP lives as long as `self.id`; the slot's buffer belongs to the recv
+        // pool, which outlives the QP (drop order), and is marked posted below, so nothing
+        // reads it (`recv_slot` returns empty) until its completion is polled.
+        unsafe { self.qp.post_recv(encode_wr(TAG_RECV, slot), sge) }
+            .map_err(|_| PostError::Disconnected)?;
+        self.recv_state[usize::from(slot)] = RecvState::Posted(wr_id);
+        Ok(())
+    }
+
+    fn post_rdma(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+        read: bool,
+    ) -> Result<(), PostError> {
+        self.check_up()?;
+        let caps = self.domain.pd.device.capabilities;
+        let len = local.range.len;
+        let malformed = len == 0
+            || local.range.addr.checked_add(len).is_none()
+            || remote.addr.checked_add(remote.len).is_none()
+            || remote.len < len
+            || len > caps.max_rdma_len
+            || (read && !caps.rdma_read);
+        if malformed {
+            return Err(PostError::InvalidArgument);
+        }
+        let length = u32::try_from(len).map_err(|_| PostError::InvalidArgument)?;
+        // Validate the local key in Rust: an unknown key, a range outside it, or a read
+        // into memory without local write completes with a local protection error
+        // without reaching the device.
+        let resolved = self.domain.resolve(local.lkey).filter(|key| {
+            key.range.contains(&local.range) && (!read || key.access.contains(Access::LOCAL_WRITE))
+        });
+        let Some(resolved) = resolved else {
+            let kind = if read {
+                CompletionKind::Read
+            } else {
+                CompletionKind::Write
+            };
+            self.ready.push_back(Completion {
+                wr_id,
+                kind,
+                status: Err(CompletionError::LocalProtection),
+            });
+            return Ok(());
+        };
+        let index = self.free_rdma.pop().ok_or(PostError::QueueFull)?;
+        let sge = rdma_sys::ibv_sge {
+            addr: local.range.addr,
+            length,
+            lkey: resolved.hardware_lkey,
+        };
+        let op = if read {
+            SendOp::Read {
+                remote_addr: remote.addr,
+                rkey: remote.rkey.0,
+            }
+        } else {
+            SendOp::Write {
+                remote_addr: remote.addr,
+                rkey: remote.rkey.0,
+            }
+        };
+        // SAFETY: the QP lives as long as `self.id`. The local range lies inside a live
+        // registration (checked above), which pins it; if the caller deregisters it before
+        // the completion, the device fails the request instead of touching the pages.
+        match unsafe { self.qp.post_send(encode_wr(TAG_RDMA, index), op, sge) } {
+            Ok(()) => {
+                self.rdma_ops[usize::from(index)] = Some(RdmaOp { wr_id, read });
+                Ok(())
+            }
+            Err(_) => {
+                self.free_rdma.push(index);
+                Err(PostError::Disconnected)
+            }
+        }
+    }
+}
+
+impl SanConnection for VerbsConnection {
+    fn slot_config(&self) -> SlotConfig {
+        self.slots
+    }
+
+    fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError> {
+        self.check_up()?;
+        let len = u32::try_from(message.len()).map_err(|_| PostError::TooLong)?;
+        if len > self.send_pool.size() {
+            return Err(PostError::TooLong);
+        }
+        let slot = self.free_send.pop().ok_or(PostError::QueueFull)?;
+        let sge = match self.send_pool.sge(slot, len) {
+            Some(sge) if self.send_pool.fill(slot, message) => sge,
+            _ => {
+                self.free_send.push(slot);
+                return Err(PostError::InvalidArgument);
+            }
+        };
+        // SAFETY: the QP lives as long as `self.id`; the slot is ours (taken from the free
+        // list, returned only by its completion) and the pool outlives the QP.
+        match unsafe {
+            self.qp
+                .post_send(encode_wr(TAG_SEND, slot), SendOp::Send, sge)
+        } {
+            Ok(()) => {
+                self.send_owner[usize::from(slot)] = Some(wr_id);
+                Ok(())
+            }
+            Err(_) => {
+                self.free_send.push(slot);
+                Err(PostError::Disconnected)
+            }
+        }
+    }
+
+    fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
+        self.post_recv_slot(wr_id, slot.0)
+    }
+
+    fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8] {
+        match self.recv_state.get(usize::from(slot.0)) {
+            Some(RecvState::Holding(held)) => self.recv_pool.bytes(slot.0, len.min(*held)),
+            _ => &[],
+        }
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        self.post_rdma(wr_id, local, remote, false)
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        self.post_rdma(wr_id, local, remote, true)
+    }
+
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        if self.ready.len() < max {
+            self.drain_cq();
+        }
+        if self.ready.is_empty() {
+            self.empty_polls += 1;
+            if self.armed || self.empty_polls >= CM_CHECK_INTERVAL {
+                // An event-driven caller woke on our fd: consume what made it readable.
+                self.empty_polls = 0;
+                if self.cq.consume_events() > 0 {
+                    self.armed = false;
+                }
+                self.process_events();
+                self.drain_cq();
+            }
+        } else {
+            self.empty_polls = 0;
+        }
+        let take = max.min(self.ready.len());
+        out.extend(self.ready.drain(..take));
+        take
+    }
+}
+
+impl Drop for VerbsConnection {
+    fn drop(&mut self) {
+        // Disconnect (QP to error, peer told); then the fields drop in the order
+        // documented on the struct: QP and id, CQ, pools, channel, domain.
+        if self.state != LinkState::Down {
+            // SAFETY: live id.
+            unsafe { rdma_sys::rdma_disconnect(self.id.as_ptr()) };
+        }
+        self.cq.consume_events();
+    }
+}
+
+/// Per-attempt bound on address resolution. The kernel re-checks an unresolved neighbour
+/// only when the attempt's timeout expires (or on a neighbour-update event that policy
+/// routing can hide), so one long attempt can sit idle for most of its timeout; short
+/// attempts, retried until the caller's deadline, resolve as soon as ARP has answered.
+const RESOLVE_ATTEMPT: Duration = Duration::from_millis(500);
+
+/// Resolves `remote` (from `local`, if given) on a fresh id, retrying short attempts until
+/// `deadline`. Returns the channel and the id with a resolved address.
+fn resolve_address(
+    remote: SocketAddr,
+    local: Option<SocketAddr>,
+    deadline: Instant,
+) -> Result<(Arc<EventChannel>, CmId), SetupError> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(SetupError::TimedOut);
+        }
+        let attempt_ms = i32::try_from(left.min(RESOLVE_ATTEMPT).as_millis())
+            .unwrap_or(i32::MAX)
+            .max(1);
+        let channel = EventChannel::new()?;
+        let id = CmId::new(&channel)?;
+        let (mut dst, _) = cm::sockaddr(remote);
+        let mut src = local.map(|local| cm::sockaddr(local).0);
+        let src_ptr = src.as_mut().map_or(std::ptr::null_mut(), |s| {
+            (s as *mut libc::sockaddr_storage).cast()
+        });
+        // SAFETY: live id; `dst` (and `src` when given) are valid sockaddrs that outlive
+        // the call (rdma_cm copies them).
+        if unsafe {
+            rdma_sys::rdma_resolve_addr(
+                id.as_ptr(),
+                src_ptr,
+                (&mut dst as *mut libc::sockaddr_storage).cast(),
+                attempt_ms,
+            )
+        } != 0
+        {
+            return Err(map_resolve_errno(errno()));
+        }
+        match cm::expect_event(
+            &id,
+            rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
+            deadline,
+        ) {
+            Ok(_) => return Ok((channel, id)),
+            // A timed-out attempt is retried with a fresh id while time is left.
+            Err(SetupError::Unreachable) => continue,
+            Err(other) => return Err(other),
+        }
+    }
+}
+
+fn validate_slots(domain: &VerbsDomain, params: &ConnectParams<'_>) -> Result<(), SetupError> {
+    let caps = domain.shared.pd.device.capabilities;
+    let slots = params.slots;
+    let ok = slots.send_slots > 0
+        && slots.recv_slots > 0
+        && slots.slot_size > 0
+        && slots.slot_size <= caps.max_slot_size
+        && slots.send_slots <= caps.max_slots
+        && slots.recv_slots <= caps.max_slots
+        && params.rdma_depth <= caps.max_slots
+        && params.private_data.len() <= san_verbs_loader::abi::MAX_PRIVATE_DATA;
+    if ok {
+        Ok(())
+    } else {
+        Err(SetupError::InvalidArgument)
+    }
+}
+
+fn zeroed_wc() -> ibv_wc {
+    // SAFETY: ibv_wc is plain data (integers and a union of integers); all-zero is valid.
+    unsafe { std::mem::zeroed() }
+}
+
+fn map_resolve_errno(errno: i32) -> SetupError {
+    match errno {
+        libc::EADDRNOTAVAIL | libc::ENODEV | libc::ENETUNREACH | libc::EHOSTUNREACH => {
+            SetupError::Unreachable
+        }
+        other => SetupError::Os(other),
+    }
+}
+
+fn completion_status(status: ibv_wc_status::Type) -> Result<(), CompletionError> {
+    match status {
+        ibv_wc_status::IBV_WC_SUCCESS => Ok(()),
+        ibv_wc_status::IBV_WC_WR_FLUSH_ERR => Err(CompletionError::Flushed),
+        ibv_wc_status::IBV_WC_REM_ACCESS_ERR | ibv_wc_status::IBV_WC_REM_INV_REQ_ERR => {
+            Err(CompletionError::RemoteAccess)
+        }
+        ibv_wc_status::IBV_WC_LOC_PROT_ERR | ibv_wc_status::IBV_WC_LOC_ACCESS_ERR => {
+            Err(CompletionError::LocalProtection)
+        }
+        ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => Err(CompletionError::ReceiverNotReady),
+        ibv_wc_status::IBV_WC_RETRY_EXC_ERR => Err(CompletionError::RetryExceeded),
+        _ => Err(CompletionError::Fatal),
+    }
+}
+
+/// An epoll set watching `fds` for input.
+fn new_epoll(fds: &[RawFd]) -> Result<OwnedFd, SetupError> {
+    // SAFETY: no pointer arguments.
+    let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if raw < 0 {
+        return Err(SetupError::Os(errno()));
+    }
+    // SAFETY: `raw` is a fresh fd we own.
+    let epoll = unsafe { OwnedFd::from_raw_fd(raw) };
+    for &fd in fds {
+        let mut event = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: fd as u64,
+        };
+        // SAFETY: valid epoll fd, valid fd, valid event struct.
+        if unsafe { libc::epoll_ctl(raw, libc::EPOLL_CTL_ADD, fd, &mut event) } < 0 {
+            return Err(SetupError::Os(errno()));
+        }
+    }
+    Ok(epoll)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verbs_statuses_map_to_the_contract_errors() {
+        assert_eq!(completion_status(ibv_wc_status::IBV_WC_SUCCESS), Ok(()));
+        assert_eq!(
+            completion_status(ibv_wc_status::IBV_WC_WR_FLUSH_ERR),
+            Err(CompletionError::Flushed)
+        );
+        assert_eq!(
+            completion_status(ibv_wc_status::IBV_WC_REM_ACCESS_ERR),
+            Err(CompletionError::RemoteAccess)
+        );
+        assert_eq!(
+            completion_status(ibv_wc_status::IBV_WC_LOC_PROT_ERR),
+            Err(CompletionError::LocalProtection)
+        );
+        assert_eq!(
+            completion_status(ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR),
+            Err(CompletionError::ReceiverNotReady)
+        );
+        assert_eq!(
+            completion_status(ibv_wc_status::IBV_WC_RETRY_EXC_ERR),
+            Err(CompletionError::RetryExceeded)
+        );
+        assert_eq!(
+            completion_status(ibv_wc_status::IBV_WC_FATAL_ERR),
+            Err(CompletionError::Fatal)
+        );
+    }
+
+    #[test]
+    fn work_request_ids_keep_tag_and_index_apart() {
+        let id = encode_wr(TAG_RECV, u16::MAX);
+        assert_eq!(id >> TAG_SHIFT, TAG_RECV);
+        assert_eq!(id & 0xffff, u64::from(u16::MAX));
+    }
+}

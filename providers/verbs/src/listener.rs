@@ -1,0 +1,165 @@
+//! The passive side: a listening rdma_cm id and the requests it receives.
+
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdma_sys::rdma_cm_event_type;
+
+use crate::cm::{self, CmId, EventChannel};
+use crate::connection::VerbsConnection;
+use crate::domain::VerbsDomain;
+use crate::{errno, ConnectParams, SetupError};
+
+/// A listening endpoint on one address (which must be served by the domain's device).
+pub struct VerbsListener {
+    // Drop order: the id before the channel it reports on (the id also holds an Arc).
+    id: CmId,
+    channel: Arc<EventChannel>,
+}
+
+/// A connection request received by a [`VerbsListener`], not yet accepted. Dropping it
+/// rejects it.
+pub struct IncomingRequest {
+    id: Option<CmId>,
+    blob: Vec<u8>,
+    peer_responder_resources: u8,
+    peer_initiator_depth: u8,
+}
+
+impl VerbsListener {
+    /// Binds to `addr` (port 0: a free port) and listens.
+    ///
+    /// # Errors
+    /// `NoDevice` when the address is not served by `domain`'s device (a wildcard address
+    /// is refused for the same reason: the domain is per device); `Os` for bind/listen
+    /// failures such as `EADDRINUSE`.
+    pub fn bind(domain: &VerbsDomain, addr: SocketAddr, backlog: i32) -> Result<Self, SetupError> {
+        if addr.ip().is_unspecified() {
+            return Err(SetupError::NoDevice);
+        }
+        let channel = EventChannel::new()?;
+        let id = CmId::new(&channel)?;
+        let (mut storage, _) = cm::sockaddr(addr);
+        // SAFETY: live id; valid sockaddr.
+        if unsafe {
+            rdma_sys::rdma_bind_addr(
+                id.as_ptr(),
+                (&mut storage as *mut libc::sockaddr_storage).cast(),
+            )
+        } != 0
+        {
+            return Err(match errno() {
+                libc::EADDRNOTAVAIL | libc::ENODEV => SetupError::NoDevice,
+                other => SetupError::Os(other),
+            });
+        }
+        if id.context() != Some(domain.shared.pd.device.context) {
+            return Err(SetupError::NoDevice);
+        }
+        // SAFETY: live, bound id.
+        if unsafe { rdma_sys::rdma_listen(id.as_ptr(), backlog.max(1)) } != 0 {
+            return Err(SetupError::Os(errno()));
+        }
+        Ok(Self { id, channel })
+    }
+
+    /// The bound port.
+    pub fn port(&self) -> u16 {
+        cm::bound_port(&self.id)
+    }
+
+    /// A pollable fd, readable when a request (or another listener event) is queued.
+    pub fn fd(&self) -> RawFd {
+        self.channel.fd()
+    }
+
+    /// Waits up to `timeout` (`None`: forever) for the next connection request.
+    ///
+    /// # Errors
+    /// `TimedOut` when none arrived in time.
+    pub fn next_request(
+        &mut self,
+        timeout: Option<Duration>,
+    ) -> Result<IncomingRequest, SetupError> {
+        let deadline = timeout.map(cm::deadline_after);
+        loop {
+            let event = self.channel.next_until(deadline)?;
+            if event.kind == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                return Ok(IncomingRequest {
+                    id: Some(CmId::adopt(event.id, &self.channel)?),
+                    blob: event.blob,
+                    peer_responder_resources: event.responder_resources,
+                    peer_initiator_depth: event.initiator_depth,
+                });
+            }
+            // Other events on the listener's channel concern requests we already handed
+            // out and that failed before being migrated; they need no action here.
+        }
+    }
+}
+
+impl IncomingRequest {
+    /// The connecting side's setup blob.
+    pub fn blob(&self) -> &[u8] {
+        &self.blob
+    }
+
+    /// Accepts: sets up the QP and pools on `domain`, replies with `params.private_data`,
+    /// and waits for the connection to be established.
+    ///
+    /// # Errors
+    /// `WrongDevice` when the request arrived on another device than the domain's (the
+    /// request is then rejected); `InvalidArgument`; `TimedOut`/`ConnectFailed` when the
+    /// peer did not complete the handshake.
+    pub fn accept(
+        mut self,
+        domain: &VerbsDomain,
+        params: &ConnectParams<'_>,
+    ) -> Result<VerbsConnection, SetupError> {
+        let frame = cm::encode_blob(params.private_data)?;
+        let Some(mut id) = self.id.take() else {
+            return Err(SetupError::Internal);
+        };
+        let deadline = cm::deadline_after(params.timeout);
+        // Give the connection its own channel so its events (established, disconnected)
+        // never mix with the listener's.
+        let channel = EventChannel::new()?;
+        id.migrate(&channel)?;
+        id.set_ack_timeout();
+        let mut connection = VerbsConnection::build(domain, id, channel, params)?;
+        let device = &domain.shared.pd.device;
+        // Never promise more read depth than the peer can use, nor than we have.
+        let responder = device
+            .max_responder_resources
+            .min(self.peer_initiator_depth);
+        let initiator = device
+            .max_initiator_depth
+            .min(self.peer_responder_resources);
+        let mut param = cm::conn_param(&frame, responder, initiator);
+        // SAFETY: live id with a QP; `param` points at `frame`, which outlives the call.
+        if unsafe { rdma_sys::rdma_accept(connection.id().as_ptr(), &mut param) } != 0 {
+            return Err(SetupError::Os(errno()));
+        }
+        cm::expect_event(
+            connection.id(),
+            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
+            deadline,
+        )?;
+        connection.set_established();
+        Ok(connection)
+    }
+
+    /// Rejects the request (also what dropping it does).
+    pub fn reject(self) {}
+}
+
+impl Drop for IncomingRequest {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            // SAFETY: live id of an unanswered connect request; no private data.
+            unsafe { rdma_sys::rdma_reject(id.as_ptr(), std::ptr::null(), 0) };
+        }
+    }
+}
