@@ -23,9 +23,8 @@ pub fn ctrl_decode(data: &[u8]) {
         "a parsed message must span the whole input"
     );
     let mut encoded = vec![0u8; repr.buffer_len()];
-    let written = match repr.emit(&mut encoded) {
-        Ok(written) => written,
-        Err(_) => panic!("a message that parsed must emit: {repr:?}"),
+    let Ok(written) = repr.emit(&mut encoded) else {
+        panic!("a message that parsed must emit: {repr:?}");
     };
     assert_eq!(written, data.len());
     assert_eq!(Repr::parse_bytes(&encoded[..written]), Ok(repr));

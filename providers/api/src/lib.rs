@@ -369,7 +369,8 @@ pub trait SanDomain {
 
     /// Exposes a registration to peers again with `access` (remote rights), returning the
     /// new `rkey`. A provider must never hand back an `rkey` that was revoked.
-    fn expose_remote(&mut self, lkey: LocalKey, access: Access) -> Result<RemoteKey, RegisterError>;
+    fn expose_remote(&mut self, lkey: LocalKey, access: Access)
+        -> Result<RemoteKey, RegisterError>;
 }
 
 /// One SAN connection (a reliable-connected queue pair and its slot pools).
@@ -418,7 +419,10 @@ mod tests {
         assert!(!a.overlaps(&MemRange::new(110, 5)));
         assert!(!a.overlaps(&MemRange::new(90, 10)));
         assert!(a.overlaps(&MemRange::new(90, 11)));
-        assert!(!a.overlaps(&MemRange::new(105, 0)), "empty ranges overlap nothing");
+        assert!(
+            !a.overlaps(&MemRange::new(105, 0)),
+            "empty ranges overlap nothing"
+        );
     }
 
     #[test]
@@ -438,7 +442,10 @@ mod tests {
             rkey: Some(RemoteKey(7)),
         };
         let inner = MemRange::new(0x1800, 0x10);
-        assert_eq!(reg.remote_descriptor(inner).map(|d| d.rkey), Some(RemoteKey(7)));
+        assert_eq!(
+            reg.remote_descriptor(inner).map(|d| d.rkey),
+            Some(RemoteKey(7))
+        );
         assert_eq!(reg.remote_descriptor(MemRange::new(0x1ff0, 0x20)), None);
         reg.rkey = None;
         assert_eq!(reg.remote_descriptor(inner), None);

@@ -1016,7 +1016,7 @@ impl ShmConnection {
                 }
                 spins = spins.wrapping_add(1);
                 // A peer that went to sleep meanwhile will publish nothing for us: stop early.
-                if (share_cpu || spins % 64 == 0)
+                if (share_cpu || spins.is_multiple_of(64))
                     && (start.elapsed() >= self.config.spin_limit
                         || self.peer_control().running() == ASLEEP)
                 {

@@ -107,7 +107,8 @@ impl Mapping {
         // the mapping length, and every peer-supplied index was range-checked first, so this
         // only fires on a bug inside this crate.
         assert!(
-            offset.checked_add(len).is_some_and(|end| end <= self.len) && offset % align == 0,
+            offset.checked_add(len).is_some_and(|end| end <= self.len)
+                && offset.is_multiple_of(align),
             "san-shm internal error: access [{offset}, +{len}) outside a {}-byte segment",
             self.len
         );

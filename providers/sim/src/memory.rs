@@ -80,7 +80,7 @@ impl AddressSpace {
     /// Maps zeroed pages at exactly `addr` (page-aligned), failing if any is already mapped
     /// (the `MAP_FIXED_NOREPLACE` rule). Returns the range asked for.
     pub fn map_at(&mut self, addr: u64, len: u64) -> Result<MemRange, MapError> {
-        if addr % PAGE_SIZE != 0 {
+        if !addr.is_multiple_of(PAGE_SIZE) {
             return Err(MapError::Misaligned);
         }
         if len == 0 {
@@ -105,7 +105,7 @@ impl AddressSpace {
     /// pages, like `munmap`). Unmapping pages that are not mapped is not an error.
     /// Returns the page-rounded range, or `None` if `range` is misaligned or wraps.
     pub fn unmap(&mut self, range: MemRange) -> Option<MemRange> {
-        if range.addr % PAGE_SIZE != 0 {
+        if !range.addr.is_multiple_of(PAGE_SIZE) {
             return None;
         }
         let (first, last) = page_span(range.addr, range.len)?;
