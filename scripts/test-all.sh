@@ -20,11 +20,11 @@ stage() {
 }
 
 stage "format" cargo fmt --all -- --check
-stage "clippy" cargo clippy --workspace --all-targets --locked -- -D warnings
+stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
 stage "dependency direction" bash scripts/check-deps.sh
-stage "tests" cargo test --workspace --locked
+stage "tests" cargo test --workspace
 if [ -x .ci/check-exports.sh ]; then
   stage "exported symbols" bash .ci/check-exports.sh
 fi
-stage "docs" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+stage "docs" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "=== all stages passed"
