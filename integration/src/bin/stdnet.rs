@@ -11,11 +11,15 @@ use preload_core::record::{flags, Counter, SocketState};
 fn main() -> std::io::Result<()> {
     let listener = TcpListener::bind("[::1]:0").or_else(|_| TcpListener::bind("127.0.0.1:0"))?;
     let address = listener.local_addr()?;
+    // The server reports when its reply's write returned: the hook counts bytes after the real
+    // call, so the client may read the reply before the server's counter moved.
+    let (replied, reply_sent) = std::sync::mpsc::channel();
     let server = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
         let (mut stream, _) = listener.accept()?;
         let mut request = [0u8; 5];
         stream.read_exact(&mut request)?;
         stream.write_all(b"world!")?;
+        let _ = replied.send(());
         let mut rest = Vec::new();
         stream.read_to_end(&mut rest)?;
         Ok(request.to_vec())
@@ -25,6 +29,9 @@ fn main() -> std::io::Result<()> {
     let mut reply = [0u8; 6];
     client.read_exact(&mut reply)?;
     println!("exchange: hello / {}", String::from_utf8_lossy(&reply));
+    reply_sent
+        .recv()
+        .map_err(|_| std::io::Error::other("server thread ended before replying"))?;
 
     let published = preload_core::stats::default_dir()
         .map(|dir| dir.join(std::process::id().to_string()))
