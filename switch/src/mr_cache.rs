@@ -379,7 +379,21 @@ impl MrCache {
     /// changes or changed). Returns the references that were still held on them, with their
     /// owners: their handles are stale from now on, and their sessions must never post an
     /// operation with those registrations again.
+    ///
+    /// Then tells the domain ([`SanDomain::memory_invalidated`], exactly once per call, also
+    /// when nothing overlapped) so a provider can drop VA-keyed state of its own.
     pub fn invalidate<D: SanDomain>(
+        &mut self,
+        domain: &mut D,
+        range: MemRange,
+    ) -> Vec<(MrHandle, OwnerId)> {
+        let affected = self.drop_overlapping(domain, range);
+        domain.memory_invalidated(range);
+        affected
+    }
+
+    /// The body of [`invalidate`](Self::invalidate) before the provider callback.
+    fn drop_overlapping<D: SanDomain>(
         &mut self,
         domain: &mut D,
         range: MemRange,

@@ -2,8 +2,9 @@
 //!
 //! This crate is the Linux analogue of the Windows Sockets Direct *SAN service provider
 //! interface*: the small set of operations the switch (`switch` crate) needs from a
-//! system-area network, expressed as plain Rust types and one trait, [`SanConnection`] (per
-//! connection) plus [`SanDomain`] (per process: memory registration).
+//! system-area network, expressed as plain Rust types and a few traits: [`SanConnection`] (per
+//! connection), [`SanDomain`] (per process: memory registration) and [`SanConnector`] (setting
+//! connections up, with its [`SanConnectRequest`]).
 //!
 //! It holds types only. No I/O, no `unsafe`, no OS dependency: the sans-IO switch depends on
 //! it, and so does every provider (`shm`, `verbs`, `sim`).
@@ -31,13 +32,26 @@
 //! * A provider never touches memory outside a registered range, and never after the
 //!   registration was removed.
 //!
+//! * **Connection set-up** ([`SanConnector`]): the active side connects to an address with a
+//!   *setup blob* (private data: the switch's Hello and the TCP 4-tuple travel in it); the
+//!   passive side listens, sees each incoming request with the peer's blob, and accepts it
+//!   (answering with its own blob, which the active side receives) or rejects it. Both sides
+//!   allocate their slot pools ([`SlotConfig`]) before the connection counts as established,
+//!   so a peer's first message never meets a missing receive buffer. Set-up failures are
+//!   [`SetupError`]s, whose [`allows_tcp_fallback`](SetupError::allows_tcp_fallback) carries
+//!   the WSD rule: fall back to kernel TCP, except after *refused*, *reset* or *unreachable*,
+//!   where TCP would fail as well.
+//!
 //! ## Cache invalidation
 //! The registration cache lives in the switch (`switch::mr_cache`), keyed by virtual address.
-//! The analogue of `WSPMemoryRegistrationCacheCallback` is the cache's invalidation entry
-//! point: whatever learns that a mapping changed (the preload's munmap/mremap/madvise hooks,
-//! a userfaultfd monitor, the simulation) calls it with the changed range, and the cache
-//! hands back every registration that overlapped so the domain deregisters them
-//! ([`SanDomain::deregister`]). Providers themselves keep no cache.
+//! Whatever learns that a mapping changes (the preload's munmap/mremap/madvise hooks, a
+//! userfaultfd monitor, the simulation) calls the cache's invalidation entry point with the
+//! changed range. The cache drops every registration overlapping it and deregisters each
+//! ([`SanDomain::deregister`]), hands back the references that were still held, and then
+//! calls [`SanDomain::memory_invalidated`] once with the range — the analogue of
+//! `WSPMemoryRegistrationCacheCallback`. Providers keep no registration cache of their own;
+//! those that keep other state keyed by virtual address (on-demand-paging devices, the shm
+//! provider's exposure tables) drop it in that callback, before the mapping changes.
 #![no_std]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -371,6 +385,18 @@ pub trait SanDomain {
     /// new `rkey`. A provider must never hand back an `rkey` that was revoked.
     fn expose_remote(&mut self, lkey: LocalKey, access: Access)
         -> Result<RemoteKey, RegisterError>;
+
+    /// The cache-invalidation callback (analogue of `WSPMemoryRegistrationCacheCallback`).
+    ///
+    /// Called by the switch's registration cache after it dropped and deregistered every
+    /// registration overlapping `range`, before the mapping changes; providers that keep
+    /// VA-keyed state of their own (e.g. on-demand-paging devices, the shm exposure tables)
+    /// drop it here. Called exactly once per invalidation, also when no registration
+    /// overlapped. Must not fail and must not call back into the cache. The default does
+    /// nothing: most providers keep all VA-keyed state in their registrations.
+    fn memory_invalidated(&mut self, range: MemRange) {
+        let _ = range;
+    }
 }
 
 /// One SAN connection (a reliable-connected queue pair and its slot pools).
@@ -406,6 +432,160 @@ pub trait SanConnection {
 
     /// Moves up to `max` completions into `out`; returns how many were added.
     fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize;
+}
+
+// ----- connection set-up --------------------------------------------------------------------
+
+/// Why a connection could not be set up. rustls-style: each variant is a distinct cause the
+/// switch acts on differently, chiefly through [`SetupError::allows_tcp_fallback`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// Nothing listens at the address: the peer's host answered that no such endpoint exists
+    /// (the analogue of a TCP RST to a SYN, `ECONNREFUSED`). TCP would be refused too.
+    Refused,
+    /// The peer tore the connection down while it was being set up (`ECONNRESET`): it was
+    /// there and went away. TCP would meet the same peer.
+    Reset,
+    /// The peer cannot be reached: no route, or address resolution failed
+    /// (`EHOSTUNREACH`/`ENETUNREACH`). TCP would not get through either.
+    Unreachable,
+    /// Set-up did not finish within the provider's bound. The SAN path may be slow or
+    /// broken while TCP works.
+    TimedOut,
+    /// A listener saw the request and declined it (a peer without sandirect, a policy, an
+    /// overloaded listener). The peer may still accept TCP.
+    Rejected,
+    /// Local resources ran out: memory, queue pairs, registrations, segment files, or the
+    /// device is missing (a host without RDMA).
+    NoResources,
+    /// Anything else: an invalid argument, an unexpected OS error, a provider bug.
+    Other,
+}
+
+impl SetupError {
+    /// The Windows Sockets Direct rule: after a failed SAN connect the switch may fall back
+    /// to kernel TCP, **except** when the SAN said *refused*, *reset* or *unreachable* —
+    /// there TCP would fail the same way, and retrying it only delays the application's
+    /// error (and could reach a different listener than the one that refused).
+    pub const fn allows_tcp_fallback(self) -> bool {
+        !matches!(
+            self,
+            SetupError::Refused | SetupError::Reset | SetupError::Unreachable
+        )
+    }
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = match self {
+            SetupError::Refused => "connection refused: nothing listens at that address",
+            SetupError::Reset => "connection reset by the peer during set-up",
+            SetupError::Unreachable => "peer unreachable",
+            SetupError::TimedOut => "connection set-up timed out",
+            SetupError::Rejected => "connection request rejected by the listener",
+            SetupError::NoResources => "connection set-up failed: out of local resources",
+            SetupError::Other => "connection set-up failed",
+        };
+        f.write_str(text)
+    }
+}
+
+/// A connection whose set-up finished, with the peer's setup blob.
+#[derive(Debug)]
+pub struct Established<C> {
+    /// The connection, ready for posting.
+    pub connection: C,
+    /// The blob the passive side gave when accepting (empty on the passive side).
+    pub peer_private_data: Vec<u8>,
+}
+
+/// Where an active connect stands after [`SanConnector::poll_connect`].
+#[derive(Debug)]
+pub enum ConnectProgress<P, C> {
+    /// The passive side has not answered yet; poll the handle again later.
+    Pending(P),
+    /// The passive side accepted.
+    Established(Established<C>),
+}
+
+/// An incoming connection request seen by a listener, not answered yet. It is answered
+/// by handing it to [`SanConnector::accept`] or [`SanConnector::reject`]; dropping it
+/// unanswered rejects it.
+pub trait SanConnectRequest {
+    /// The active side's setup blob.
+    fn private_data(&self) -> &[u8];
+}
+
+/// Connection set-up of one provider, active and passive side (the analogue of the WSD
+/// SPI's `WSPConnect`/`WSPListen`/`WSPAccept` with their connect data).
+///
+/// All calls are non-blocking in shape: a provider whose native set-up blocks (rdma_cm)
+/// finishes it inside [`connect`](Self::connect)/[`accept`](Self::accept) under its own
+/// timeout, and its pending connect is then established at the first poll. Each provider
+/// keeps its own addressing ([`Address`](Self::Address): a segment name, an IP address and
+/// port, a simulated endpoint).
+///
+/// Contract:
+/// * A blob given to `connect` reaches the passive side byte for byte (as
+///   [`SanConnectRequest::private_data`]), and the blob given to `accept` reaches the active
+///   side ([`Established::peer_private_data`]). A provider refuses a blob longer than
+///   [`max_private_data`](Self::max_private_data) with [`SetupError::Other`] before
+///   anything is sent.
+/// * A rejected request fails the active side with [`SetupError::Rejected`]; a connect to
+///   an address nobody listens on fails with [`SetupError::Refused`] (or `Rejected` where
+///   the transport cannot tell the two apart — documented per provider).
+/// * Once established, both connections follow the [`SanConnection`] contract with the
+///   slot pools their side asked for.
+pub trait SanConnector {
+    /// How the provider names a listening endpoint (unsized allowed: a segment name is a
+    /// `str`).
+    type Address: ?Sized;
+    /// The connection type set up.
+    type Connection: SanConnection;
+    /// An active connect waiting for the passive side's answer.
+    type Connecting;
+    /// A passive endpoint receiving connection requests.
+    type Listener;
+    /// A received request, not answered yet.
+    type Request: SanConnectRequest;
+
+    /// The largest setup blob the transport carries (rdma_cm: 55 bytes).
+    fn max_private_data(&self) -> usize;
+
+    /// Starts connecting to `remote` with this side's slot pools and setup blob.
+    fn connect(
+        &mut self,
+        remote: &Self::Address,
+        slots: SlotConfig,
+        private_data: &[u8],
+    ) -> Result<Self::Connecting, SetupError>;
+
+    /// Advances a pending connect without blocking.
+    fn poll_connect(
+        &mut self,
+        pending: Self::Connecting,
+    ) -> Result<ConnectProgress<Self::Connecting, Self::Connection>, SetupError>;
+
+    /// Starts listening at `local`.
+    fn listen(&mut self, local: &Self::Address) -> Result<Self::Listener, SetupError>;
+
+    /// The next connection request that arrived at `listener`, if any, without blocking.
+    fn poll_request(
+        &mut self,
+        listener: &mut Self::Listener,
+    ) -> Result<Option<Self::Request>, SetupError>;
+
+    /// Accepts `request`: sets up this side's slot pools and answers with `private_data`.
+    fn accept(
+        &mut self,
+        request: Self::Request,
+        slots: SlotConfig,
+        private_data: &[u8],
+    ) -> Result<Self::Connection, SetupError>;
+
+    /// Declines `request`; the active side fails with [`SetupError::Rejected`].
+    fn reject(&mut self, request: Self::Request);
 }
 
 #[cfg(test)]
@@ -449,5 +629,26 @@ mod tests {
         assert_eq!(reg.remote_descriptor(MemRange::new(0x1ff0, 0x20)), None);
         reg.rkey = None;
         assert_eq!(reg.remote_descriptor(inner), None);
+    }
+
+    #[test]
+    fn tcp_fallback_is_forbidden_only_where_tcp_would_fail_too() {
+        let forbidden = [
+            SetupError::Refused,
+            SetupError::Reset,
+            SetupError::Unreachable,
+        ];
+        let allowed = [
+            SetupError::TimedOut,
+            SetupError::Rejected,
+            SetupError::NoResources,
+            SetupError::Other,
+        ];
+        for error in forbidden {
+            assert!(!error.allows_tcp_fallback(), "{error:?}");
+        }
+        for error in allowed {
+            assert!(error.allows_tcp_fallback(), "{error:?}");
+        }
     }
 }

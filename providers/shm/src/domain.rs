@@ -201,6 +201,14 @@ impl ShmDomain {
         &self.shared
     }
 
+    /// Another handle on the same domain (same registrations and exposure tables), for the
+    /// connector, which sets connections up while the caller keeps registering.
+    pub(crate) fn handle(&self) -> ShmDomain {
+        ShmDomain {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, DomainState> {
         self.shared.lock()
     }
@@ -418,6 +426,25 @@ impl SanDomain for ShmDomain {
         }
         self.state().expose(lkey.0, access).map(RemoteKey)
     }
+
+    /// Withdraws from every exposure table (ours and every connection's segment) each
+    /// exposure still naming memory in `range`: a peer must never reach pages whose mapping
+    /// is about to change. The switch's cache has deregistered its own registrations over
+    /// `range` already; this catches registrations it does not own. Local registrations
+    /// stay: their lkeys are checked against their ranges on every use, and their owner
+    /// learns of the change through its own cache.
+    fn memory_invalidated(&mut self, range: MemRange) {
+        let mut state = self.state();
+        let exposed: Vec<u32> = state
+            .regs
+            .iter()
+            .filter(|(_, reg)| reg.rkey.is_some() && reg.range.overlaps(&range))
+            .map(|(&lkey, _)| lkey)
+            .collect();
+        for lkey in exposed {
+            state.revoke(lkey);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -426,6 +453,42 @@ mod tests {
 
     fn buffer_range(buffer: &[u8]) -> MemRange {
         MemRange::new(buffer.as_ptr() as u64, buffer.len() as u64)
+    }
+
+    #[test]
+    fn invalidation_withdraws_exposures_over_the_range_and_nothing_else() {
+        let buffer = vec![0u8; 3 * 4096];
+        let whole = buffer_range(&buffer);
+        let first = MemRange::new(whole.addr, 4096);
+        let last = MemRange::new(whole.addr + 2 * 4096, 4096);
+        let mut domain = ShmDomain::default();
+        let gone = domain.register(first, Access::REMOTE_READ).unwrap();
+        let kept = domain.register(last, Access::REMOTE_WRITE).unwrap();
+        let local = domain.register(first, Access::LOCAL_WRITE).unwrap();
+        let shared = domain.shared().clone();
+
+        domain.memory_invalidated(MemRange::new(first.addr + 100, 8));
+        assert_eq!(
+            shared.exposed(gone.rkey.unwrap().0, first, Access::REMOTE_READ),
+            Err(CompletionError::RemoteAccess),
+            "an exposure over the invalidated range no longer lets the peer in"
+        );
+        assert!(shared
+            .exposed(kept.rkey.unwrap().0, last, Access::REMOTE_WRITE)
+            .is_ok());
+        let segment = LocalSegment {
+            range: first,
+            lkey: local.lkey,
+        };
+        assert!(
+            shared.local_segment(&segment, true).is_ok(),
+            "local use stays"
+        );
+        // The registration itself survives: it can be exposed again under a fresh rkey.
+        let again = domain
+            .expose_remote(gone.lkey, Access::REMOTE_READ)
+            .unwrap();
+        assert_ne!(Some(again), gone.rkey);
     }
 
     #[test]

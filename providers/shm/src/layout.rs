@@ -1,7 +1,8 @@
 //! The shared segment layout (layout version 1): `#[repr(C)]`, offsets only, no pointers.
 //!
 //! ```text
-//! 0        SegmentHeader (one 4 KiB page: magic, version, sizes, side offsets, state)
+//! 0        SegmentHeader (one 4 KiB page: magic, version, sizes, side offsets, state;
+//!          at SETUP_AREA: SetupWords + request blob + reply blob of the connector path)
 //! side[0]  SideArea of the creator (active side)  ─┐ each side_size bytes, page aligned
 //! side[1]  SideArea of the attacher (passive side) ─┘
 //!
@@ -104,6 +105,41 @@ pub struct SegmentHeader {
     pub state: AtomicU32,
     /// Reserved, zero.
     pub flags: AtomicU32,
+}
+
+/// Offset, inside the header page, of the connection-setup area ([`SetupWords`] followed by
+/// the request blob and the reply blob, [`MAX_SETUP_DATA`] bytes each). Segments created
+/// without a blob leave it zero, which reads as "empty blob, no answer".
+pub const SETUP_AREA: usize = 1024;
+/// Largest setup blob each side can leave in the segment.
+pub const MAX_SETUP_DATA: usize = 1024;
+/// Offset of the creator's request blob.
+pub const SETUP_REQUEST: usize = SETUP_AREA + CACHE_LINE;
+/// Offset of the attacher's reply blob.
+pub const SETUP_REPLY: usize = SETUP_REQUEST + MAX_SETUP_DATA;
+
+/// [`SetupWords::answer`]: the attacher has not answered.
+pub const ANSWER_NONE: u32 = 0;
+/// The attacher accepted; its reply blob is published.
+pub const ANSWER_ACCEPTED: u32 = 1;
+/// The attacher declined.
+pub const ANSWER_REJECTED: u32 = 2;
+
+/// The control words of connection set-up (the `SanConnector` path; the plain
+/// `create`/`attach` path leaves them zero and never reads them).
+#[repr(C)]
+pub struct SetupWords {
+    /// Length of the creator's request blob. Written with the blob before the segment is
+    /// published (like the header), never changed afterwards.
+    pub request_len: AtomicU32,
+    /// [`ANSWER_NONE`] → (Release store by the attacher, after writing `reply_len` and the
+    /// reply blob) [`ANSWER_ACCEPTED`] or [`ANSWER_REJECTED`]. The creator loads it with
+    /// Acquire before reading the reply.
+    pub answer: AtomicU32,
+    /// Length of the attacher's reply blob (published by `answer`).
+    pub reply_len: AtomicU32,
+    /// Reserved, zero.
+    pub reserved: AtomicU32,
 }
 
 /// A 64-byte aligned wrapper so words written by different processes never share a line.
@@ -225,7 +261,9 @@ pub struct ExposureEntry {
 }
 
 const _: () = {
-    assert!(size_of::<SegmentHeader>() <= HEADER_SIZE);
+    assert!(size_of::<SegmentHeader>() <= SETUP_AREA);
+    assert!(size_of::<SetupWords>() <= CACHE_LINE);
+    assert!(SETUP_REPLY + MAX_SETUP_DATA <= HEADER_SIZE);
     assert!(size_of::<SideControl>() == 6 * CACHE_LINE);
     assert!(size_of::<RingEntry>() == 32);
     assert!(size_of::<ExposureEntry>() == 32);

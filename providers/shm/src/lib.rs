@@ -15,6 +15,10 @@
 //! * [`ShmDomain`] implements [`san_api::SanDomain`]: registration is bookkeeping (CMA works
 //!   on unpinned memory, so no `mlock`), rkeys are generation-numbered and never reused, and
 //!   exposures are mirrored into every connection's segment.
+//! * [`ShmConnector`] implements [`san_api::SanConnector`]: the address is the segment name;
+//!   connect creates the segment with the setup blob in its header page, listen/poll_request
+//!   attach and read it, accept/reject answer in the segment (see `setup.rs`).
+//!   [`san_api::SanDomain::memory_invalidated`] withdraws exposures over the range.
 //! * [`ShmConnection::wait`] waits adaptively: a bounded spin (about one wake-up's cost) only
 //!   while the peer is running or being woken — yielding between checks instead of spinning
 //!   when the peer shares our CPU — then a cross-process futex sleep. The peer is rung only
@@ -45,6 +49,7 @@ mod domain;
 mod error;
 mod layout;
 mod segment;
+mod setup;
 mod sys;
 
 pub use connection::{
@@ -52,6 +57,7 @@ pub use connection::{
 };
 pub use domain::{DomainConfig, ShmDomain, MAX_RDMA_LEN};
 pub use error::{CorruptSegment, PermissionProblem, ShmError};
-pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC};
+pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_SETUP_DATA};
 pub use segment::{ensure_private_dir, AccessPolicy, SegmentConfig, ShmSegment, Side};
+pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{futex_wake, process_cpu_time, ShmSafe};

@@ -31,8 +31,10 @@ use san_api::SlotConfig;
 
 use crate::error::{PermissionProblem, ShmError};
 use crate::layout::{
-    CorruptSegment, Geometry, RawHeader, SegmentHeader, SideControl, ASLEEP, EXPOSURE_ENTRIES,
-    HEADER_SIZE, LAYOUT_VERSION, MAGIC, RUNNING, STATE_ATTACHED, STATE_ATTACHING, STATE_CREATED,
+    CorruptSegment, Geometry, RawHeader, SegmentHeader, SetupWords, SideControl, ANSWER_ACCEPTED,
+    ANSWER_NONE, ANSWER_REJECTED, ASLEEP, EXPOSURE_ENTRIES, HEADER_SIZE, LAYOUT_VERSION, MAGIC,
+    MAX_SETUP_DATA, RUNNING, SETUP_AREA, SETUP_REPLY, SETUP_REQUEST, STATE_ATTACHED,
+    STATE_ATTACHING, STATE_CREATED,
 };
 use crate::sys::{self, Mapping};
 
@@ -92,6 +94,15 @@ impl SegmentConfig {
             access: AccessPolicy::default(),
         }
     }
+}
+
+/// The attacher's answer to a setup request, as the creator reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum SetupAnswer {
+    /// Accepted, with the attacher's reply blob.
+    Accepted(Vec<u8>),
+    /// Declined.
+    Rejected,
 }
 
 /// One mapped segment file, seen from one side.
@@ -237,7 +248,23 @@ impl ShmSegment {
     /// side. Fails with [`ShmError::AlreadyExists`] if a live creator holds the name; a stale
     /// segment (dead creator) is replaced.
     pub fn create(dir: &Path, name: &str, config: &SegmentConfig) -> Result<ShmSegment, ShmError> {
+        Self::create_with_setup(dir, name, config, &[])
+    }
+
+    /// As [`ShmSegment::create`], leaving `request` (at most [`MAX_SETUP_DATA`] bytes) in the
+    /// segment for the attacher: the setup blob of the `SanConnector` path.
+    pub(crate) fn create_with_setup(
+        dir: &Path,
+        name: &str,
+        config: &SegmentConfig,
+        request: &[u8],
+    ) -> Result<ShmSegment, ShmError> {
         validate_name(name)?;
+        if request.len() > MAX_SETUP_DATA {
+            return Err(ShmError::InvalidConfig(
+                "setup blob longer than MAX_SETUP_DATA",
+            ));
+        }
         let ring_entries =
             u32::from(config.slots.recv_slots).saturating_add(config.ring_extra.max(1));
         let geometry =
@@ -263,7 +290,7 @@ impl ShmSegment {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&temp)
             .map_err(|e| ShmError::io("create segment file", &e))?;
-        let built = Self::build(&file, &temp, geometry, config, mode);
+        let built = Self::build(&file, &temp, geometry, config, mode, request);
         let result =
             built.and_then(|map| Self::publish(&file, &temp, &dir.join(name), map, geometry));
         let _ = fs::remove_file(&temp);
@@ -276,6 +303,7 @@ impl ShmSegment {
         geometry: Geometry,
         config: &SegmentConfig,
         mode: u32,
+        request: &[u8],
     ) -> Result<Mapping, ShmError> {
         // The umask may have stripped group bits the policy asked for.
         fs::set_permissions(temp, Permissions::from_mode(mode))
@@ -336,6 +364,12 @@ impl ShmSegment {
             .0
             .running
             .store(ASLEEP, Ordering::Relaxed);
+        // The setup blob is part of the initialised file, published like the header. Its
+        // length was checked by the caller, so it fits a u32.
+        map.copy_in(SETUP_REQUEST, request);
+        map.get::<SetupWords>(SETUP_AREA)
+            .request_len
+            .store(request.len() as u32, Ordering::Relaxed);
         // Publication to the attacher is the link() below (it reads with pread after open);
         // the Release store orders the magic last for anyone already mapping the temp file.
         header.magic.store(MAGIC, Ordering::Release);
@@ -498,6 +532,68 @@ impl ShmSegment {
     /// The segment's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The creator's setup blob (empty for a segment made by plain [`ShmSegment::create`]).
+    /// Immutable once published, so any side may read it at any time.
+    pub(crate) fn setup_request(&self) -> Result<Vec<u8>, ShmError> {
+        let len = self.setup_words().request_len.load(Ordering::Relaxed) as usize;
+        if len > MAX_SETUP_DATA {
+            return Err(ShmError::Corrupt(CorruptSegment::SizeOutOfRange));
+        }
+        Ok(self.map.bytes(SETUP_REQUEST, len).to_vec())
+    }
+
+    /// The attacher's answer to the setup request: accept with `reply` (at most
+    /// [`MAX_SETUP_DATA`] bytes) or decline. Once only; wakes a creator blocked in `wait`.
+    pub(crate) fn answer_setup(&self, accepted: bool, reply: &[u8]) -> Result<(), ShmError> {
+        if self.side != Side::Attacher {
+            return Err(ShmError::InUse);
+        }
+        if reply.len() > MAX_SETUP_DATA {
+            return Err(ShmError::InvalidConfig(
+                "setup blob longer than MAX_SETUP_DATA",
+            ));
+        }
+        let words = self.setup_words();
+        if words.answer.load(Ordering::Relaxed) != ANSWER_NONE {
+            return Err(ShmError::InUse);
+        }
+        self.map.copy_in(SETUP_REPLY, reply);
+        words.reply_len.store(reply.len() as u32, Ordering::Relaxed);
+        let answer = if accepted {
+            ANSWER_ACCEPTED
+        } else {
+            ANSWER_REJECTED
+        };
+        words.answer.store(answer, Ordering::Release);
+        self.control(Side::Creator).notify(|bell| {
+            sys::futex_wake(bell);
+        });
+        Ok(())
+    }
+
+    /// On the creator: the attacher's answer, once given.
+    pub(crate) fn setup_answer(&self) -> Result<Option<SetupAnswer>, ShmError> {
+        let words = self.setup_words();
+        match words.answer.load(Ordering::Acquire) {
+            ANSWER_NONE => Ok(None),
+            ANSWER_REJECTED => Ok(Some(SetupAnswer::Rejected)),
+            ANSWER_ACCEPTED => {
+                let len = words.reply_len.load(Ordering::Relaxed) as usize;
+                if len > MAX_SETUP_DATA {
+                    return Err(ShmError::Corrupt(CorruptSegment::SizeOutOfRange));
+                }
+                Ok(Some(SetupAnswer::Accepted(
+                    self.map.bytes(SETUP_REPLY, len).to_vec(),
+                )))
+            }
+            _ => Err(ShmError::Corrupt(CorruptSegment::BadState)),
+        }
+    }
+
+    fn setup_words(&self) -> &SetupWords {
+        self.map.get(SETUP_AREA)
     }
 
     pub(crate) fn map(&self) -> &Arc<Mapping> {

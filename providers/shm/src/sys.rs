@@ -55,6 +55,7 @@ shm_safe!(
     crate::layout::SideControl,
     crate::layout::RingEntry,
     crate::layout::ExposureEntry,
+    crate::layout::SetupWords,
 );
 
 /// A `MAP_SHARED` read-write mapping of a whole segment file.

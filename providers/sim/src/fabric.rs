@@ -12,6 +12,7 @@ use san_api::{
 };
 
 use crate::memory::{AddressSpace, MapError, Unmapped};
+use crate::setup::SetupTable;
 use crate::types::{
     ConnId, EndpointCounters, EndpointId, FaultConfig, SimError, SimTiming, Violation,
     ViolationKind,
@@ -56,6 +57,8 @@ struct Endpoint {
     retired_rkeys: BTreeSet<u32>,
     fail_next_registrations: u32,
     counters: EndpointCounters,
+    /// Every `memory_invalidated` callback the domain got, oldest first.
+    invalidations: Vec<MemRange>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,6 +184,8 @@ pub(crate) struct Fabric {
     /// capacity is 0; nothing is formatted then).
     trace: VecDeque<String>,
     trace_capacity: usize,
+    /// Listeners and connection requests (`crate::setup`).
+    pub(crate) setup: SetupTable,
 }
 
 /// Hands out the next fabric-unique key. Four billion keys is far beyond any simulated run;
@@ -219,6 +224,7 @@ impl Fabric {
             steps: 0,
             trace: VecDeque::new(),
             trace_capacity: 0,
+            setup: SetupTable::default(),
         }
     }
 
@@ -336,6 +342,7 @@ impl Fabric {
             retired_rkeys: BTreeSet::new(),
             fail_next_registrations: 0,
             counters: EndpointCounters::default(),
+            invalidations: Vec::new(),
         });
         id
     }
@@ -384,6 +391,20 @@ impl Fabric {
             .get(ep.index())
             .map(|e| e.counters)
             .unwrap_or_default()
+    }
+
+    /// The domain of `ep` was told that `range` was invalidated (a crashed or unknown
+    /// endpoint records nothing: its domain is gone).
+    pub fn memory_invalidated(&mut self, ep: EndpointId, range: MemRange) {
+        if let Ok(endpoint) = self.endpoint_mut(ep) {
+            endpoint.invalidations.push(range);
+        }
+    }
+
+    pub fn invalidations(&self, ep: EndpointId) -> &[MemRange] {
+        self.endpoints
+            .get(ep.index())
+            .map_or(&[][..], |e| &e.invalidations[..])
     }
 
     pub fn live_registrations(&self, ep: EndpointId) -> usize {

@@ -30,6 +30,12 @@
 //!   never share addresses) and protection domain ([`SimDomain`]) with real key checking.
 //!   Keys are unique across the fabric and never reused; a deregistered or revoked key fails
 //!   every later access.
+//! * **Connection set-up** through the provider contract ([`SimFabric::connector`] gives a
+//!   [`SimConnector`], a `san_api::SanConnector` addressed by [`SimAddress`]): listeners,
+//!   requests carrying a setup blob, accept/reject, and the failures a real transport
+//!   reports (refused, unreachable, rejected, reset); see the `setup` module for the table.
+//! * **Cache-invalidation callbacks** (`SanDomain::memory_invalidated`) are recorded per
+//!   endpoint ([`SimFabric::invalidations`]) so tests can check the switch makes them.
 //! * **RC connections** ([`SimFabric::connect`]): per direction, sends and RDMA writes are
 //!   *placed* at the peer in posting order (an RDMA write followed by a send is visible
 //!   before the send's receive completes, as on a real RC queue pair); sends consume the
@@ -92,10 +98,12 @@
 //!   operations is unbounded.
 //! * A message longer than the receiver's slots breaks the connection with `Fatal` on the
 //!   sender's request (a device reports a local length error at the receiver instead).
-//! * No connection management: [`SimFabric::connect`] builds both sides at once; dropping a
-//!   [`SimConnection`] destroys its side silently (requests not executed yet vanish), and
-//!   the peer learns of it only when it next needs the dropped side (`RetryExceeded` after
-//!   [`SimTiming::peer_loss_detection_ticks`]).
+//! * Connection management is minimal: [`SimFabric::connect`] builds both sides at once, and
+//!   the [`SanConnector`](san_api::SanConnector) set-up ([`SimFabric::connector`]: listen,
+//!   request with a setup blob, accept/reject) is built on it and takes no virtual time.
+//!   Dropping a [`SimConnection`] destroys its side silently (requests not executed yet
+//!   vanish), and the peer learns of it only when it next needs the dropped side
+//!   (`RetryExceeded` after [`SimTiming::peer_loss_detection_ticks`]).
 //! * Remote-access errors break the connection on both sides at once; real devices signal
 //!   the responder side asynchronously.
 //! * Bandwidth is a fixed per-request delay (`bytes / bytes_per_tick`); there is no
@@ -105,6 +113,7 @@
 
 mod fabric;
 mod memory;
+mod setup;
 mod types;
 
 use std::cell::{Ref, RefCell, RefMut};
@@ -119,6 +128,9 @@ use san_api::{
 
 use fabric::Fabric;
 pub use memory::PAGE_SIZE;
+pub use setup::{
+    SimAddress, SimConnecting, SimConnector, SimListener, SimRequest, MAX_PRIVATE_DATA,
+};
 pub use types::{
     ConnId, EndpointCounters, EndpointId, FaultConfig, SimError, SimTiming, Violation,
     ViolationKind,
@@ -225,6 +237,13 @@ impl SimFabric {
     /// Counters of `ep` (zeroes for an unknown endpoint).
     pub fn counters(&self, ep: EndpointId) -> EndpointCounters {
         self.state().counters(ep)
+    }
+
+    /// Every range the domain of `ep` was told about through
+    /// `SanDomain::memory_invalidated`, oldest first (the switch's registration cache makes
+    /// one call per invalidation).
+    pub fn invalidations(&self, ep: EndpointId) -> Vec<MemRange> {
+        self.state().invalidations(ep).to_vec()
     }
 
     /// Registrations of `ep` alive now (0 after a crash): the simulation checks it drains to
@@ -517,6 +536,12 @@ impl SanDomain for SimDomain {
         self.shared
             .borrow_mut()
             .expose_remote(self.ep, lkey, access)
+    }
+
+    /// Recorded (see [`SimFabric::invalidations`]); the simulation keeps no VA-keyed state
+    /// outside its registrations.
+    fn memory_invalidated(&mut self, range: MemRange) {
+        self.shared.borrow_mut().memory_invalidated(self.ep, range);
     }
 }
 

@@ -1,9 +1,10 @@
 //! # san-verbs: the cross-host SAN provider (RDMA verbs over rdma_cm)
 //!
 //! Implements [`san_api::SanDomain`] ([`VerbsDomain`]: a protection domain and its memory
-//! registrations) and [`san_api::SanConnection`] ([`VerbsConnection`]: one reliable-connected
+//! registrations), [`san_api::SanConnection`] ([`VerbsConnection`]: one reliable-connected
 //! queue pair set up through rdma_cm, with provider-owned pools of registered control
-//! buffers), on libibverbs/librdmacm through `rdma-sys`.
+//! buffers) and [`san_api::SanConnector`] ([`VerbsConnector`]: rdma_cm connect/listen/accept
+//! with the setup blob as private data), on libibverbs/librdmacm through `rdma-sys`.
 //!
 //! The crate is built twice: as an rlib (tests, tools) and as `libsandirect_verbs.so`, which
 //! the preload loads with `dlopen` through the C ABI of `san-verbs-loader` (module [`ffi`])
@@ -38,12 +39,14 @@ mod listener;
 mod mr;
 mod pd;
 mod qp;
+mod setup;
 mod slots;
 
 pub use connection::{VerbsConnection, WaitOutcome};
 pub use domain::VerbsDomain;
 pub use listener::{IncomingRequest, VerbsListener};
-pub use san_verbs_loader::{ConnectParams, SetupError};
+pub use san_verbs_loader::{ConnectParams, ConnectorConfig, SetupError};
+pub use setup::{VerbsConnecting, VerbsConnector};
 
 /// The current thread's errno.
 pub(crate) fn errno() -> i32 {

@@ -14,11 +14,15 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use san_api::{
-    Access, Completion, CompletionError, CompletionKind, LocalSegment, MemRange, PostError,
-    RecvSlot, RegisterError, SanConnection, SanDomain, WrId,
+    Access, Completion, CompletionError, CompletionKind, ConnectProgress, Established,
+    LocalSegment, MemRange, PostError, RecvSlot, RegisterError, SanConnectRequest, SanConnection,
+    SanConnector, SanDomain, SetupError, WrId,
 };
 use san_verbs_loader::{LoadedConnection, VerbsLibrary, SYSFS_DEVICES};
-use sandirect_verbs::{ConnectParams, VerbsConnection, VerbsDomain, VerbsListener, WaitOutcome};
+use sandirect_verbs::{
+    ConnectParams, ConnectorConfig, VerbsConnection, VerbsConnector, VerbsDomain, VerbsListener,
+    WaitOutcome,
+};
 
 /// A connection plus the successful receives that arrived while a test waited for one of
 /// its own completions: a peer's message may complete before our send's completion.
@@ -866,5 +870,113 @@ fn peer_close_is_reported_and_flushes_every_posted_receive() {
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "nothing outstanding: no reason to block"
+    );
+}
+
+/// Waits (bounded) for the next request at `listener`, through the provider contract only.
+fn next_request_via_contract<C: SanConnector>(
+    connector: &mut C,
+    listener: &mut C::Listener,
+) -> C::Request {
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        if let Some(request) = connector.poll_request(listener).expect("poll_request") {
+            return request;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no request within {STEP_TIMEOUT:?}"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Connects through the contract, waiting for the answer.
+fn connect_via_contract<C: SanConnector>(
+    connector: &mut C,
+    remote: &C::Address,
+    blob: &[u8],
+) -> Result<Established<C::Connection>, SetupError> {
+    let mut pending = connector.connect(remote, slots(), blob)?;
+    let deadline = Instant::now() + STEP_TIMEOUT;
+    loop {
+        match connector.poll_connect(pending)? {
+            ConnectProgress::Established(established) => return Ok(established),
+            ConnectProgress::Pending(still) => pending = still,
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no answer within {STEP_TIMEOUT:?}"
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA device (integration/softroce/test-verbs.sh)"]
+fn the_provider_contract_connects_rejects_and_carries_both_blobs() {
+    let (server, client) = (server_domain(), client_domain());
+    let config = ConnectorConfig {
+        timeout: STEP_TIMEOUT,
+        local: Some(client_ip()),
+        ..ConnectorConfig::default()
+    };
+    let mut passive = VerbsConnector::new(&server, config);
+    let mut active = VerbsConnector::new(&client, config);
+    assert_eq!(active.max_private_data(), 55);
+    assert_eq!(
+        active
+            .connect(&SocketAddr::new(server_ip(), 1), slots(), &[0; 56])
+            .err(),
+        Some(SetupError::Other),
+        "a blob over the rdma_cm limit is refused before anything is sent"
+    );
+    let mut listener = passive
+        .listen(&SocketAddr::new(server_ip(), 0))
+        .expect("listen");
+    let remote = SocketAddr::new(server_ip(), listener.port());
+    assert!(
+        passive.poll_request(&mut listener).expect("poll").is_none(),
+        "polling an idle listener returns at once with nothing"
+    );
+
+    let (mut accepted, mut connected) = thread::scope(|scope| {
+        let answering = scope.spawn(|| {
+            let declined = next_request_via_contract(&mut passive, &mut listener);
+            assert_eq!(declined.private_data(), b"first: decline me");
+            passive.reject(declined);
+            let request = next_request_via_contract(&mut passive, &mut listener);
+            assert_eq!(request.private_data(), b"second: 4-tuple");
+            passive
+                .accept(request, slots(), b"accepted")
+                .expect("accept")
+        });
+        let refused = connect_via_contract(&mut active, &remote, b"first: decline me")
+            .err()
+            .expect("the first request is declined");
+        assert_eq!(refused, SetupError::Rejected);
+        assert!(refused.allows_tcp_fallback());
+        let established =
+            connect_via_contract(&mut active, &remote, b"second: 4-tuple").expect("connect");
+        assert_eq!(established.peer_private_data, b"accepted");
+        (
+            answering.join().expect("answering thread"),
+            established.connection,
+        )
+    });
+
+    // Pre-posted receives (wr id = slot) make the first message land at once.
+    connected
+        .post_send(WrId(1), b"over the contract")
+        .expect("send");
+    let got = next_raw_completion(&mut accepted);
+    assert_eq!(got.status, Ok(()));
+    let CompletionKind::Recv { slot, len } = got.kind else {
+        panic!("expected a receive, got {got:?}");
+    };
+    assert_eq!(accepted.recv_slot(slot, len), b"over the contract");
+    assert_eq!(
+        next_raw_completion(&mut connected).kind,
+        CompletionKind::Send
     );
 }

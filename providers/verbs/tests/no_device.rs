@@ -37,6 +37,23 @@ fn opening_a_domain_without_rdma_reports_no_device() {
 }
 
 #[test]
+fn without_a_device_the_contract_error_allows_the_tcp_fallback() {
+    if host_has_rdma() {
+        return; // Covered by the device tests in the VM.
+    }
+    let missing = VerbsDomain::open(None).err().map(san_api::SetupError::from);
+    assert_eq!(missing, Some(san_api::SetupError::NoResources));
+    assert!(
+        missing.is_some_and(san_api::SetupError::allows_tcp_fallback),
+        "a host without RDMA must stay on TCP, not fail the connect"
+    );
+    let by_address = VerbsDomain::open_for_address("192.0.2.1".parse().unwrap())
+        .err()
+        .map(san_api::SetupError::from);
+    assert_eq!(by_address, Some(san_api::SetupError::NoResources));
+}
+
+#[test]
 fn loader_says_no_provider_when_there_are_no_devices() {
     let empty = temp_dir("empty");
     let loaded = VerbsLibrary::load_from(&built_library(), &empty);

@@ -70,6 +70,9 @@ pub struct FakeDomain {
     pub misuse: Vec<&'static str>,
     /// Successful registrations so far (the last serial handed out).
     pub registrations: u64,
+    /// Every `memory_invalidated(range)` callback, with how many entries `calls` held when
+    /// it came (tells what the cache had deregistered by then).
+    pub invalidated: Vec<(MemRange, usize)>,
     next_key: u32,
 }
 
@@ -213,6 +216,10 @@ impl SanDomain for FakeDomain {
         registration.rkey = Some(rkey);
         registration.exposed = access;
         Ok(rkey)
+    }
+
+    fn memory_invalidated(&mut self, range: MemRange) {
+        self.invalidated.push((range, self.calls.len()));
     }
 }
 
@@ -476,7 +483,13 @@ fn apply(cache: &mut MrCache, domain: &mut FakeDomain, model: &mut Model, op: Op
                 BASE + u64::from(start % 1536) * 16,
                 (u64::from(len % 512) + 1) * 16,
             );
+            let callbacks_before = domain.invalidated.len();
             let mut affected = cache.invalidate(domain, range);
+            assert_eq!(
+                domain.invalidated.get(callbacks_before..),
+                Some(&[(range, domain.calls.len())][..]),
+                "step {step}: not exactly one memory_invalidated callback, last, with the range"
+            );
             let (gone, kept): (Vec<Held>, Vec<Held>) = model
                 .held
                 .iter()

@@ -249,6 +249,53 @@ fn one_invalidation_drops_every_overlapping_entry_including_one_starting_far_bel
 }
 
 #[test]
+fn every_invalidation_calls_the_provider_back_once_after_deregistering() {
+    let (mut cache, mut domain) = (roomy(), FakeDomain::new());
+    let hit = cache_idle(&mut cache, &mut domain, page(0), LOCAL);
+    let (_held, held) = take(&mut cache, &mut domain, A, page(1), Access::REMOTE_READ);
+    let kept = cache_idle(&mut cache, &mut domain, page(4), LOCAL);
+
+    let cut = MemRange::new(page(0).addr + 16, 5 * KIB);
+    cache.invalidate(&mut domain, cut);
+    assert_eq!(domain.invalidated.len(), 1, "one callback per invalidation");
+    let (range, calls_before) = domain.invalidated[0];
+    assert_eq!(range, cut, "the callback names the invalidated range");
+    assert_eq!(calls_before, domain.calls.len(), "no domain call after it");
+    let mut gone = deregistered(&domain);
+    gone.sort();
+    assert_eq!(
+        gone,
+        [hit, held.lkey],
+        "both overlapping entries went first"
+    );
+    assert!(domain.live.contains_key(&kept));
+
+    // Nothing overlaps now, and an empty range overlaps nothing: still one callback each,
+    // because the provider's own VA-keyed state may name the range regardless.
+    let elsewhere = MemRange::new(60 * MIB, 4 * KIB);
+    cache.invalidate(&mut domain, elsewhere);
+    cache.invalidate(&mut domain, MemRange::new(page(4).addr, 0));
+    assert_eq!(
+        domain
+            .invalidated
+            .iter()
+            .map(|&(range, _)| range)
+            .collect::<Vec<_>>(),
+        [cut, elsewhere, MemRange::new(page(4).addr, 0)]
+    );
+    assert_eq!(
+        deregistered(&domain).len(),
+        2,
+        "no entry was dropped by those"
+    );
+
+    // The same holds on an empty cache (the early return).
+    let (mut empty, mut fresh) = (roomy(), FakeDomain::new());
+    empty.invalidate(&mut fresh, cut);
+    assert_eq!(fresh.invalidated, [(cut, 0)]);
+}
+
+#[test]
 fn invalidating_a_referenced_entry_deregisters_at_once_and_hands_back_its_references() {
     let (mut cache, mut domain) = (roomy(), FakeDomain::new());
     let (held_by_a, registration) = take(&mut cache, &mut domain, A, page(0), Access::REMOTE_WRITE);

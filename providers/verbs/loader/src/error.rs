@@ -127,6 +127,40 @@ impl fmt::Display for SetupError {
 
 impl std::error::Error for SetupError {}
 
+/// The provider-contract view of a verbs set-up failure, which decides whether the switch may
+/// fall back to TCP ([`san_api::SetupError::allows_tcp_fallback`]).
+///
+/// rdma_cm answers a request to a host without a sandirect listener with a *reject*, the
+/// same event as a listener declining: both are [`Rejected`](san_api::SetupError::Rejected)
+/// (fallback allowed — a peer without sandirect may still accept TCP). A missing device is
+/// [`NoResources`](san_api::SetupError::NoResources), and a failed establishment after the
+/// request went out is [`Other`](san_api::SetupError::Other): the RDMA path failing says
+/// nothing about the TCP path.
+impl From<SetupError> for san_api::SetupError {
+    fn from(error: SetupError) -> Self {
+        match error {
+            SetupError::NoDevice => san_api::SetupError::NoResources,
+            SetupError::TimedOut => san_api::SetupError::TimedOut,
+            SetupError::Rejected => san_api::SetupError::Rejected,
+            SetupError::Unreachable => san_api::SetupError::Unreachable,
+            SetupError::Os(errno) => match errno {
+                libc::ECONNREFUSED => san_api::SetupError::Refused,
+                libc::ECONNRESET => san_api::SetupError::Reset,
+                libc::EHOSTUNREACH | libc::ENETUNREACH => san_api::SetupError::Unreachable,
+                libc::ETIMEDOUT => san_api::SetupError::TimedOut,
+                libc::ENOMEM | libc::ENOBUFS | libc::EAGAIN | libc::ENOSPC | libc::EMFILE => {
+                    san_api::SetupError::NoResources
+                }
+                _ => san_api::SetupError::Other,
+            },
+            SetupError::InvalidArgument
+            | SetupError::WrongDevice
+            | SetupError::ConnectFailed
+            | SetupError::Internal => san_api::SetupError::Other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +186,30 @@ mod tests {
             Err(SetupError::Internal),
             "unknown codes are internal errors"
         );
+    }
+
+    #[test]
+    fn only_refusal_reset_and_unreachability_forbid_the_tcp_fallback() {
+        use san_api::SetupError as Contract;
+        let cases = [
+            (SetupError::NoDevice, Contract::NoResources),
+            (SetupError::InvalidArgument, Contract::Other),
+            (SetupError::TimedOut, Contract::TimedOut),
+            (SetupError::Rejected, Contract::Rejected),
+            (SetupError::Unreachable, Contract::Unreachable),
+            (SetupError::WrongDevice, Contract::Other),
+            (SetupError::ConnectFailed, Contract::Other),
+            (SetupError::Os(libc::ECONNREFUSED), Contract::Refused),
+            (SetupError::Os(libc::ECONNRESET), Contract::Reset),
+            (SetupError::Os(libc::ENETUNREACH), Contract::Unreachable),
+            (SetupError::Os(libc::ENOMEM), Contract::NoResources),
+            (SetupError::Os(libc::EINVAL), Contract::Other),
+            (SetupError::Internal, Contract::Other),
+        ];
+        for (verbs, contract) in cases {
+            assert_eq!(Contract::from(verbs), contract, "{verbs:?}");
+        }
+        assert!(Contract::from(SetupError::NoDevice).allows_tcp_fallback());
+        assert!(!Contract::from(SetupError::Unreachable).allows_tcp_fallback());
     }
 }

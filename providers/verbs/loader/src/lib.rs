@@ -5,7 +5,9 @@
 //! it lives in its own shared object (`libsandirect_verbs.so`, crate `san-verbs`) that this
 //! crate `dlopen`s, and only when `/sys/class/infiniband` lists a device. The two sides
 //! talk through the `#[repr(C)]` vtable in [`abi`]; this crate wraps it in safe types that
-//! implement [`san_api::SanDomain`] and [`san_api::SanConnection`].
+//! implement [`san_api::SanDomain`] and [`san_api::SanConnection`], and [`LoadedConnector`]
+//! implements [`san_api::SanConnector`] (set-up failures convert into
+//! [`san_api::SetupError`], which carries the TCP-fallback rule).
 //!
 //! ```no_run
 //! use san_verbs_loader::{VerbsLibrary, LoadError};
@@ -22,9 +24,11 @@ pub mod abi;
 pub mod convert;
 mod error;
 mod handles;
+mod setup;
 
 pub use error::{LoadError, NoProviderReason, SetupError};
 pub use handles::{LoadedConnection, LoadedDomain, LoadedListener, LoadedRequest};
+pub use setup::{ConnectorConfig, LoadedConnecting, LoadedConnector, LoadedIncoming};
 
 use std::ffi::{CStr, CString};
 use std::net::IpAddr;
