@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-cargo build --quiet --locked -p sandirect-preload -p sandirect-cli
+cargo build --quiet -p sandirect-preload -p sandirect-cli
 target="${CARGO_TARGET_DIR:-target}/debug"
 
 expected="$(mktemp)"
@@ -20,3 +20,16 @@ if ! diff -u "$expected" "$actual"; then
   exit 1
 fi
 echo "check-exports: $(wc -l < "$actual") symbols, exactly the hook table"
+
+# The README's coverage table is the same inventory: it must not drift from the code.
+readme_table="$(mktemp)"
+generated_table="$(mktemp)"
+trap 'rm -f "$expected" "$actual" "$readme_table" "$generated_table"' EXIT
+sed -n '/<!-- symbols:begin -->/,/<!-- symbols:end -->/p' README.md | sed '1d;$d' > "$readme_table"
+"$target/sandirect" symbols > "$generated_table"
+if ! diff -u "$generated_table" "$readme_table"; then
+  echo "check-exports: README.md's coverage table differs from 'sandirect symbols' (- generated, + README)" >&2
+  echo "check-exports: regenerate it between the symbols:begin/end markers" >&2
+  exit 1
+fi
+echo "check-exports: README coverage table matches the hook table"
