@@ -9,6 +9,7 @@
 //! * [`fdtable`] — fd → socket object, one atomic load per lookup;
 //! * [`record`], [`registry`] — socket objects (all atomics) in published shared memory;
 //! * [`ops`] — the hooks' behaviour; [`runtime`] — init, environment, fork, logging;
+//! * [`san`] — the SAN path: switch-over, session-driven I/O, readiness substitution;
 //! * [`config`] — the rules file; [`inventory`] — the symbol inventory; [`stats`] — reading
 //!   other processes' published connections (for `sandirect stat`);
 //! * [`guard`] — the reentrancy guard; [`errno`] — errno access.
@@ -27,4 +28,5 @@ pub mod real;
 pub mod record;
 pub mod registry;
 pub mod runtime;
+pub mod san;
 pub mod stats;

@@ -27,6 +27,7 @@ use crate::fdtable::{table, FdEntry};
 use crate::guard::{self, ReentrancyGuard};
 use crate::record::{flags, Bypass, Counter, SocketRecord, SocketState};
 use crate::registry::registry;
+use crate::san::RawBuf;
 use crate::{errno, real, runtime};
 
 static INTERNAL_FAULTS: AtomicU64 = AtomicU64::new(0);
@@ -74,15 +75,118 @@ fn count_bytes(entry: FdEntry, counter: Counter, bytes: u64) {
     }
 }
 
-/// A data call: one lookup, the real call, and a counter bump for our sockets.
+/// A data call: one lookup, the real call, and a counter bump for our sockets. A socket on
+/// the SAN path goes through `san` instead (which may answer `None`: it is TCP after all).
 #[inline(always)]
-fn data_call(fd: c_int, counter: Counter, call: impl FnOnce() -> ssize_t) -> ssize_t {
+fn data_call(
+    fd: c_int,
+    counter: Counter,
+    san: impl FnOnce(u32) -> Option<ssize_t>,
+    call: impl FnOnce() -> ssize_t,
+) -> ssize_t {
     let entry = table().lookup(fd);
+    if !entry.is_none() {
+        if let Some(result) = san_data_call(entry, san) {
+            return result;
+        }
+    }
     let result = call();
     if !entry.is_none() && result > 0 {
         count_bytes(entry, counter, result as u64);
     }
     result
+}
+
+/// The SAN branch of [`data_call`]: guard held (our own libc calls pass through), a panic
+/// counted and reported as a reset connection rather than unwinding into C.
+#[inline]
+fn san_data_call(entry: FdEntry, san: impl FnOnce(u32) -> Option<ssize_t>) -> Option<ssize_t> {
+    if guard::is_inside() {
+        return None;
+    }
+    let index = crate::san::san_index(entry)?;
+    let _guard = ReentrancyGuard::enter();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| san(index))) {
+        Ok(result) => result,
+        Err(_) => {
+            INTERNAL_FAULTS.fetch_add(1, Ordering::Relaxed);
+            errno::set(libc::ECONNRESET);
+            Some(-1)
+        }
+    }
+}
+
+fn one_buf(ptr: *const c_void, len: size_t) -> [RawBuf; 1] {
+    [RawBuf {
+        ptr: ptr.cast_mut().cast(),
+        len,
+    }]
+}
+
+/// The caller's iovec array as buffers (an invalid count gives `EINVAL` from the SAN path
+/// exactly where the kernel would).
+///
+/// # Safety
+/// `iov` must point to `count` iovecs when `count` is positive.
+unsafe fn iov_bufs(iov: *const libc::iovec, count: c_int) -> Option<Vec<RawBuf>> {
+    if !(0..=libc::UIO_MAXIOV).contains(&count) || (count > 0 && iov.is_null()) {
+        return None;
+    }
+    if count == 0 {
+        return Some(Vec::new());
+    }
+    // SAFETY: the caller's vector of `count` entries.
+    let vector = unsafe { core::slice::from_raw_parts(iov, count as usize) };
+    Some(
+        vector
+            .iter()
+            .map(|v| RawBuf {
+                ptr: v.iov_base.cast(),
+                len: v.iov_len,
+            })
+            .collect(),
+    )
+}
+
+fn san_send_iov(
+    fd: c_int,
+    index: u32,
+    bufs: Option<Vec<RawBuf>>,
+    send_flags: c_int,
+) -> Option<ssize_t> {
+    match bufs {
+        Some(bufs) => crate::san::send_iov(fd, index, &bufs, send_flags),
+        None => {
+            errno::set(libc::EINVAL);
+            Some(-1)
+        }
+    }
+}
+
+fn san_recv_iov(
+    fd: c_int,
+    index: u32,
+    bufs: Option<Vec<RawBuf>>,
+    recv_flags: c_int,
+) -> Option<ssize_t> {
+    match bufs {
+        Some(bufs) => crate::san::recv_iov(fd, index, &bufs, recv_flags),
+        None => {
+            errno::set(libc::EINVAL);
+            Some(-1)
+        }
+    }
+}
+
+/// A connected TCP socket reports no source address: `*addrlen = 0`, as the kernel does.
+///
+/// # Safety
+/// `addrlen` must be null or writable.
+unsafe fn clear_addrlen(addrlen: *mut socklen_t) {
+    if !addrlen.is_null() {
+        // SAFETY: writable per the contract.
+        unsafe { addrlen.write_unaligned(0) };
+    }
 }
 
 /// As [`data_call`] for the `*mmsg` calls, which return a message count.
@@ -109,10 +213,25 @@ fn mmsg_call(
 /// Drops whatever `entry` held for `fd` (the fd is gone or re-pointed).
 fn release_entry(fd: c_int, entry: FdEntry) {
     if let Some(index) = entry.socket_index() {
-        registry().release(index);
+        if registry().release(index) {
+            crate::san::on_released(index, None);
+        }
     } else if entry.is_epoll() {
         // The epoll instance died with its last fd; registrations naming it are stale.
         registry().for_each_live(|_, record| record.unregister_epoll(fd));
+    }
+}
+
+/// As [`release_entry`] for an fd that is still open and about to be closed: a SAN socket's
+/// graceful close may still use it (linger option, the unread switch marker).
+fn release_closing(fd: c_int, entry: FdEntry) {
+    match entry.socket_index() {
+        Some(index) => {
+            if registry().release(index) {
+                crate::san::on_released(index, Some(fd));
+            }
+        }
+        None => release_entry(fd, entry),
     }
 }
 
@@ -317,9 +436,10 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
     let rc = unsafe { real::listen(fd, backlog) };
     if let (0, Some(entry)) = (rc, entry) {
         bookkeeping(|| {
-            if let Some((_, record)) = record_of(entry) {
+            if let Some((index, record)) = record_of(entry) {
                 record.set_addresses(local_address(fd), None);
                 record.set_state(SocketState::Listener);
+                crate::san::on_listen(fd, index);
             }
         });
     }
@@ -329,7 +449,7 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
 fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
     let Some(listener) = listener else { return };
     bookkeeping(|| {
-        let Some((_, listening)) = record_of(listener) else {
+        let Some((listener_index, listening)) = record_of(listener) else {
             return;
         };
         if listening.state() != SocketState::Listener {
@@ -349,6 +469,9 @@ fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
             cloexec,
         ) {
             mark_connected(record, Role::Server, local_address(fd), peer_address(fd));
+            if let Some(index) = table().lookup(fd).socket_index() {
+                crate::san::on_accepted(listener_index, fd, index, record);
+            }
         }
     });
 }
@@ -408,6 +531,11 @@ fn on_connect_started(fd: c_int, entry: FdEntry, peer: Option<SocketAddr>, in_pr
 #[inline(always)]
 pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
     let entry = tracked(fd);
+    let plan = match entry {
+        // SAFETY: the caller's address, as for the C function.
+        Some(entry) => unsafe { plan_san_client(fd, entry, addr, len) },
+        None => None,
+    };
     // SAFETY: forwarded.
     let rc = unsafe { real::connect(fd, addr, len) };
     let Some(entry) = entry else { return rc };
@@ -417,7 +545,32 @@ pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int
         let peer = unsafe { decode_sockaddr(addr, len) };
         bookkeeping(|| on_connect_started(fd, entry, peer, in_progress));
     }
+    if let Some((index, record, plan)) = plan {
+        bookkeeping(|| crate::san::after_connect(index, record, plan, rc == 0 || in_progress));
+    }
     rc
+}
+
+/// The SAN preparation of a client's first `connect()` (see `san::before_connect`).
+///
+/// # Safety
+/// `addr` must be null or point to `len` readable bytes.
+#[cold]
+unsafe fn plan_san_client(
+    fd: c_int,
+    entry: FdEntry,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> Option<(u32, &'static SocketRecord, crate::san::ClientPlan)> {
+    let (index, record) = record_of(entry)?;
+    if record.state() != SocketState::TcpCandidate || !crate::san::enabled() {
+        return None;
+    }
+    // SAFETY: per the contract.
+    let peer = unsafe { decode_sockaddr(addr, len) }?;
+    let mut plan = None;
+    bookkeeping(|| plan = Some(crate::san::before_connect(fd, index, record, peer)));
+    plan.map(|plan| (index, record, plan))
 }
 
 /// `getsockname(2)`.
@@ -508,13 +661,16 @@ pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
     let rc = unsafe { real::shutdown(fd, how) };
     if let (0, Some(entry)) = (rc, entry) {
         bookkeeping(|| {
-            if let Some((_, record)) = record_of(entry) {
+            if let Some((index, record)) = record_of(entry) {
                 let bits = match how {
                     libc::SHUT_RD => flags::SHUT_RD,
                     libc::SHUT_WR => flags::SHUT_WR,
                     _ => flags::SHUT_RD | flags::SHUT_WR,
                 };
                 record.set_flag(bits, true);
+                if record.flags() & flags::SAN != 0 {
+                    crate::san::on_shutdown(fd, index, how);
+                }
             }
         });
     }
@@ -532,7 +688,7 @@ pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
 pub unsafe fn close(fd: c_int) -> c_int {
     let entry = table().take(fd);
     if !entry.is_none() {
-        bookkeeping(|| release_entry(fd, entry));
+        bookkeeping(|| release_closing(fd, entry));
     }
     // SAFETY: forwarded.
     unsafe { real::close(fd) }
@@ -591,6 +747,21 @@ fn after_dup2(old: c_int, new: c_int, old_entry: FdEntry, cloexec: bool) {
     });
 }
 
+/// `fd` is about to be closed implicitly (the target of `dup2`/`dup3`): a pending SAN client
+/// switches first, which reads the acceptor's switch marker while the number still names the
+/// socket (an unread byte would make the kernel reset the connection instead of closing it).
+#[inline(always)]
+fn before_replaced(fd: c_int, entry: FdEntry) {
+    if entry.is_none() || guard::is_inside() || crate::san::live_sockets() == 0 {
+        return;
+    }
+    if let Some(index) = crate::san::san_index(entry) {
+        let _errno = errno::Preserved::save();
+        let _guard = ReentrancyGuard::enter();
+        let _ = crate::san::mirror_of(fd, index);
+    }
+}
+
 /// `dup2(2)`: a tracked target is released (the kernel closed it), atomically with the swap.
 ///
 /// # Safety
@@ -599,6 +770,7 @@ fn after_dup2(old: c_int, new: c_int, old_entry: FdEntry, cloexec: bool) {
 pub unsafe fn dup2(old: c_int, new: c_int) -> c_int {
     let old_entry = table().lookup(old);
     let new_entry = table().lookup(new);
+    before_replaced(new, new_entry);
     // SAFETY: forwarded.
     let rc = unsafe { real::dup2(old, new) };
     if rc >= 0 && !(old_entry.is_none() && new_entry.is_none()) && !guard::is_inside() {
@@ -615,6 +787,9 @@ pub unsafe fn dup2(old: c_int, new: c_int) -> c_int {
 pub unsafe fn dup3(old: c_int, new: c_int, dup_flags: c_int) -> c_int {
     let old_entry = table().lookup(old);
     let new_entry = table().lookup(new);
+    if old != new {
+        before_replaced(new, new_entry);
+    }
     // SAFETY: forwarded.
     let rc = unsafe { real::dup3(old, new, dup_flags) };
     if rc >= 0 && !(old_entry.is_none() && new_entry.is_none()) && !guard::is_inside() {
@@ -688,6 +863,16 @@ pub unsafe fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
 #[inline(always)]
 pub unsafe fn ioctl(fd: c_int, request: c_ulong, arg: usize) -> c_int {
     let entry = table().lookup(fd);
+    if request == libc::FIONREAD as c_ulong && arg != 0 && !entry.is_none() && !guard::is_inside() {
+        if let Some(index) = crate::san::san_index(entry) {
+            let _guard = ReentrancyGuard::enter();
+            if let Some(bytes) = crate::san::readable_bytes(fd, index) {
+                // SAFETY: FIONREAD takes an int pointer (the caller's, as for the C function).
+                unsafe { (arg as *mut c_int).write_unaligned(bytes) };
+                return 0;
+            }
+        }
+    }
     // SAFETY: forwarded.
     let rc = unsafe { real::ioctl(fd, request, arg) };
     if rc == 0 && request == libc::FIONBIO && !entry.is_none() && arg != 0 && !guard::is_inside() {
@@ -705,35 +890,86 @@ pub unsafe fn ioctl(fd: c_int, request: c_ulong, arg: usize) -> c_int {
 // ---- data transfer --------------------------------------------------------------------------
 
 macro_rules! data_ops {
-    ($( $name:ident($fd:ident $(, $arg:ident: $ty:ty)*) => $counter:ident; )*) => {$(
-        #[doc = concat!("`", stringify!($name), "`: counted per path for our sockets.")]
+    ($( $name:ident($fd:ident $(, $arg:ident: $ty:ty)*) => $counter:ident, |$index:ident| $san:expr; )*) => {$(
+        #[doc = concat!("`", stringify!($name), "`: counted per path for our sockets; SAN sockets go through the session.")]
         ///
         /// # Safety
         /// As the C function.
         #[inline(always)]
+        #[allow(unused_unsafe)]
         pub unsafe fn $name($fd: c_int $(, $arg: $ty)*) -> ssize_t {
-            // SAFETY: forwarded.
-            data_call($fd, Counter::$counter, || unsafe { real::$name($fd $(, $arg)*) })
+            data_call(
+                $fd,
+                Counter::$counter,
+                // SAFETY: the arguments are the caller's, valid as for the C function.
+                |$index| unsafe { $san },
+                // SAFETY: forwarded.
+                || unsafe { real::$name($fd $(, $arg)*) },
+            )
         }
     )*};
 }
 
 data_ops! {
-    read(fd, buf: *mut c_void, count: size_t) => TcpReceived;
-    readv(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpReceived;
-    write(fd, buf: *const c_void, count: size_t) => TcpSent;
-    writev(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpSent;
-    send(fd, buf: *const c_void, len: size_t, send_flags: c_int) => TcpSent;
-    sendmsg(fd, msg: *const libc::msghdr, send_flags: c_int) => TcpSent;
-    recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived;
-    recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived;
-    recvmsg(fd, msg: *mut libc::msghdr, recv_flags: c_int) => TcpReceived;
-    __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived;
-    __recv_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int) => TcpReceived;
-    __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived;
+    read(fd, buf: *mut c_void, count: size_t) => TcpReceived,
+        |index| crate::san::recv_iov(fd, index, &one_buf(buf, count), 0);
+    readv(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpReceived,
+        |index| san_recv_iov(fd, index, iov_bufs(iov, iovcnt), 0);
+    write(fd, buf: *const c_void, count: size_t) => TcpSent,
+        |index| crate::san::send_iov(fd, index, &one_buf(buf, count), 0);
+    writev(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpSent,
+        |index| san_send_iov(fd, index, iov_bufs(iov, iovcnt), 0);
+    send(fd, buf: *const c_void, len: size_t, send_flags: c_int) => TcpSent,
+        |index| crate::san::send_iov(fd, index, &one_buf(buf, len), send_flags);
+    sendmsg(fd, msg: *const libc::msghdr, send_flags: c_int) => TcpSent,
+        |index| if msg.is_null() {
+            errno::set(libc::EFAULT);
+            Some(-1)
+        } else {
+            san_send_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), send_flags)
+        };
+    recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived,
+        |index| crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags);
+    recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
+        |index| {
+            let _ = addr;
+            let result = crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags);
+            if result.is_some_and(|n| n >= 0) {
+                clear_addrlen(addrlen);
+            }
+            result
+        };
+    recvmsg(fd, msg: *mut libc::msghdr, recv_flags: c_int) => TcpReceived,
+        |index| if msg.is_null() {
+            errno::set(libc::EFAULT);
+            Some(-1)
+        } else {
+            let result = san_recv_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), recv_flags);
+            if result.is_some_and(|n| n >= 0) {
+                (*msg).msg_namelen = 0;
+                (*msg).msg_controllen = 0;
+                (*msg).msg_flags = 0;
+            }
+            result
+        };
+    __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived,
+        // An overflowing request goes to the real function, which aborts as it must.
+        |index| if nbytes > buflen { None } else { crate::san::recv_iov(fd, index, &one_buf(buf, nbytes), 0) };
+    __recv_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int) => TcpReceived,
+        |index| if len > buflen { None } else { crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags) };
+    __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
+        |index| if len > buflen { None } else {
+            let _ = addr;
+            let result = crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags);
+            if result.is_some_and(|n| n >= 0) {
+                clear_addrlen(addrlen);
+            }
+            result
+        };
 }
 
-/// `sendto(2)`: counted; with `MSG_FASTOPEN` it is also a connect (TCP Fast Open).
+/// `sendto(2)`: counted; with `MSG_FASTOPEN` it is also a connect (TCP Fast Open). On a SAN
+/// socket the address is ignored, as the kernel ignores it on a connected TCP socket.
 ///
 /// # Safety
 /// As the C function.
@@ -746,10 +982,13 @@ pub unsafe fn sendto(
     addr: *const sockaddr,
     addrlen: socklen_t,
 ) -> ssize_t {
-    // SAFETY: forwarded.
-    let sent = data_call(fd, Counter::TcpSent, || unsafe {
-        real::sendto(fd, buf, len, send_flags, addr, addrlen)
-    });
+    let sent = data_call(
+        fd,
+        Counter::TcpSent,
+        |index| crate::san::send_iov(fd, index, &one_buf(buf, len), send_flags),
+        // SAFETY: forwarded.
+        || unsafe { real::sendto(fd, buf, len, send_flags, addr, addrlen) },
+    );
     if send_flags & libc::MSG_FASTOPEN != 0 && !addr.is_null() {
         let in_progress = sent < 0 && errno::get() == libc::EINPROGRESS;
         if let (true, Some(entry)) = (sent >= 0 || in_progress, tracked(fd)) {
@@ -761,7 +1000,7 @@ pub unsafe fn sendto(
     sent
 }
 
-/// `sendmmsg(2)`.
+/// `sendmmsg(2)`: on a SAN socket, each message is one `sendmsg`.
 ///
 /// # Safety
 /// As the C function.
@@ -772,13 +1011,22 @@ pub unsafe fn sendmmsg(
     vlen: c_uint,
     send_flags: c_int,
 ) -> c_int {
+    let entry = table().lookup(fd);
+    if !entry.is_none() && !msgvec.is_null() {
+        // SAFETY: the caller's vector of `vlen` messages.
+        let san = |index| unsafe { san_mmsg(fd, index, msgvec, vlen, send_flags, true) };
+        if let Some(result) = san_data_call(entry, san) {
+            return result as c_int;
+        }
+    }
     // SAFETY: forwarded.
     mmsg_call(fd, Counter::TcpSent, msgvec, || unsafe {
         real::sendmmsg(fd, msgvec, vlen, send_flags)
     })
 }
 
-/// `recvmmsg(2)`.
+/// `recvmmsg(2)`: on a SAN socket, each message is one `recvmsg` (the timeout is ignored, as
+/// for a stream socket whose first receive returns).
 ///
 /// # Safety
 /// As the C function.
@@ -790,10 +1038,60 @@ pub unsafe fn recvmmsg(
     recv_flags: c_int,
     timeout: *mut libc::timespec,
 ) -> c_int {
+    let entry = table().lookup(fd);
+    if !entry.is_none() && !msgvec.is_null() {
+        // SAFETY: the caller's vector of `vlen` messages.
+        let san = |index| unsafe { san_mmsg(fd, index, msgvec, vlen, recv_flags, false) };
+        if let Some(result) = san_data_call(entry, san) {
+            return result as c_int;
+        }
+    }
     // SAFETY: forwarded.
     mmsg_call(fd, Counter::TcpReceived, msgvec, || unsafe {
         real::recvmmsg(fd, msgvec, vlen, recv_flags, timeout)
     })
+}
+
+/// The `*mmsg` calls on a SAN socket: messages in turn; after the first, only what is
+/// available without blocking (as the kernel does for a stream socket).
+///
+/// # Safety
+/// `msgvec` must point to `vlen` messages.
+unsafe fn san_mmsg(
+    fd: c_int,
+    index: u32,
+    msgvec: *mut libc::mmsghdr,
+    vlen: c_uint,
+    flags: c_int,
+    sending: bool,
+) -> Option<ssize_t> {
+    let mut done = 0;
+    for position in 0..vlen.min(libc::UIO_MAXIOV as c_uint) as usize {
+        // SAFETY: inside the caller's vector.
+        let message = unsafe { &mut *msgvec.add(position) };
+        // SAFETY: the message's own iovec array.
+        let bufs =
+            unsafe { iov_bufs(message.msg_hdr.msg_iov, message.msg_hdr.msg_iovlen as c_int) };
+        let flags = if done > 0 {
+            flags | libc::MSG_DONTWAIT
+        } else {
+            flags
+        };
+        let result = if sending {
+            san_send_iov(fd, index, bufs, flags)?
+        } else {
+            san_recv_iov(fd, index, bufs, flags)?
+        };
+        if result < 0 {
+            return Some(if done > 0 { done } else { -1 });
+        }
+        message.msg_len = result as c_uint;
+        done += 1;
+        if !sending && result == 0 {
+            break;
+        }
+    }
+    Some(done)
 }
 
 /// `sendfile(2)`: kernel only; the bytes count as TCP bytes of the target socket.
@@ -808,9 +1106,14 @@ pub unsafe fn sendfile(
     count: size_t,
 ) -> ssize_t {
     // SAFETY: forwarded.
-    data_call(out_fd, Counter::TcpSent, || unsafe {
-        real::sendfile(out_fd, in_fd, offset, count)
-    })
+    data_call(
+        out_fd,
+        Counter::TcpSent,
+        // SAFETY: the caller's offset pointer, valid as for the C function.
+        |index| unsafe { san_sendfile(out_fd, index, in_fd, offset, count) },
+        // SAFETY: forwarded.
+        || unsafe { real::sendfile(out_fd, in_fd, offset, count) },
+    )
 }
 
 /// `sendfile64`.
@@ -825,9 +1128,14 @@ pub unsafe fn sendfile64(
     count: size_t,
 ) -> ssize_t {
     // SAFETY: forwarded.
-    data_call(out_fd, Counter::TcpSent, || unsafe {
-        real::sendfile64(out_fd, in_fd, offset, count)
-    })
+    data_call(
+        out_fd,
+        Counter::TcpSent,
+        // SAFETY: the caller's offset pointer, valid as for the C function.
+        |index| unsafe { san_sendfile(out_fd, index, in_fd, offset, count) },
+        // SAFETY: forwarded.
+        || unsafe { real::sendfile64(out_fd, in_fd, offset, count) },
+    )
 }
 
 /// `splice(2)`: kernel only; counted on both ends when they are ours.
@@ -845,13 +1153,150 @@ pub unsafe fn splice(
 ) -> ssize_t {
     let in_entry = table().lookup(fd_in);
     // SAFETY: forwarded.
-    let moved = data_call(fd_out, Counter::TcpSent, || unsafe {
-        real::splice(fd_in, off_in, fd_out, off_out, len, splice_flags)
-    });
+    // The kernel cannot splice a SAN stream: it is copied through a buffer instead.
+    if !in_entry.is_none() {
+        // SAFETY: the caller's offset pointer, as for the C function.
+        let from_san =
+            |index| unsafe { san_splice_out(fd_in, index, fd_out, off_out, len, splice_flags) };
+        if let Some(result) = san_data_call(in_entry, from_san) {
+            return result;
+        }
+    }
+    let moved = data_call(
+        fd_out,
+        Counter::TcpSent,
+        // SAFETY: the caller's offset pointer, as for the C function.
+        |index| unsafe { san_splice_in(fd_in, off_in, fd_out, index, len, splice_flags) },
+        // SAFETY: forwarded.
+        || unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, splice_flags) },
+    );
     if moved > 0 && !in_entry.is_none() {
         count_bytes(in_entry, Counter::TcpReceived, moved as u64);
     }
     moved
+}
+
+/// `splice` out of a SAN socket into a pipe (or file): peeks up to `len` bytes, writes them
+/// to `fd_out`, and consumes exactly what the target took, so nothing is lost on a short
+/// write.
+///
+/// # Safety
+/// `off_out` must be null or valid.
+unsafe fn san_splice_out(
+    fd_in: c_int,
+    index: u32,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    splice_flags: c_uint,
+) -> Option<ssize_t> {
+    const CHUNK: usize = 64 << 10;
+    let mut chunk = vec![0u8; len.min(CHUNK)];
+    let flags = if splice_flags & libc::SPLICE_F_NONBLOCK != 0 {
+        libc::MSG_PEEK | libc::MSG_DONTWAIT
+    } else {
+        libc::MSG_PEEK
+    };
+    let peeked = crate::san::recv_iov(
+        fd_in,
+        index,
+        &one_buf(chunk.as_ptr().cast(), chunk.len()),
+        flags,
+    )?;
+    if peeked <= 0 {
+        return Some(peeked);
+    }
+    let written = if off_out.is_null() {
+        // SAFETY: `chunk` holds `peeked` bytes.
+        unsafe { libc::write(fd_out, chunk.as_ptr().cast(), peeked as usize) }
+    } else {
+        // SAFETY: as above; `off_out` valid per the contract.
+        let n = unsafe {
+            libc::pwrite64(
+                fd_out,
+                chunk.as_ptr().cast(),
+                peeked as usize,
+                off_out.read_unaligned(),
+            )
+        };
+        if n > 0 {
+            // SAFETY: valid per the contract.
+            unsafe { off_out.write_unaligned(off_out.read_unaligned() + n as i64) };
+        }
+        n
+    };
+    if written <= 0 {
+        return Some(written);
+    }
+    chunk.truncate(written as usize);
+    crate::san::recv_iov(
+        fd_in,
+        index,
+        &one_buf(chunk.as_mut_ptr().cast(), chunk.len()),
+        0,
+    )
+}
+
+/// `splice` from a pipe (or file) into a SAN socket: one chunk read, then sent in full.
+///
+/// # Safety
+/// `off_in` must be null or valid.
+unsafe fn san_splice_in(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    index: u32,
+    len: size_t,
+    _splice_flags: c_uint,
+) -> Option<ssize_t> {
+    // SAFETY: `off_in` is the same kind of pointer sendfile takes, valid per the contract.
+    unsafe { san_sendfile(fd_out, index, fd_in, off_in, len) }
+}
+
+/// `sendfile` into a SAN socket: one chunk read from `in_fd` (at `*offset` when given, which
+/// then advances by what was sent) and sent through the session. Short counts are allowed.
+///
+/// # Safety
+/// `offset` must be null or point to a valid offset.
+unsafe fn san_sendfile(
+    out_fd: c_int,
+    index: u32,
+    in_fd: c_int,
+    offset: *mut libc::off64_t,
+    count: size_t,
+) -> Option<ssize_t> {
+    const CHUNK: usize = 64 << 10;
+    let mut chunk = vec![0u8; count.min(CHUNK)];
+    let read = if offset.is_null() {
+        // SAFETY: `chunk` is writable for its length.
+        unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), chunk.len()) }
+    } else {
+        // SAFETY: as above; `offset` is valid per the contract.
+        unsafe {
+            libc::pread64(
+                in_fd,
+                chunk.as_mut_ptr().cast(),
+                chunk.len(),
+                offset.read_unaligned(),
+            )
+        }
+    };
+    if read <= 0 {
+        return Some(read);
+    }
+    let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
+    let sent = crate::san::send_iov(out_fd, index, &bufs, 0)?;
+    if sent > 0 {
+        if offset.is_null() {
+            // Give back what was read but not sent, so the file position matches.
+            // SAFETY: plain lseek on the caller's fd.
+            unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+        } else {
+            // SAFETY: valid per the contract.
+            unsafe { offset.write_unaligned(offset.read_unaligned() + sent as i64) };
+        }
+    }
+    Some(sent)
 }
 
 // ---- readiness ------------------------------------------------------------------------------
@@ -870,16 +1315,296 @@ macro_rules! passthrough_ops {
     )*};
 }
 
+/// Runs a poll-style call with every switched SAN socket in `fds` replaced by its mirror `M`
+/// for the duration of the call (the application's array is restored before returning).
+///
+/// # Safety
+/// `fds` must point to `nfds` pollfds (or be null with `nfds == 0`).
+#[inline(always)]
+unsafe fn with_mirrors(
+    fds: *mut libc::pollfd,
+    nfds: libc::nfds_t,
+    mut call: impl FnMut() -> c_int,
+) -> c_int {
+    if crate::san::live_sockets() == 0 || fds.is_null() || nfds == 0 || guard::is_inside() {
+        return call();
+    }
+    // SAFETY: the caller's array of `nfds` entries.
+    let entries = unsafe { core::slice::from_raw_parts_mut(fds, nfds as usize) };
+    loop {
+        let saved = {
+            let _guard = ReentrancyGuard::enter();
+            crate::san::poll_fds(entries, None)
+        };
+        let rc = call();
+        if saved.is_empty() {
+            return rc;
+        }
+        let _errno = errno::Preserved::save();
+        let _guard = ReentrancyGuard::enter();
+        crate::san::poll_fds(entries, Some(&saved));
+        if rc <= 0 {
+            return rc;
+        }
+        let ready = entries.iter().filter(|e| e.revents != 0).count() as c_int;
+        if ready > 0 {
+            return ready;
+        }
+        // Every report was a spurious mirror token (now lowered): wait again. The timeout
+        // restarts, so such a wait can last longer than asked (documented).
+    }
+}
+
+/// `poll(2)`: SAN sockets are watched through their mirrors.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -> c_int {
+    if crate::san::live_sockets() == 0 || guard::is_inside() {
+        // SAFETY: forwarded.
+        return unsafe { real::poll(fds, nfds, timeout) };
+    }
+    // Sliced like the epoll waits (see `SAN_WAIT_SLICE_MS`).
+    let deadline = (timeout >= 0)
+        .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
+    loop {
+        let slice = deadline.map_or(SAN_WAIT_SLICE_MS, |d| {
+            d.saturating_duration_since(std::time::Instant::now())
+                .as_millis()
+                .min(SAN_WAIT_SLICE_MS as u128) as c_int
+        });
+        // SAFETY: forwarded; `fds` is the caller's array.
+        let rc = unsafe { with_mirrors(fds, nfds, || real::poll(fds, nfds, slice)) };
+        if rc != 0 || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            return rc;
+        }
+        let _errno = errno::Preserved::save();
+        let _guard = ReentrancyGuard::enter();
+        crate::san::service_all();
+    }
+}
+
+/// `ppoll(2)`: SAN sockets are watched through their mirrors.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn ppoll(
+    fds: *mut libc::pollfd,
+    nfds: libc::nfds_t,
+    timeout: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: forwarded; `fds` is the caller's array.
+    unsafe { with_mirrors(fds, nfds, || real::ppoll(fds, nfds, timeout, sigmask)) }
+}
+
+/// Longest single kernel wait while SAN sockets are alive: after it, every SAN socket of the
+/// process is serviced once (`san::service_all`), so a wake-up the mirrors failed to deliver
+/// costs at most this much latency instead of a hang. A signal that lands between two slices
+/// (a few µs of servicing) does not interrupt the wait; an odd length keeps that window from
+/// lining up with round-numbered timers.
+const SAN_WAIT_SLICE_MS: c_int = 239;
+
+/// An epoll wait with SAN sockets alive: connections with both ends in this process are
+/// driven first (see `san::assist_all_in_process`), the kernel wait is cut into slices
+/// (see [`SAN_WAIT_SLICE_MS`]), and events that only reflect a handshake or credit token of
+/// a SAN mirror are dropped (`san::correct_epoll_events`); a wait left with no event goes on
+/// until the caller's timeout (`timeout_ms < 0`: none).
+///
+/// # Safety
+/// `events` must be writable for `maxevents` entries.
+#[inline(always)]
+unsafe fn epoll_wait_with_san(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout_ms: c_int,
+    mut call: impl FnMut(c_int) -> c_int,
+) -> c_int {
+    if crate::san::live_sockets() == 0 || guard::is_inside() || events.is_null() {
+        return call(timeout_ms);
+    }
+    let deadline = (timeout_ms >= 0)
+        .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms as u64));
+    loop {
+        {
+            let _errno = errno::Preserved::save();
+            let _guard = ReentrancyGuard::enter();
+            crate::san::assist_all_in_process();
+        }
+        let left = deadline.map_or(SAN_WAIT_SLICE_MS, |d| {
+            d.saturating_duration_since(std::time::Instant::now())
+                .as_millis()
+                .min(SAN_WAIT_SLICE_MS as u128) as c_int
+        });
+        let n = call(left);
+        if n < 0 || n > maxevents {
+            return n;
+        }
+        let _errno = errno::Preserved::save();
+        let _guard = ReentrancyGuard::enter();
+        if n > 0 {
+            // SAFETY: the kernel just wrote `n` events there.
+            let returned = unsafe { core::slice::from_raw_parts_mut(events, n as usize) };
+            let kept = crate::san::correct_epoll_events(epfd, returned);
+            if kept > 0 {
+                return kept as c_int;
+            }
+        } else {
+            crate::san::service_all();
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            return 0;
+        }
+    }
+}
+
+/// `epoll_wait(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn epoll_wait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout: c_int,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe {
+        epoll_wait_with_san(epfd, events, maxevents, timeout, |slice| {
+            real::epoll_wait(epfd, events, maxevents, slice)
+        })
+    }
+}
+
+/// `epoll_pwait(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn epoll_pwait(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout: c_int,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: forwarded.
+    unsafe {
+        epoll_wait_with_san(epfd, events, maxevents, timeout, |slice| {
+            real::epoll_pwait(epfd, events, maxevents, slice, sigmask)
+        })
+    }
+}
+
+/// `epoll_pwait2(2)`: with SAN sockets alive, waits in `epoll_pwait` slices (millisecond
+/// resolution).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn epoll_pwait2(
+    epfd: c_int,
+    events: *mut libc::epoll_event,
+    maxevents: c_int,
+    timeout: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    if crate::san::live_sockets() == 0 || guard::is_inside() {
+        // SAFETY: forwarded.
+        return unsafe { real::epoll_pwait2(epfd, events, maxevents, timeout, sigmask) };
+    }
+    let timeout_ms = if timeout.is_null() {
+        -1
+    } else {
+        // SAFETY: a valid timespec per the C contract.
+        let t = unsafe { timeout.read_unaligned() };
+        (t.tv_sec.max(0).saturating_mul(1000) + (t.tv_nsec.max(0) + 999_999) / 1_000_000)
+            .min(c_int::MAX as i64) as c_int
+    };
+    // SAFETY: forwarded.
+    unsafe {
+        epoll_wait_with_san(epfd, events, maxevents, timeout_ms, |slice| {
+            real::epoll_pwait(epfd, events, maxevents, slice, sigmask)
+        })
+    }
+}
+
+/// `select(2)`: with SAN sockets in the sets it runs as `ppoll` over their mirrors.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn select(
+    nfds: c_int,
+    readfds: *mut libc::fd_set,
+    writefds: *mut libc::fd_set,
+    exceptfds: *mut libc::fd_set,
+    timeout: *mut libc::timeval,
+) -> c_int {
+    if crate::san::live_sockets() != 0 && !guard::is_inside() {
+        let _guard = ReentrancyGuard::enter();
+        let spec = (!timeout.is_null()).then(|| {
+            // SAFETY: a valid timeval per the C contract.
+            let tv = unsafe { timeout.read_unaligned() };
+            libc::timespec {
+                tv_sec: tv.tv_sec,
+                tv_nsec: tv.tv_usec * 1000,
+            }
+        });
+        let spec_ptr = spec
+            .as_ref()
+            .map_or(core::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: the caller's sets; our timespec.
+        if let Some(rc) = unsafe {
+            crate::san::select_via_poll(
+                nfds,
+                readfds,
+                writefds,
+                exceptfds,
+                spec_ptr,
+                core::ptr::null(),
+            )
+        } {
+            return rc;
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { real::select(nfds, readfds, writefds, exceptfds, timeout) }
+}
+
+/// `pselect(2)`: as [`select`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn pselect(
+    nfds: c_int,
+    readfds: *mut libc::fd_set,
+    writefds: *mut libc::fd_set,
+    exceptfds: *mut libc::fd_set,
+    timeout: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    if crate::san::live_sockets() != 0 && !guard::is_inside() {
+        let _guard = ReentrancyGuard::enter();
+        // SAFETY: the caller's arguments.
+        if let Some(rc) = unsafe {
+            crate::san::select_via_poll(nfds, readfds, writefds, exceptfds, timeout, sigmask)
+        } {
+            return rc;
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { real::pselect(nfds, readfds, writefds, exceptfds, timeout, sigmask) }
+}
+
 passthrough_ops! {
-    poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -> c_int;
-    ppoll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
     __poll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int;
     __ppoll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: *const libc::timespec, sigmask: *const libc::sigset_t, fdslen: size_t) -> c_int;
-    select(nfds: c_int, readfds: *mut libc::fd_set, writefds: *mut libc::fd_set, exceptfds: *mut libc::fd_set, timeout: *mut libc::timeval) -> c_int;
-    pselect(nfds: c_int, readfds: *mut libc::fd_set, writefds: *mut libc::fd_set, exceptfds: *mut libc::fd_set, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
-    epoll_wait(epfd: c_int, events: *mut libc::epoll_event, maxevents: c_int, timeout: c_int) -> c_int;
-    epoll_pwait(epfd: c_int, events: *mut libc::epoll_event, maxevents: c_int, timeout: c_int, sigmask: *const libc::sigset_t) -> c_int;
-    epoll_pwait2(epfd: c_int, events: *mut libc::epoll_event, maxevents: c_int, timeout: *const libc::timespec, sigmask: *const libc::sigset_t) -> c_int;
     fork() -> libc::pid_t;
     execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
 }
@@ -937,8 +1662,16 @@ fn note_registration(record: &SocketRecord, epfd: c_int, event: libc::epoll_even
 #[inline(always)]
 pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epoll_event) -> c_int {
     let entry = tracked(fd);
+    // A switched SAN socket is watched through its mirror (same events, same data).
+    let target = match entry.and_then(crate::san::san_index) {
+        Some(index) => {
+            let _guard = ReentrancyGuard::enter();
+            crate::san::mirror_of(fd, index).unwrap_or(fd)
+        }
+        None => fd,
+    };
     // SAFETY: forwarded.
-    let rc = unsafe { real::epoll_ctl(epfd, op, fd, event) };
+    let rc = unsafe { real::epoll_ctl(epfd, op, target, event) };
     if let (0, Some(entry)) = (rc, entry) {
         // SAFETY: the kernel accepted `event` (required for ADD/MOD) just now.
         let registered = (!event.is_null()).then(|| unsafe { event.read_unaligned() });

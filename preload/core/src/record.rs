@@ -150,6 +150,9 @@ pub mod flags {
     pub const INHERITED: u32 = 1 << 6;
     /// connect() returned EINPROGRESS (completion not observed yet).
     pub const CONNECTING: u32 = 1 << 7;
+    /// The socket has a SAN object (a pending client or a switched connection): its data
+    /// calls go through `crate::san`.
+    pub const SAN: u32 = 1 << 8;
 }
 
 /// Index into [`SocketRecord::counters`].

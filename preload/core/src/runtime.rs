@@ -65,6 +65,9 @@ pub struct Settings {
     pub program: String,
     /// Rules already filtered for this program; `None` when the file was invalid.
     pub rules: Option<Config>,
+    /// `SANDIRECT_SAN=1`: connections between preloaded processes switch to the intra-host
+    /// SAN (opt-in while the SAN path matures).
+    pub san: bool,
 }
 
 static SETTINGS: OnceLock<Settings> = OnceLock::new();
@@ -81,8 +84,9 @@ pub fn tracking_enabled() -> bool {
     TRACKING.load(Ordering::Relaxed)
 }
 
-/// The path decision for a new connection (today every outcome is a TCP reason, since no SAN
-/// provider is linked in yet; the SAN driver will turn `NoProvider` into an upgrade attempt).
+/// The path decision for a new connection: `Bypass::None` means "upgrade when the peer is
+/// capable" and is only returned with the SAN path enabled (`SANDIRECT_SAN=1`); otherwise
+/// every outcome is a TCP reason (`NoProvider` when the rules would allow the SAN).
 pub fn decide(role: Role, endpoint: Option<SocketAddr>) -> Bypass {
     let Some(settings) = settings() else {
         return Bypass::NoProvider;
@@ -98,6 +102,7 @@ pub fn decide(role: Role, endpoint: Option<SocketAddr>) -> Bypass {
     });
     match mode {
         UseMode::Tcp => Bypass::ConfigSaysTcp,
+        _ if settings.san => Bypass::None,
         UseMode::San => {
             tracing::warn!(
                 ?endpoint,
@@ -144,10 +149,12 @@ fn init_guarded(argv0: Option<&CStr>) {
         },
     };
     tracing::debug!(?mode, program, rules = ?rules.as_ref().map(|r| r.rules.len()), "sandirect initialised");
+    let san = std::env::var("SANDIRECT_SAN").is_ok_and(|value| value == "1");
     let _ = SETTINGS.set(Settings {
         mode,
         program,
         rules,
+        san,
     });
     // SAFETY: registering a plain extern "C" handler.
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
@@ -177,6 +184,7 @@ fn program_name(argv0: Option<&CStr>) -> String {
 /// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.
 pub extern "C" fn after_fork_in_child() {
     registry::registry().after_fork_in_child();
+    crate::san::after_fork_in_child();
 }
 
 /// Destructor's work: stop publishing.

@@ -1,0 +1,248 @@
+//! The side channel of the switch-over: an abstract Unix stream socket named by the connection
+//! key, through which the two processes pass their readiness-mirror ends (`K`, `SCM_RIGHTS`)
+//! and the shared page holding both sides' [`MirrorWords`].
+//!
+//! **Why the acceptor connects.** The acceptor must finish inside `accept()` without waiting
+//! for the client, which may be blocked anywhere. A Unix stream `connect()` succeeds as soon as
+//! the client's listener has room in its backlog, and data (with descriptors) can be queued on
+//! the connection before the client accepts it. So the connecting side listens at `connect()`
+//! time; the acceptor connects, queues its `K` and the words page, and only then attaches the
+//! segment. When the client sees the segment attached, everything it needs is already queued.
+//! The client answers with its own `K` before it sends its `Hello`, so by the time the
+//! acceptor's session is established the client's `K` is waiting on the same socket.
+//!
+//! **Who may connect.** The name lives in the abstract namespace, which anyone can reach; the
+//! acceptor checks the listener's credentials (`SO_PEERCRED`) and the client checks the
+//! acceptor's, so descriptors are only ever exchanged between processes of the same user.
+
+use core::fmt::Write as _;
+use core::mem::size_of;
+use core::ops::Deref;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use crate::discovery::SegmentName;
+use crate::mirror::MirrorWords;
+
+/// The payload byte sent with a mirror end.
+pub(crate) const MIRROR_END: u8 = b'K';
+/// The payload byte sent with the words page.
+pub(crate) const WORDS_PAGE: u8 = b'W';
+
+/// Offsets of the two sides' words in the page (separate cache lines).
+const WORDS_OFFSETS: [usize; 2] = [0, 128];
+const PAGE: usize = 4096;
+
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+fn owned(fd: libc::c_int) -> Option<OwnedFd> {
+    // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `\0sandirect/<euid>/X/<segment name>`.
+fn exchange_address(name: &SegmentName) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    let mut text = String::with_capacity(128);
+    write!(text, "sandirect/{}/X/{}", effective_uid(), name.as_str()).ok()?;
+    // SAFETY: plain data, zero is valid.
+    let mut sun: libc::sockaddr_un = unsafe { core::mem::zeroed() };
+    if text.len() + 1 > sun.sun_path.len() {
+        return None;
+    }
+    sun.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, &src) in sun.sun_path[1..].iter_mut().zip(text.as_bytes()) {
+        *dst = src as libc::c_char;
+    }
+    let len = size_of::<libc::sa_family_t>() + 1 + text.len();
+    Some((sun, len as libc::socklen_t))
+}
+
+fn unix_stream() -> Option<OwnedFd> {
+    // SAFETY: plain socket(2) call.
+    owned(unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    })
+}
+
+/// The connecting side's exchange listener (created right after the TCP connect).
+pub(crate) fn listen(name: &SegmentName) -> Option<OwnedFd> {
+    let (sun, len) = exchange_address(name)?;
+    let socket = unix_stream()?;
+    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+    let bound = unsafe {
+        libc::bind(
+            socket.as_raw_fd(),
+            (&sun as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    // SAFETY: plain listen(2) on our socket.
+    (bound == 0 && unsafe { libc::listen(socket.as_raw_fd(), 1) } == 0).then_some(socket)
+}
+
+/// The acceptor's connection to the client's exchange listener: `None` when nobody listens
+/// (the client is not preloaded, or not upgrading) or the listener is another user's.
+pub(crate) fn connect(name: &SegmentName) -> Option<OwnedFd> {
+    let (sun, len) = exchange_address(name)?;
+    let socket = unix_stream()?;
+    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+    let rc = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            (&sun as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    (rc == 0 && peer_is_same_user(socket.as_fd())).then_some(socket)
+}
+
+/// Accepts the acceptor's connection, if it is there (nonblocking).
+pub(crate) fn accept(listener: BorrowedFd<'_>) -> Option<OwnedFd> {
+    // SAFETY: plain accept4(2) on our listener; the peer address is not wanted.
+    let fd = unsafe {
+        libc::accept4(
+            listener.as_raw_fd(),
+            core::ptr::null_mut(),
+            core::ptr::null_mut(),
+            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+        )
+    };
+    owned(fd).filter(|socket| peer_is_same_user(socket.as_fd()))
+}
+
+/// `SO_PEERCRED` says the other end runs under our effective uid.
+fn peer_is_same_user(socket: BorrowedFd<'_>) -> bool {
+    // SAFETY: plain data, zero is valid.
+    let mut cred: libc::ucred = unsafe { core::mem::zeroed() };
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `cred`.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    rc == 0 && cred.uid == effective_uid()
+}
+
+/// Receives one descriptor tagged `tag` (nonblocking): `None` if nothing is queued yet or
+/// the message is not what the protocol sends.
+pub(crate) fn receive(socket: BorrowedFd<'_>, tag: u8) -> Option<OwnedFd> {
+    let mut byte = [0u8; 1];
+    match crate::mirror::recv_fd(socket, &mut byte) {
+        Ok((1, Some(fd))) if byte[0] == tag => Some(fd),
+        _ => None,
+    }
+}
+
+/// Sends one descriptor tagged `tag`.
+pub(crate) fn send(socket: BorrowedFd<'_>, fd: BorrowedFd<'_>, tag: u8) -> bool {
+    matches!(crate::mirror::send_fd(socket, fd, &[tag]), Ok(1))
+}
+
+/// The page both processes map, holding the two sides' [`MirrorWords`].
+#[derive(Debug)]
+pub(crate) struct WordsPage {
+    base: *mut u8,
+    memfd: OwnedFd,
+}
+
+// SAFETY: the page holds only atomics; the pointer is valid until drop.
+unsafe impl Send for WordsPage {}
+// SAFETY: as above; shared access goes through atomics only.
+unsafe impl Sync for WordsPage {}
+
+impl WordsPage {
+    /// A fresh zeroed page (the acceptor creates it; all-zero words are the initial state).
+    pub(crate) fn create() -> Option<WordsPage> {
+        // SAFETY: NUL-terminated name; plain memfd_create(2).
+        let fd =
+            owned(unsafe { libc::memfd_create(c"sandirect-mirror".as_ptr(), libc::MFD_CLOEXEC) })?;
+        // SAFETY: plain ftruncate(2) on our memfd.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), PAGE as libc::off_t) } != 0 {
+            return None;
+        }
+        WordsPage::map(fd)
+    }
+
+    /// Maps a page received from the acceptor; refuses anything that is not a page-sized memfd.
+    pub(crate) fn map(memfd: OwnedFd) -> Option<WordsPage> {
+        // SAFETY: plain data, zero is valid.
+        let mut stat: libc::stat = unsafe { core::mem::zeroed() };
+        // SAFETY: fstat writes a whole `struct stat`.
+        if unsafe { libc::fstat(memfd.as_raw_fd(), &mut stat) } != 0
+            || stat.st_mode & libc::S_IFMT != libc::S_IFREG
+            || stat.st_size != PAGE as libc::off_t
+        {
+            return None;
+        }
+        // SAFETY: a fresh shared mapping of a file of exactly PAGE bytes (checked above).
+        let base = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                memfd.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        Some(WordsPage {
+            base: base.cast(),
+            memfd,
+        })
+    }
+
+    /// The memfd, to pass to the peer.
+    pub(crate) fn memfd(&self) -> BorrowedFd<'_> {
+        self.memfd.as_fd()
+    }
+
+    fn words(&self, side: usize) -> &MirrorWords {
+        // SAFETY: the offsets are inside the page, aligned for MirrorWords (two u32 atomics),
+        // and all-zero bytes are a valid MirrorWords; the mapping lives as long as `self`.
+        unsafe { &*self.base.add(WORDS_OFFSETS[side & 1]).cast::<MirrorWords>() }
+    }
+}
+
+impl Drop for WordsPage {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping made in `map`.
+        unsafe { libc::munmap(self.base.cast(), PAGE) };
+    }
+}
+
+/// One side's words inside a shared [`WordsPage`] (what [`crate::mirror::Mirror`] derefs).
+#[derive(Clone, Debug)]
+pub(crate) struct SideWords {
+    page: Arc<WordsPage>,
+    side: usize,
+}
+
+impl SideWords {
+    /// The words of `side` (0: the connecting side, 1: the acceptor).
+    pub(crate) fn new(page: Arc<WordsPage>, side: usize) -> SideWords {
+        SideWords { page, side }
+    }
+}
+
+impl Deref for SideWords {
+    type Target = MirrorWords;
+
+    fn deref(&self) -> &MirrorWords {
+        self.page.words(self.side)
+    }
+}

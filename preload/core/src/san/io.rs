@@ -1,0 +1,1021 @@
+//! The hooks' SAN data path: send/recv loops with Linux semantics (blocking, `O_NONBLOCK`,
+//! `MSG_DONTWAIT`, `MSG_PEEK`, `MSG_WAITALL`, `SO_RCVTIMEO`/`SO_SNDTIMEO`), the pending
+//! client's counted TCP path and switch-over, and `poll()` substitution.
+//!
+//! Every function takes the socket's lock, works without blocking, and releases the lock
+//! around the one place it blocks (`poll()` on the mirror and/or the TCP socket).
+
+use core::ffi::c_int;
+use core::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::socket::{Phase, SanSocket, WaitFds};
+use super::{lock, orphaned, SanObject, COUNTERS, LIVE};
+use crate::discovery::canonical_addr;
+use crate::record::{flags, Bypass, Counter};
+use crate::registry::registry;
+use crate::{errno, real};
+
+/// Longest single sleep: bounds how long a missed wake-up (or a peer death the mirror did not
+/// show) can go unnoticed. Odd on purpose (see `ops::SAN_WAIT_SLICE_MS`).
+const WAIT_SLICE: Duration = Duration::from_millis(239);
+
+/// Longest wait of a nonblocking read that consumed the switch marker (see `recv_iov`).
+const HANDSHAKE_WAIT: Duration = Duration::from_millis(50);
+
+/// How long a graceful close may wait for queued data to leave when `SO_LINGER` is off.
+pub(super) const DEFAULT_LINGER: Duration = Duration::from_secs(2);
+
+/// One buffer of an I/O vector, as raw parts (the hooks' callers own the memory).
+#[derive(Clone, Copy, Debug)]
+pub struct RawBuf {
+    /// Start.
+    pub ptr: *mut u8,
+    /// Length.
+    pub len: usize,
+}
+
+fn fail(code: c_int) -> isize {
+    if code != libc::EAGAIN {
+        tracing::debug!(errno = code, "SAN call fails");
+    }
+    errno::set(code);
+    -1
+}
+
+fn record_flag(index: u32, flag: u32) -> bool {
+    registry()
+        .get(index)
+        .is_some_and(|record| record.flags() & flag != 0)
+}
+
+fn timeout_of(fd: c_int, option: c_int) -> Option<Instant> {
+    let mut value = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 0,
+    };
+    let mut len = core::mem::size_of::<libc::timeval>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `value`.
+    let rc = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            option,
+            (&mut value as *mut libc::timeval).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || (value.tv_sec == 0 && value.tv_usec == 0) {
+        return None;
+    }
+    let timeout = Duration::from_secs(value.tv_sec.max(0) as u64)
+        + Duration::from_micros(value.tv_usec.max(0) as u64);
+    Instant::now().checked_add(timeout)
+}
+
+/// `SO_LINGER` of `fd`: (abortive close, how long a graceful close may wait).
+pub(super) fn linger_of(fd: c_int) -> (bool, Duration) {
+    let mut value = libc::linger {
+        l_onoff: 0,
+        l_linger: 0,
+    };
+    let mut len = core::mem::size_of::<libc::linger>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `value`.
+    let rc = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&mut value as *mut libc::linger).cast(),
+            &mut len,
+        )
+    };
+    match (rc, value.l_onoff, value.l_linger) {
+        (0, on, 0) if on != 0 => (true, Duration::ZERO),
+        (0, on, secs) if on != 0 => (false, Duration::from_secs(secs.max(0) as u64)),
+        _ => (false, DEFAULT_LINGER),
+    }
+}
+
+/// Blocks (lock released) until the socket may make progress, the deadline passes
+/// (`EAGAIN`), or a signal arrives (`EINTR`).
+fn block(
+    index: u32,
+    fd: c_int,
+    fds: Option<WaitFds>,
+    deadline: Option<Instant>,
+) -> Result<(), c_int> {
+    let Some(fds) = fds else { return Ok(()) };
+    if assist_in_process_peer(index) {
+        // The peer made progress on our behalf: re-check before sleeping.
+        if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+            socket.finish_wait(&fds);
+        }
+        return Ok(());
+    }
+    let mut pollfds = [libc::pollfd {
+        fd: -1,
+        events: 0,
+        revents: 0,
+    }; 3];
+    let mut count = 0;
+    if let Some(bell) = fds.bell {
+        pollfds[count] = libc::pollfd {
+            fd: bell,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        count += 1;
+    }
+    if let Some(mirror) = fds.mirror {
+        pollfds[count] = libc::pollfd {
+            fd: mirror,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        count += 1;
+    }
+    if fds.tcp_events != 0 {
+        pollfds[count] = libc::pollfd {
+            fd,
+            events: fds.tcp_events,
+            revents: 0,
+        };
+        count += 1;
+    }
+    let now = Instant::now();
+    let slice = deadline.map_or(WAIT_SLICE, |d| {
+        d.saturating_duration_since(now).min(WAIT_SLICE)
+    });
+    // SAFETY: `count` valid pollfds.
+    let rc = unsafe {
+        real::poll(
+            pollfds.as_mut_ptr(),
+            count as libc::nfds_t,
+            slice.as_millis().max(1) as c_int,
+        )
+    };
+    let interrupted = rc < 0 && errno::get() == libc::EINTR;
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        socket.finish_wait(&fds);
+    }
+    if interrupted {
+        return Err(libc::EINTR);
+    }
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        return Err(libc::EAGAIN);
+    }
+    Ok(())
+}
+
+/// Both ends of this connection live in this process, and the thread that would drive the
+/// other end may be this very one (a single-threaded program talking to itself): drive the
+/// other end here — switch it if it is a pending client whose segment is attached, else pump
+/// its session. `try_lock` only, so two waiters can never deadlock. True when it did work.
+fn assist_in_process_peer(index: u32) -> bool {
+    let name = match lock(index).as_ref() {
+        Some(SanObject::Socket(socket))
+            if socket.peer_in_process() || socket.phase == Phase::Pending =>
+        {
+            socket.name
+        }
+        _ => return false,
+    };
+    let Some(other) = super::in_process_peer(&name, index) else {
+        return false;
+    };
+    let Ok(mut slot) = super::slot(other).try_lock() else {
+        return false;
+    };
+    let Some(SanObject::Socket(peer)) = slot.as_mut() else {
+        return false;
+    };
+    match peer.phase {
+        Phase::Pending if peer.peer_attached() => {
+            let Some(fd) = registry().get(other).map(|r| r.fd.load(Ordering::Relaxed)) else {
+                return false;
+            };
+            if peer.switch(fd).is_ok() {
+                COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
+                move_epoll_registrations(other, fd, peer);
+                true
+            } else {
+                false
+            }
+        }
+        Phase::Pending => false,
+        Phase::Switched => {
+            peer.service();
+            false
+        }
+    }
+}
+
+/// Before a poll-style wait: drives every connection whose two ends are both in this process
+/// (the thread about to sleep may be the only one that would ever drive the other end).
+/// Costs nothing without in-process connections.
+pub fn assist_all_in_process() {
+    let indices: Vec<u32> = match super::in_process_indices() {
+        Some(indices) => indices,
+        None => return,
+    };
+    // A handshake needs a round trip per side: three passes let a pending client switch, the
+    // acceptor answer, and the client flush what it queued meanwhile.
+    for _pass in 0..3 {
+        assist_pass(&indices);
+    }
+}
+
+fn assist_pass(indices: &[u32]) {
+    for &index in indices {
+        let Ok(mut slot) = super::slot(index).try_lock() else {
+            continue;
+        };
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            continue;
+        };
+        match socket.phase {
+            Phase::Pending if socket.peer_attached() => {
+                let Some(fd) = registry().get(index).map(|r| r.fd.load(Ordering::Relaxed)) else {
+                    continue;
+                };
+                if socket.switch(fd).is_ok() {
+                    COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
+                    move_epoll_registrations(index, fd, socket);
+                }
+            }
+            Phase::Pending => {}
+            Phase::Switched => socket.service(),
+        }
+    }
+}
+
+/// Services every switched SAN socket of this process once (`try_lock`: a socket in use by
+/// another thread is being serviced anyway). The safety net of the sliced waits.
+pub fn service_all() {
+    if LIVE.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut indices = Vec::new();
+    registry().for_each_live(|index, record| {
+        if record.flags() & flags::SAN != 0 && record.bypass() != crate::record::Bypass::AfterFork {
+            indices.push(index);
+        }
+    });
+    for index in indices {
+        if let Ok(mut slot) = super::slot(index).try_lock() {
+            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
+                if socket.phase == Phase::Switched {
+                    socket.service();
+                }
+            }
+        }
+    }
+}
+
+/// Drops the SAN object of a pending client whose server turned out plain (a byte arrived on
+/// TCP while the segment was not attached): from now on the socket is plain TCP.
+fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
+    tracing::debug!(index, "pending SAN client: plain server, staying on TCP");
+    if let Some(SanObject::Socket(socket)) = slot.take() {
+        drop(socket);
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+        super::forget_name(index);
+    }
+    if let Some(record) = registry().get(index) {
+        record.set_flag(flags::SAN, false);
+        record
+            .bypass
+            .store(Bypass::PeerNotCapable as u32, Ordering::Release);
+        if let (_, Some(peer)) = record.addresses() {
+            if let Some(provider) = super::provider() {
+                provider.negative.mark_plain(canonical_addr(peer));
+            }
+        }
+    }
+    COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The switch failed after the acceptor committed to the SAN: the connection cannot go on.
+fn break_connection(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> c_int {
+    if let Some(SanObject::Socket(socket)) = slot.take() {
+        drop(socket);
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+        super::forget_name(index);
+    }
+    COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+    if let Some(record) = registry().get(index) {
+        record.set_flag(flags::SAN, false);
+        record
+            .bypass
+            .store(Bypass::NoProvider as u32, Ordering::Release);
+    }
+    // SAFETY: plain shutdown(2) of the application's socket.
+    unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+    libc::ECONNRESET
+}
+
+/// A pending client whose segment is attached switches now. Returns `Err(errno)` if the
+/// connection broke.
+fn switch_if_attached(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> Result<(), c_int> {
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return Ok(());
+    };
+    if socket.phase != Phase::Pending || !socket.peer_attached() {
+        return Ok(());
+    }
+    if socket.switch(fd).is_ok() {
+        tracing::debug!(fd, name = %socket.name, "SAN client switched");
+        COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
+        move_epoll_registrations(index, fd, socket);
+        Ok(())
+    } else {
+        Err(break_connection(fd, index, slot))
+    }
+}
+
+/// A socket that became SAN after the application added it to epoll sets: the sets now watch
+/// the mirror in its place (same events, same data).
+fn move_epoll_registrations(index: u32, fd: c_int, socket: &mut SanSocket) {
+    let (Some(record), Some(mirror)) = (registry().get(index), socket.mirror_fd()) else {
+        return;
+    };
+    for (epfd, events, data) in record.epoll_registrations() {
+        socket.watched = true;
+        let mut event = libc::epoll_event { events, u64: data };
+        // SAFETY: plain epoll_ctl(2) calls on the application's epoll instance.
+        unsafe {
+            real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, core::ptr::null_mut());
+            real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, mirror, &mut event);
+        }
+    }
+}
+
+/// `send`/`write`/`writev`/`sendmsg` on a SAN socket. `None`: not (or no longer) a SAN
+/// socket — the caller makes the real call.
+pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+    if orphaned(index) {
+        return Some(fail(libc::ECONNRESET));
+    }
+    let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+    let nonblocking = send_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
+    let deadline = (!nonblocking)
+        .then(|| timeout_of(fd, libc::SO_SNDTIMEO))
+        .flatten();
+    let urgent = send_flags & libc::MSG_OOB != 0;
+    let mut done = 0usize;
+    loop {
+        let mut slot = lock(index);
+        if let Err(code) = switch_if_attached(fd, index, &mut slot) {
+            return Some(if done > 0 { done as isize } else { fail(code) });
+        }
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            return if done > 0 { Some(done as isize) } else { None };
+        };
+        let wait = if socket.phase == Phase::Pending {
+            // Counted TCP send (nonblocking under the lock, so the count is exact).
+            let mut iov = remaining_iov(bufs, done);
+            // SAFETY: plain data, zero is valid.
+            let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            // SAFETY: `msg` describes the caller's buffers (valid for the call).
+            let n = unsafe { real::sendmsg(fd, &msg, send_flags | libc::MSG_DONTWAIT) };
+            if n > 0 {
+                socket.count_tcp_sent(n as u64);
+                if let Some(record) = registry().get(index) {
+                    record.count(Counter::TcpSent, n as u64);
+                }
+                done += n as usize;
+                if done >= total || nonblocking {
+                    return Some(done as isize);
+                }
+                continue;
+            }
+            if n == 0 && total == 0 {
+                return Some(0);
+            }
+            let code = errno::get();
+            if code != libc::EAGAIN || nonblocking {
+                return Some(if done > 0 { done as isize } else { fail(code) });
+            }
+            socket.prepare_wait(libc::POLLOUT)
+        } else {
+            socket.service();
+            let piece = next_piece(bufs, done);
+            if total == 0 {
+                return Some(0);
+            }
+            socket.wake_pending_client(fd);
+            match socket.send(piece, urgent) {
+                Ok(n) => {
+                    socket.service();
+                    done += n;
+                    if done >= total {
+                        return Some(done as isize);
+                    }
+                    continue;
+                }
+                Err(libc::EAGAIN) => {
+                    if done > 0 && nonblocking {
+                        return Some(done as isize);
+                    }
+                    if nonblocking {
+                        if socket.lower_writable() {
+                            return Some(fail(libc::EAGAIN));
+                        }
+                        continue;
+                    }
+                    socket.prepare_wait(0)
+                }
+                Err(code) => {
+                    if done > 0 {
+                        return Some(done as isize);
+                    }
+                    if code == libc::EPIPE && send_flags & libc::MSG_NOSIGNAL == 0 {
+                        // SAFETY: raising SIGPIPE, as the kernel does for a broken stream.
+                        unsafe { libc::raise(libc::SIGPIPE) };
+                    }
+                    return Some(fail(code));
+                }
+            }
+        };
+        drop(slot);
+        if let Err(code) = block(index, fd, wait, deadline) {
+            return Some(if done > 0 { done as isize } else { fail(code) });
+        }
+    }
+}
+
+/// The part of `bufs` after the first `done` bytes, as iovecs.
+fn remaining_iov(bufs: &[RawBuf], mut done: usize) -> Vec<libc::iovec> {
+    let mut out = Vec::with_capacity(bufs.len());
+    for buf in bufs {
+        if done >= buf.len {
+            done -= buf.len;
+            continue;
+        }
+        out.push(libc::iovec {
+            // SAFETY: `done < len`, so the offset stays inside the caller's buffer.
+            iov_base: unsafe { buf.ptr.add(done) }.cast(),
+            iov_len: buf.len - done,
+        });
+        done = 0;
+    }
+    out
+}
+
+/// The next contiguous piece of `bufs` after `done` bytes.
+fn next_piece<'a>(bufs: &[RawBuf], mut done: usize) -> &'a [u8] {
+    for buf in bufs {
+        if done >= buf.len {
+            done -= buf.len;
+            continue;
+        }
+        if buf.ptr.is_null() {
+            return &[];
+        }
+        // SAFETY: the caller's buffer is readable for its length for the duration of the
+        // hook call; `done < len`.
+        return unsafe { core::slice::from_raw_parts(buf.ptr.add(done), buf.len - done) };
+    }
+    &[]
+}
+
+/// Copies SAN stream bytes into `bufs` after `done` bytes: `Ok(n)` (0 at end of stream).
+fn recv_into(
+    socket: &mut SanSocket,
+    bufs: &[RawBuf],
+    done: usize,
+    peek: bool,
+) -> Result<usize, c_int> {
+    if peek {
+        // A peek must see the stream from its start in every buffer: read once, scatter.
+        let want: usize = bufs.iter().map(|b| b.len).sum::<usize>() - done;
+        let mut staging = vec![0u8; want];
+        let n = socket.recv(&mut staging, true)?;
+        scatter(bufs, done, &staging[..n]);
+        return Ok(n);
+    }
+    let mut copied = 0;
+    for buf in remaining_iov(bufs, done) {
+        if buf.iov_base.is_null() {
+            break;
+        }
+        // SAFETY: the caller's buffer is writable for its length during the hook call.
+        let target =
+            unsafe { core::slice::from_raw_parts_mut(buf.iov_base.cast::<u8>(), buf.iov_len) };
+        match socket.recv(target, false) {
+            Ok(n) => {
+                copied += n;
+                if n < target.len() {
+                    break;
+                }
+            }
+            Err(code) if copied == 0 => return Err(code),
+            Err(_) => break,
+        }
+    }
+    Ok(copied)
+}
+
+fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
+    for buf in remaining_iov(bufs, done) {
+        if data.is_empty() || buf.iov_base.is_null() {
+            break;
+        }
+        let n = buf.iov_len.min(data.len());
+        // SAFETY: the caller's buffer is writable for its length; `n` ≤ both lengths.
+        unsafe { core::ptr::copy_nonoverlapping(data.as_ptr(), buf.iov_base.cast::<u8>(), n) };
+        data = &data[n..];
+    }
+}
+
+/// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking.
+fn recv_tcp(fd: c_int, bufs: &[RawBuf], done: usize, limit: u64, recv_flags: c_int) -> isize {
+    let mut iov = remaining_iov(bufs, done);
+    let mut left = usize::try_from(limit).unwrap_or(usize::MAX);
+    iov.retain_mut(|v| {
+        let keep = left > 0;
+        v.iov_len = v.iov_len.min(left);
+        left -= v.iov_len;
+        keep
+    });
+    // SAFETY: plain data, zero is valid.
+    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` describes the caller's buffers.
+    unsafe {
+        real::recvmsg(
+            fd,
+            &mut msg,
+            (recv_flags & !libc::MSG_WAITALL) | libc::MSG_DONTWAIT,
+        )
+    }
+}
+
+/// `recv`/`read`/`readv`/`recvmsg` on a SAN socket. `None`: not (or no longer) a SAN socket.
+pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
+    let result = recv_iov_inner(fd, index, bufs, recv_flags);
+    if tracing::enabled!(tracing::Level::TRACE) {
+        let first = bufs.first().filter(|b| !b.ptr.is_null());
+        let shown = match (result, first) {
+            (Some(n), Some(buf)) if n > 0 => {
+                // SAFETY: the first `n.min(len)` bytes of the caller's buffer were just written.
+                let bytes = unsafe {
+                    core::slice::from_raw_parts(buf.ptr, (n as usize).min(buf.len).min(24))
+                };
+                String::from_utf8_lossy(bytes).into_owned()
+            }
+            _ => String::new(),
+        };
+        tracing::trace!(
+            fd,
+            ?result,
+            errno = errno::get(),
+            recv_flags,
+            shown,
+            "SAN recv"
+        );
+    }
+    result
+}
+
+fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
+    if orphaned(index) {
+        return Some(fail(libc::ECONNRESET));
+    }
+    let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+    let peek = recv_flags & libc::MSG_PEEK != 0;
+    let wait_all = recv_flags & libc::MSG_WAITALL != 0 && !peek;
+    let nonblocking = recv_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
+    let deadline = (!nonblocking)
+        .then(|| timeout_of(fd, libc::SO_RCVTIMEO))
+        .flatten();
+    let mut done = 0usize;
+    let partial = |done: usize, code: c_int| if done > 0 { done as isize } else { fail(code) };
+    // Set when this call consumed the switch marker: the acceptor wrote it because it has
+    // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
+    // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
+    let mut handshake_deadline: Option<Instant> = None;
+    loop {
+        let mut slot = lock(index);
+        if let Err(code) = switch_if_attached(fd, index, &mut slot) {
+            return Some(partial(done, code));
+        }
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            return if done > 0 { Some(done as isize) } else { None };
+        };
+        let wait = if socket.phase == Phase::Pending {
+            // Is there a byte on TCP, and is the segment attached? (The exact rule.)
+            let mut byte = 0u8;
+            // SAFETY: one writable byte.
+            let n = unsafe {
+                real::recv(
+                    fd,
+                    (&mut byte as *mut u8).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 && errno::get() == libc::EAGAIN {
+                if nonblocking {
+                    return Some(fail(libc::EAGAIN));
+                }
+                socket.prepare_wait(libc::POLLIN)
+            } else if socket.peer_attached() {
+                if n == 1 {
+                    // The marker: consume it; the switch happens at the top of the loop.
+                    socket.consume_marker(fd);
+                    socket.marker_consumed();
+                    handshake_deadline = Instant::now().checked_add(HANDSHAKE_WAIT);
+                }
+                continue;
+            } else {
+                // A plain server's data, EOF or an error: this connection is plain TCP.
+                downgrade_pending(index, &mut slot);
+                return None;
+            }
+        } else {
+            socket.service();
+            if total == 0 {
+                return Some(0);
+            }
+            let backlog = socket.tcp_backlog();
+            let from_tcp = match backlog {
+                Some(0) => None,
+                Some(left) => Some(left),
+                None if socket.tcp_eof() => None,
+                None => Some(u64::MAX),
+            };
+            if let Some(limit) = from_tcp {
+                let n = recv_tcp(fd, bufs, done, limit, recv_flags);
+                if n > 0 {
+                    if !peek {
+                        socket.count_tcp_received(n as u64);
+                        if let Some(record) = registry().get(index) {
+                            record.count(Counter::TcpReceived, n as u64);
+                        }
+                        if socket.tcp_backlog() == Some(0) {
+                            // The client's TCP bytes are done: the mirror must now say exactly
+                            // whether the session has more (an edge-triggered reader that got
+                            // a short read waits for the next edge).
+                            socket.settle_readable();
+                        }
+                    }
+                    done += n as usize;
+                    if wait_all && done < total {
+                        continue;
+                    }
+                    return Some(done as isize);
+                }
+                if n == 0 {
+                    // TCP end-of-file: before the client's count is known it may still be
+                    // racing its Hello (sent before its FIN): look once more.
+                    socket.service();
+                    if socket.tcp_backlog().is_none() {
+                        socket.set_tcp_eof();
+                        return Some(done as isize);
+                    }
+                    if socket.tcp_backlog() != Some(0) {
+                        // The client died or broke the protocol before its bytes arrived.
+                        return Some(partial(done, libc::ECONNRESET));
+                    }
+                    continue;
+                }
+                let code = errno::get();
+                if code != libc::EAGAIN {
+                    return Some(partial(done, code));
+                }
+                if done > 0 && !wait_all {
+                    return Some(done as isize);
+                }
+                if nonblocking {
+                    return Some(partial(done, libc::EAGAIN));
+                }
+                // The client's Hello (SAN) or its pending bytes (TCP) will wake us.
+                socket.prepare_wait(libc::POLLIN)
+            } else {
+                match recv_into(socket, bufs, done, peek) {
+                    Ok(n) => {
+                        if n == 0 && total > 0 {
+                            tracing::debug!(fd, done, "SAN end of stream");
+                        }
+                        if n > 0 {
+                            socket.service();
+                            if !peek {
+                                socket.settle_readable();
+                            }
+                        }
+                        done += n;
+                        if n > 0 && wait_all && done < total {
+                            continue;
+                        }
+                        return Some(done as isize);
+                    }
+                    Err(libc::EAGAIN) => {
+                        if done > 0 && !wait_all {
+                            return Some(done as isize);
+                        }
+                        let in_handshake = handshake_deadline.is_some_and(|d| Instant::now() < d);
+                        if nonblocking && !in_handshake {
+                            if socket.lower_readable() {
+                                return Some(partial(done, libc::EAGAIN));
+                            }
+                            continue;
+                        }
+                        if in_handshake {
+                            // Bounded: give up with EAGAIN at the deadline.
+                            let wait = socket.prepare_wait(0);
+                            drop(slot);
+                            if block(index, fd, wait, handshake_deadline).is_err() {
+                                handshake_deadline = None;
+                            }
+                            continue;
+                        }
+                        socket.prepare_wait(0)
+                    }
+                    Err(code) => return Some(partial(done, code)),
+                }
+            }
+        };
+        drop(slot);
+        if let Err(code) = block(index, fd, wait, deadline) {
+            return Some(partial(done, code));
+        }
+    }
+}
+
+/// A pending client whose acceptor attached switches now (any hook may call this before
+/// acting on the socket). Errors break the connection, as in the data path.
+pub(super) fn switch_pending(fd: c_int, index: u32) {
+    if orphaned(index) {
+        return;
+    }
+    let mut slot = lock(index);
+    let _ = switch_if_attached(fd, index, &mut slot);
+}
+
+/// `shutdown()` on a SAN socket (the pending client's record flags carry it into the session
+/// at the switch).
+pub(super) fn shutdown(fd: c_int, index: u32, how: c_int) {
+    if orphaned(index) {
+        return;
+    }
+    switch_pending(fd, index);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        if socket.phase == Phase::Switched {
+            if how != libc::SHUT_RD {
+                socket.wake_pending_client(fd);
+            }
+            socket.shutdown(how);
+        }
+    }
+}
+
+/// `poll()`/`ppoll()` on a set containing SAN sockets: each switched SAN socket's entry is
+/// watched through its mirror `M` (the caller polls `fds` as rewritten, then calls
+/// [`poll_fds`] again with `restore` to put the application's fds back).
+///
+/// Returns the original fds of the rewritten entries (to restore), or an empty vector when
+/// nothing was rewritten.
+pub fn poll_fds(
+    fds: &mut [libc::pollfd],
+    restore: Option<&[(usize, c_int)]>,
+) -> Vec<(usize, c_int)> {
+    if let Some(saved) = restore {
+        for &(position, fd) in saved {
+            if let Some(entry) = fds.get_mut(position) {
+                entry.fd = fd;
+                correct_revents(entry);
+            }
+        }
+        return Vec::new();
+    }
+    let mut saved = Vec::new();
+    if LIVE.load(Ordering::Relaxed) == 0 {
+        return saved;
+    }
+    assist_all_in_process();
+    for (position, entry) in fds.iter_mut().enumerate() {
+        let Some(index) = super::san_index(crate::fdtable::table().lookup(entry.fd)) else {
+            continue;
+        };
+        if orphaned(index) {
+            continue;
+        }
+        switch_pending(entry.fd, index);
+        let mirror = match lock(index).as_mut() {
+            Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {
+                socket.watched = true;
+                socket.mirror_fd()
+            }
+            _ => None,
+        };
+        if let Some(mirror) = mirror {
+            saved.push((position, entry.fd));
+            entry.fd = mirror;
+        }
+    }
+    saved
+}
+
+/// Makes a SAN entry's `revents` (as the mirror reported them) agree with the session: a
+/// spurious IN (a token for a handshake or a credit, no data) is lowered and dropped; ERR and
+/// RDHUP, which the mirror cannot show, are added from the session's state.
+fn correct_revents(entry: &mut libc::pollfd) {
+    let Some(index) = super::san_index(crate::fdtable::table().lookup(entry.fd)) else {
+        return;
+    };
+    let mut slot = lock(index);
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return;
+    };
+    socket.service();
+    let readiness = socket.readiness();
+    if entry.revents & libc::POLLIN != 0
+        && !readiness.readable
+        && !socket.tcp_bytes_pending()
+        && socket.lower_readable()
+    {
+        entry.revents &= !libc::POLLIN;
+    }
+    if readiness.error {
+        entry.revents |= libc::POLLERR;
+    }
+    if readiness.read_hup && entry.events & libc::POLLRDHUP != 0 {
+        entry.revents |= libc::POLLRDHUP;
+    }
+}
+
+/// After `epoll_wait` returned `events` for `epfd`: a SAN socket reported readable only
+/// because of a handshake or credit token (no data, no FIN) has its mirror lowered and the
+/// IN bit dropped, as [`correct_revents`] does for `poll`; events left empty are removed.
+/// Returns the new count. A level-triggered reader then never sees readiness without data
+/// (strict clients such as wrk treat that `EAGAIN` as an error).
+pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> usize {
+    if LIVE.load(Ordering::Relaxed) == 0 {
+        return events.len();
+    }
+    let mut kept = 0;
+    for position in 0..events.len() {
+        let mut event = events[position];
+        if event.events & libc::EPOLLIN as u32 != 0 {
+            let data = event.u64;
+            let mut found = None;
+            registry().for_each_live(|index, record| {
+                if found.is_none()
+                    && record.flags() & flags::SAN != 0
+                    && record
+                        .epoll_registrations()
+                        .any(|(e, _, d)| e == epfd && d == data)
+                {
+                    found = Some(index);
+                }
+            });
+            if let Some(index) = found.filter(|&index| !orphaned(index)) {
+                // A pending client is watched on its TCP socket: the kernel's report stands.
+                if let Some(SanObject::Socket(socket)) = lock(index)
+                    .as_mut()
+                    .filter(|o| matches!(o, SanObject::Socket(s) if s.phase == Phase::Switched))
+                {
+                    socket.service();
+                    let readiness = socket.readiness();
+                    if !readiness.readable && !socket.tcp_bytes_pending() && socket.lower_readable()
+                    {
+                        event.events &= !(libc::EPOLLIN as u32);
+                    }
+                    if readiness.error {
+                        event.events |= libc::EPOLLERR as u32;
+                    }
+                }
+            }
+        }
+        if event.events != 0 {
+            events[kept] = event;
+            kept += 1;
+        }
+    }
+    kept
+}
+
+/// FIONREAD on a SAN socket; `None` when the kernel's answer is the right one (pending).
+pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
+    if orphaned(index) {
+        return None;
+    }
+    switch_pending(fd, index);
+    // Both ends in this thread: let the other end deliver what it has queued.
+    assist_in_process_peer(index);
+    let mut slot = lock(index);
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return None;
+    };
+    if socket.phase != Phase::Switched {
+        return None;
+    }
+    socket.service();
+    let mut tcp_queued: c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    unsafe {
+        real::ioctl(
+            fd,
+            libc::FIONREAD as _,
+            (&mut tcp_queued as *mut c_int) as usize,
+        )
+    };
+    let bytes = socket.readable_bytes(usize::try_from(tcp_queued).unwrap_or(0));
+    Some(c_int::try_from(bytes).unwrap_or(c_int::MAX))
+}
+
+/// `select()`/`pselect()` over a set containing SAN sockets, carried out as `ppoll()` so the
+/// mirrors can stand in for them. `None`: no SAN socket in the sets, make the real call.
+///
+/// # Safety
+/// The sets must be null or valid `fd_set`s; `timeout` and `sigmask` null or valid.
+pub unsafe fn select_via_poll(
+    nfds: c_int,
+    readfds: *mut libc::fd_set,
+    writefds: *mut libc::fd_set,
+    exceptfds: *mut libc::fd_set,
+    timeout: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> Option<c_int> {
+    if LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
+        return None;
+    }
+    // SAFETY: per the contract, each set is null or valid.
+    let is_set =
+        |set: *mut libc::fd_set, fd: c_int| !set.is_null() && unsafe { libc::FD_ISSET(fd, set) };
+    let mut pollfds = Vec::new();
+    let mut any_san = false;
+    for fd in 0..nfds {
+        let mut events = 0;
+        if is_set(readfds, fd) {
+            events |= libc::POLLIN;
+        }
+        if is_set(writefds, fd) {
+            events |= libc::POLLOUT;
+        }
+        if is_set(exceptfds, fd) {
+            events |= libc::POLLPRI;
+        }
+        if events != 0 {
+            any_san |= super::san_index(crate::fdtable::table().lookup(fd)).is_some();
+            pollfds.push(libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            });
+        }
+    }
+    if !any_san {
+        return None;
+    }
+    let saved = poll_fds(&mut pollfds, None);
+    // SAFETY: valid pollfds; timeout and sigmask per the contract.
+    let rc = unsafe {
+        real::ppoll(
+            pollfds.as_mut_ptr(),
+            pollfds.len() as libc::nfds_t,
+            timeout,
+            sigmask,
+        )
+    };
+    let error = errno::get();
+    poll_fds(&mut pollfds, Some(&saved));
+    if rc < 0 {
+        errno::set(error);
+        return Some(rc);
+    }
+    if pollfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
+        errno::set(libc::EBADF);
+        return Some(-1);
+    }
+    let mut count = 0;
+    for set in [readfds, writefds, exceptfds] {
+        if !set.is_null() {
+            // SAFETY: a valid set per the contract.
+            unsafe { libc::FD_ZERO(set) };
+        }
+    }
+    for p in &pollfds {
+        let mark = |set: *mut libc::fd_set, wanted: bool, count: &mut c_int| {
+            if wanted && !set.is_null() {
+                // SAFETY: a valid set; `p.fd < nfds ≤ FD_SETSIZE`.
+                unsafe { libc::FD_SET(p.fd, set) };
+                *count += 1;
+            }
+        };
+        let readable = p.events & libc::POLLIN != 0
+            && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        let writable =
+            p.events & libc::POLLOUT != 0 && p.revents & (libc::POLLOUT | libc::POLLERR) != 0;
+        let exceptional = p.events & libc::POLLPRI != 0 && p.revents & libc::POLLPRI != 0;
+        mark(readfds, readable, &mut count);
+        mark(writefds, writable, &mut count);
+        mark(exceptfds, exceptional, &mut count);
+    }
+    Some(count)
+}
