@@ -12,6 +12,13 @@
 //! Costs: a revoke/expose is one registration (no data copy), and the pinned-page
 //! accounting briefly counts the range twice.
 //!
+//! ## Memory changes
+//! Every range is handed to the process-wide memory-change monitor ([`crate::monitor`]) before
+//! it is pinned. The changes it reports are collected by [`VerbsDomain::take_memory_changes`],
+//! whose caller (the registration cache's driver) invalidates each returned range in the
+//! cache; meanwhile a registration overlapping a reported change is never used for a local
+//! operation: posting with it completes with a local protection error.
+//!
 //! Revoked and deregistered rkeys go to a bounded quarantine; a new region whose rkey is
 //! still quarantined is replaced, so a peer holding a stale descriptor never reaches a new
 //! registration through a recycled key.
@@ -25,6 +32,9 @@ use san_api::{
 };
 
 use crate::device::Device;
+use crate::monitor::{
+    Coverage, EventCounts, MemoryChanges, Monitor, MonitorUnavailable, SubscriberId,
+};
 use crate::mr::MemoryRegion;
 use crate::pd::ProtectionDomain;
 use crate::SetupError;
@@ -46,12 +56,17 @@ pub(crate) struct DomainShared {
     // Field order is drop order: every region is deregistered before the PD is freed.
     table: Mutex<RegistrationTable>,
     pub(crate) pd: ProtectionDomain,
+    monitor: Result<(&'static Monitor, SubscriberId), MonitorUnavailable>,
 }
 
 struct Entry {
     range: MemRange,
     access: Access,
     region: MemoryRegion,
+    /// The monitor reports changes to this range's mapping.
+    watched: bool,
+    /// A change to the mapping was collected: never used again, only deregistered.
+    stale: bool,
 }
 
 #[derive(Default)]
@@ -90,12 +105,60 @@ impl VerbsDomain {
 
     fn on_device(device: Device) -> Result<Self, SetupError> {
         let pd = ProtectionDomain::allocate(device)?;
+        let monitor = Monitor::get().map(|monitor| (monitor, monitor.subscribe()));
         Ok(Self {
             shared: Arc::new(DomainShared {
                 table: Mutex::new(RegistrationTable::default()),
                 pd,
+                monitor,
             }),
         })
+    }
+
+    /// Collects the mapping changes under this domain's registrations since the last call:
+    /// munmap, mremap, madvise(DONTNEED/FREE), brk shrinking, glibc's internal unmaps. Every
+    /// change made before this call started is included. Registrations overlapping them are
+    /// marked stale here (refused for local operations from now on).
+    ///
+    /// The caller must pass each range to `MrCache::invalidate` **before its next
+    /// `MrCache::get`**; that is what keeps a cache hit from naming pages that are no longer
+    /// mapped at the address. Cost when nothing changed: two uncontended mutex locks.
+    pub fn take_memory_changes(&self) -> MemoryChanges {
+        let Ok((monitor, id)) = self.shared.monitor else {
+            return MemoryChanges::default();
+        };
+        // The table lock is held across the take, so that no `resolve` can fall between a
+        // change leaving the pending queue and its registrations being marked stale.
+        // Lock order everywhere: table, then monitor (the service thread takes only the latter).
+        let mut table = self.shared.lock();
+        let changes = monitor.take(id);
+        if !changes.is_empty() {
+            for entry in table.entries.values_mut() {
+                if changes.ranges().iter().any(|r| r.overlaps(&entry.range)) {
+                    entry.stale = true;
+                }
+            }
+        }
+        drop(table);
+        changes
+    }
+
+    /// The memory-change monitor's event counts, or why it is not running (then no
+    /// registration is watched and the cache must not keep registrations past their use).
+    ///
+    /// # Errors
+    /// [`MonitorUnavailable`] if userfaultfd could not be set up in this process.
+    pub fn memory_monitor(&self) -> Result<EventCounts, MonitorUnavailable> {
+        self.shared
+            .monitor
+            .map(|(monitor, _)| monitor.event_counts())
+    }
+
+    /// Whether changes to the mapping under the registration `lkey` are reported (`None` for
+    /// an unknown key). An unwatched registration (file-backed or shared memory, or no
+    /// monitor) must be invalidated by the caller once its transfer is done, not cached.
+    pub fn is_watched(&self, lkey: LocalKey) -> Option<bool> {
+        self.shared.lock().entries.get(&lkey.0).map(|e| e.watched)
     }
 
     /// The device name (e.g. `rxe0`).
@@ -123,13 +186,30 @@ impl DomainShared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The registration behind a provider `LocalKey`, if live.
+    /// The registration behind a provider `LocalKey`, if live and its mapping unchanged
+    /// (neither collected as stale nor overlapping a change not yet collected).
     pub(crate) fn resolve(&self, lkey: LocalKey) -> Option<ResolvedKey> {
-        self.lock().entries.get(&lkey.0).map(|entry| ResolvedKey {
+        // Table lock held across the pending check (see `take_memory_changes`).
+        let table = self.lock();
+        let entry = table.entries.get(&lkey.0).filter(|entry| !entry.stale)?;
+        if let Ok((monitor, id)) = self.monitor {
+            if monitor.overlaps_pending(id, &entry.range) {
+                return None;
+            }
+        }
+        Some(ResolvedKey {
             range: entry.range,
             access: entry.access,
             hardware_lkey: entry.region.lkey(),
         })
+    }
+
+    /// Hands `range` to the monitor (before pinning it, so no change can slip in between).
+    fn watch(&self, range: MemRange) -> bool {
+        match self.monitor {
+            Ok((monitor, _)) => monitor.watch(range) == Coverage::Watched,
+            Err(_) => false,
+        }
     }
 
     /// Registers `range`; remote rights get an rkey outside the quarantine.
@@ -153,6 +233,14 @@ impl DomainShared {
             colliding.push(region);
         }
         Err(RegisterError::OutOfResources)
+    }
+}
+
+impl Drop for DomainShared {
+    fn drop(&mut self) {
+        if let Ok((monitor, id)) = self.monitor {
+            monitor.unsubscribe(id);
+        }
     }
 }
 
@@ -201,6 +289,7 @@ impl SanDomain for VerbsDomain {
 
     fn register(&mut self, range: MemRange, access: Access) -> Result<Registration, RegisterError> {
         validate(range, access, &self.shared.pd.device)?;
+        let watched = self.shared.watch(range);
         let mut table = self.shared.lock();
         let region = self.shared.register_region(&table, range, access)?;
         let handle = table.new_handle().ok_or(RegisterError::OutOfResources)?;
@@ -211,6 +300,8 @@ impl SanDomain for VerbsDomain {
                 range,
                 access,
                 region,
+                watched,
+                stale: false,
             },
         );
         Ok(Registration {
@@ -236,8 +327,10 @@ impl SanDomain for VerbsDomain {
 
     fn revoke_remote(&mut self, lkey: LocalKey) -> Result<(), RegisterError> {
         let mut table = self.shared.lock();
-        let (range, access) = match table.entries.get(&lkey.0) {
-            Some(entry) if entry.access.is_remote() => (entry.range, entry.access),
+        let (range, access, watched, stale) = match table.entries.get(&lkey.0) {
+            Some(entry) if entry.access.is_remote() => {
+                (entry.range, entry.access, entry.watched, entry.stale)
+            }
             Some(_) => return Ok(()),
             None => return Err(RegisterError::UnknownKey),
         };
@@ -251,6 +344,8 @@ impl SanDomain for VerbsDomain {
                 range,
                 access: local_only,
                 region,
+                watched,
+                stale,
             },
         );
         if let Some(old) = old {
@@ -268,8 +363,9 @@ impl SanDomain for VerbsDomain {
             return Err(RegisterError::Unsupported);
         }
         let mut table = self.shared.lock();
-        let (range, current) = match table.entries.get(&lkey.0) {
-            Some(entry) => (entry.range, entry.access),
+        let (range, current, watched) = match table.entries.get(&lkey.0) {
+            Some(entry) if entry.stale => return Err(RegisterError::BadAddress),
+            Some(entry) => (entry.range, entry.access, entry.watched),
             None => return Err(RegisterError::UnknownKey),
         };
         let wanted =
@@ -282,6 +378,8 @@ impl SanDomain for VerbsDomain {
                 range,
                 access: wanted,
                 region,
+                watched,
+                stale: false,
             },
         );
         if let Some(old) = old.filter(|old| old.access.is_remote()) {

@@ -14,7 +14,7 @@ use san_api::{
 };
 use san_verbs_loader::abi::{
     self, status, AbiCapabilities, AbiCompletion, AbiConnectParams, AbiConnection, AbiDomain,
-    AbiListener, AbiLocalSegment, AbiRegistration, AbiRemote, AbiRequest, AbiSlotConfig,
+    AbiListener, AbiLocalSegment, AbiRange, AbiRegistration, AbiRemote, AbiRequest, AbiSlotConfig,
     AbiSockAddr, VerbsVtable,
 };
 use san_verbs_loader::{convert, ConnectParams, SetupError};
@@ -50,6 +50,8 @@ static VTABLE: VerbsVtable = VerbsVtable {
     connection_wait,
     connection_arm,
     connection_fd,
+    domain_take_memory_changes,
+    domain_is_watched,
 };
 
 /// The library's only exported symbol: the vtable of ABI version 1.
@@ -218,6 +220,62 @@ unsafe extern "C" fn domain_deregister(domain: *mut AbiDomain, lkey: u32) -> i32
             .deregister(LocalKey(lkey))
             .err()
             .map_or(status::OK, convert::register_error_to_status)
+    })
+}
+
+unsafe extern "C" fn domain_take_memory_changes(
+    domain: *mut AbiDomain,
+    out: *mut AbiRange,
+    cap: usize,
+    count: *mut usize,
+) -> i32 {
+    guard(|| {
+        // SAFETY: caller contract.
+        let Some(domain) = (unsafe { handle::<VerbsDomain, _>(domain) }) else {
+            return status::INVALID_ARGUMENT;
+        };
+        if count.is_null() || (out.is_null() && cap > 0) {
+            return status::INVALID_ARGUMENT;
+        }
+        if domain.memory_monitor().is_err() {
+            // SAFETY: checked non-null; the caller provides a writable slot.
+            unsafe { count.write(0) };
+            return status::NO_MONITOR;
+        }
+        let changes = domain.take_memory_changes();
+        let everything = [crate::MemoryChanges::EVERYTHING];
+        let ranges = match changes.ranges() {
+            ranges if ranges.len() <= cap => ranges,
+            _ if cap > 0 => &everything[..],
+            // Nowhere to report a change: the caller asked for nothing, but losing a
+            // change would be wrong, so refuse.
+            _ => return status::INVALID_ARGUMENT,
+        };
+        for (i, range) in ranges.iter().enumerate() {
+            // SAFETY: `i < ranges.len() <= cap`, and `out` holds `cap` writable slots.
+            unsafe {
+                out.add(i).write(AbiRange {
+                    addr: range.addr,
+                    len: range.len,
+                })
+            };
+        }
+        // SAFETY: checked non-null; the caller provides a writable slot.
+        unsafe { count.write(ranges.len()) };
+        status::OK
+    })
+}
+
+unsafe extern "C" fn domain_is_watched(domain: *const AbiDomain, lkey: u32) -> i32 {
+    guard(|| {
+        // SAFETY: caller contract.
+        let Some(domain) = (unsafe { handle::<VerbsDomain, _>(domain.cast_mut()) }) else {
+            return -1;
+        };
+        match domain.is_watched(LocalKey(lkey)) {
+            Some(watched) => i32::from(watched),
+            None => -1,
+        }
     })
 }
 

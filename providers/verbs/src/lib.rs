@@ -36,6 +36,7 @@ mod device;
 mod domain;
 pub mod ffi;
 mod listener;
+pub mod monitor;
 mod mr;
 mod pd;
 mod qp;
@@ -45,6 +46,7 @@ mod slots;
 pub use connection::{VerbsConnection, WaitOutcome};
 pub use domain::VerbsDomain;
 pub use listener::{IncomingRequest, VerbsListener};
+pub use monitor::{EventCounts, MemoryChanges, MonitorUnavailable};
 pub use san_verbs_loader::{ConnectParams, ConnectorConfig, SetupError};
 pub use setup::{VerbsConnecting, VerbsConnector};
 

@@ -5,6 +5,8 @@
 //! (`--test-threads=1`): the soft drivers are not built for many concurrent QPs.
 
 mod common;
+#[path = "device/invalidation.rs"]
+mod invalidation;
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;

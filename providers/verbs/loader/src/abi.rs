@@ -49,6 +49,8 @@ pub mod status {
     pub const INTERNAL: i32 = 8;
     /// A completion-channel wait or poll gave nothing before its timeout (not an error).
     pub const WOULD_BLOCK: i32 = 9;
+    /// The memory-change monitor is not running (no userfaultfd in this process).
+    pub const NO_MONITOR: i32 = 10;
 
     /// [`san_api::RegisterError::OutOfResources`].
     pub const REGISTER_OUT_OF_RESOURCES: i32 = 20;
@@ -443,4 +445,30 @@ pub struct VerbsVtable {
     /// A pollable fd, readable when the armed completion channel fired or a connection
     /// event (disconnect) arrived.
     pub connection_fd: unsafe extern "C" fn(conn: *const AbiConnection) -> c_int,
+    // ---- Appended (registration-cache invalidation); older loaders ignore them. ----
+    /// Collects the mapping changes under the domain's registrations since the last call
+    /// (`VerbsDomain::take_memory_changes`): writes up to `cap` ranges to `out` and their
+    /// number to `count`. More changes than `cap` are written as one range covering the
+    /// whole address space (`addr` 0, `len` `u64::MAX`). Returns [`status::NO_MONITOR`] (and
+    /// no ranges) when the memory-change monitor is not running in this process.
+    pub domain_take_memory_changes: unsafe extern "C" fn(
+        domain: *mut AbiDomain,
+        out: *mut AbiRange,
+        cap: usize,
+        count: *mut usize,
+    ) -> i32,
+    /// 1 if changes to the mapping under the registration `lkey` are reported, 0 if not (the
+    /// caller must then not keep it cached past its transfer), a negative value for an
+    /// unknown key.
+    pub domain_is_watched: unsafe extern "C" fn(domain: *const AbiDomain, lkey: u32) -> i32,
+}
+
+/// A byte range (`san_api::MemRange`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AbiRange {
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
 }

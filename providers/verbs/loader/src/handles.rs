@@ -17,7 +17,7 @@ use san_api::{
 
 use crate::abi::{
     self, AbiCapabilities, AbiCompletion, AbiConnection, AbiDomain, AbiListener, AbiLocalSegment,
-    AbiRegistration, AbiRemote, AbiRequest, AbiSockAddr,
+    AbiRange, AbiRegistration, AbiRemote, AbiRequest, AbiSockAddr,
 };
 use crate::{convert, ConnectParams, Library, SetupError};
 
@@ -50,6 +50,47 @@ impl LoadedDomain {
         };
         SetupError::check(status)?;
         Ok(domain)
+    }
+
+    /// Collects the mapping changes under this domain's registrations since the last call;
+    /// pass each to `MrCache::invalidate` before the next `MrCache::get`. A single range
+    /// covering the whole address space means "more changed than was queued".
+    ///
+    /// # Errors
+    /// [`SetupError::Internal`] if the memory-change monitor is not running (then nothing
+    /// may be cached past its transfer) or the library failed.
+    pub fn take_memory_changes(&mut self) -> Result<Vec<MemRange>, SetupError> {
+        const BATCH: usize = 64;
+        let mut ranges = [AbiRange::default(); BATCH];
+        let mut count = 0usize;
+        // SAFETY: live domain handle; `ranges` holds `BATCH` writable slots, `count` is a
+        // valid out slot.
+        let status = unsafe {
+            (self.library.vtable.domain_take_memory_changes)(
+                self.raw,
+                ranges.as_mut_ptr(),
+                BATCH,
+                &mut count,
+            )
+        };
+        if status != crate::abi::status::OK {
+            return Err(SetupError::Internal);
+        }
+        Ok(ranges[..count.min(BATCH)]
+            .iter()
+            .map(|r| MemRange::new(r.addr, r.len))
+            .collect())
+    }
+
+    /// Whether changes to the mapping under the registration `lkey` are reported (`None`
+    /// for an unknown key).
+    pub fn is_watched(&self, lkey: LocalKey) -> Option<bool> {
+        // SAFETY: live domain handle.
+        match unsafe { (self.library.vtable.domain_is_watched)(self.raw, lkey.0) } {
+            1 => Some(true),
+            0 => Some(false),
+            _ => None,
+        }
     }
 
     /// Binds a listener on `addr` (port 0: any free port).

@@ -141,18 +141,17 @@ pub fn decode_descriptor(bytes: &[u8]) -> san_api::RemoteDescriptor {
     }
 }
 
-/// `libsandirect_verbs.so` as cargo built it next to this test binary's `deps/`.
+/// `libsandirect_verbs.so` as cargo built it with this test binary: `deps/` holds the copy
+/// built together with the tests (the profile directory's copy is refreshed only by a
+/// `cargo build` of the package and may be older).
 pub fn built_library() -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(std::path::Path::parent)
-        .expect("target profile dir");
-    let lib = dir.join("libsandirect_verbs.so");
-    assert!(
-        lib.exists(),
-        "cargo builds the cdylib with the tests: {}",
-        lib.display()
-    );
+    let deps = exe.parent().expect("deps dir");
+    let profile = deps.parent().expect("target profile dir");
+    let lib = [deps, profile]
+        .iter()
+        .map(|dir| dir.join("libsandirect_verbs.so"))
+        .find(|lib| lib.exists())
+        .expect("cargo builds the cdylib with the tests");
     lib
 }
