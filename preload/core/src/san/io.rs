@@ -851,7 +851,7 @@ fn correct_revents(entry: &mut libc::pollfd) {
 
 /// After `epoll_wait` returned `events` for `epfd`: a SAN socket reported readable only
 /// because of a handshake or credit token (no data, no FIN) has its mirror lowered and the
-/// IN bit dropped, as [`correct_revents`] does for `poll`; events left empty are removed.
+/// IN bit dropped, as `correct_revents` does for `poll`; events left empty are removed.
 /// Returns the new count. A level-triggered reader then never sees readiness without data
 /// (strict clients such as wrk treat that `EAGAIN` as an error).
 pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> usize {

@@ -30,7 +30,7 @@
 //!
 //! # Locking
 //! Per-socket state lives in a heap object reached through the socket record's index
-//! ([`slot`]): one mutex per socket, never a global lock on the data path, and never held
+//! (`slot`): one mutex per socket, never a global lock on the data path, and never held
 //! while blocking in the kernel (the blocking loops release it around `poll()`). Threads
 //! blocked on one socket share an eventfd that a thread making progress rings.
 //!
