@@ -22,6 +22,7 @@ stage() {
 stage "format" cargo fmt --all -- --check
 stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
 stage "dependency direction" bash scripts/check-deps.sh
+stage "docs" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 # The cdylibs (libsandirect.so, libsandirect_verbs.so) are what several tests load: build them
 # first, as a user would.
 stage "build" cargo build --workspace
@@ -32,5 +33,4 @@ fi
 # The verbs provider's device tests need an RDMA device: they run inside a nested QEMU guest
 # with soft-RoCE (rxe) and then soft-iWARP (siw), which the harness sets up by itself.
 stage "verbs over rxe and siw (nested VM)" bash integration/softroce/test-verbs.sh rxe siw
-stage "docs" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "=== all stages passed"

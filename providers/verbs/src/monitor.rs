@@ -21,7 +21,7 @@
 //! read** (`userfaultfd_event_wait_completion`), and the service thread here reads events
 //! only while holding the state lock and queues every changed range before releasing it.
 //! Hence: once munmap/mremap/madvise/brk has returned, any thread that takes the lock (every
-//! [`Monitor::take`] and [`Monitor::overlaps_pending`]) sees the change. No window.
+//! `Monitor::take` and `Monitor::overlaps_pending`) sees the change. No window.
 //!
 //! Write-protect mode is chosen because the monitor never write-protects a page: no fault is
 //! ever delivered, so application threads never block on us for a fault (MISSING mode would
