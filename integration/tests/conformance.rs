@@ -3,36 +3,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 
-use integration::profile_dir;
-
-/// Builds `libsandirect.so` once (same profile as this test) and returns its path.
+/// `libsandirect.so`, built once per test run (same profile as this test).
 fn library() -> &'static Path {
-    static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
-    LIBRARY.get_or_init(|| {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-        let mut build = Command::new(env!("CARGO"));
-        build
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "sandirect-preload",
-                "--manifest-path",
-            ])
-            .arg(&manifest);
-        if !cfg!(debug_assertions) {
-            build.arg("--release");
-        }
-        let status = build
-            .status()
-            .expect("run cargo build -p sandirect-preload");
-        assert!(status.success(), "building libsandirect.so failed");
-        let path = profile_dir().join("libsandirect.so");
-        assert!(path.is_file(), "{} missing after the build", path.display());
-        path
-    })
+    &integration::apps::products().library
 }
 
 /// A private stats directory per test, so tests do not see each other's processes.
