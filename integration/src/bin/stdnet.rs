@@ -42,7 +42,9 @@ fn main() -> std::io::Result<()> {
         Some(connections) => {
             let connected: Vec<_> = connections
                 .iter()
-                .filter(|c| c.state == SocketState::ConnectedTcp)
+                // Connections that switched to the SAN are published as `San`; they are
+                // connected sockets all the same (their pre-switch TCP bytes are counted).
+                .filter(|c| matches!(c.state, SocketState::ConnectedTcp | SocketState::San))
                 .collect();
             let sent: u64 = connected.iter().map(|c| c.counter(Counter::TcpSent)).sum();
             let received: u64 = connected

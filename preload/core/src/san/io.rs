@@ -9,12 +9,13 @@ use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::socket::{Phase, SanSocket, WaitFds};
+use super::socket::{Phase, SanSocket, SinkRefused, WaitFds, REMOTE_SEGMENT_AHEAD};
 use super::{lock, orphaned, SanObject, COUNTERS, LIVE};
 use crate::discovery::canonical_addr;
 use crate::record::{flags, Bypass, Counter};
 use crate::registry::registry;
 use crate::{errno, real};
+use switch::session::SendTicket;
 
 /// Longest single sleep: bounds how long a missed wake-up (or a peer death the mirror did not
 /// show) can go unnoticed. Odd on purpose (see `ops::SAN_WAIT_SLICE_MS`).
@@ -364,6 +365,8 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
         .flatten();
     let urgent = send_flags & libc::MSG_OOB != 0;
     let mut done = 0usize;
+    // Set when the receiver turned a rendezvous of this call down: the rest goes inline.
+    let mut inline_only = false;
     loop {
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
@@ -407,6 +410,39 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                 return Some(0);
             }
             socket.wake_pending_client(fd);
+            if !nonblocking && !urgent && !inline_only && socket.wants_rendezvous(piece.len()) {
+                match socket.start_send_rendezvous(piece) {
+                    Ok(ticket) => {
+                        drop(slot);
+                        match wait_send_rendezvous(index, fd, ticket) {
+                            Ok(0) => {
+                                // The receiver could not take it zero-copy and nothing was
+                                // consumed: this call sends the rest inline.
+                                inline_only = true;
+                                continue;
+                            }
+                            Ok(n) => {
+                                done += n;
+                                if n < piece.len() || done >= total {
+                                    return Some(done as isize);
+                                }
+                                continue;
+                            }
+                            Err(code) => return Some(send_failed(done, code, send_flags)),
+                        }
+                    }
+                    // Another thread's rendezvous is in progress: wait for it to end.
+                    Err(libc::EAGAIN) => {
+                        let wait = socket.prepare_wait(0);
+                        drop(slot);
+                        if let Err(code) = block(index, fd, wait, deadline) {
+                            return Some(if done > 0 { done as isize } else { fail(code) });
+                        }
+                        continue;
+                    }
+                    Err(code) => return Some(send_failed(done, code, send_flags)),
+                }
+            }
             match socket.send(piece, urgent) {
                 Ok(n) => {
                     socket.service();
@@ -428,16 +464,7 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                     }
                     socket.prepare_wait(0)
                 }
-                Err(code) => {
-                    if done > 0 {
-                        return Some(done as isize);
-                    }
-                    if code == libc::EPIPE && send_flags & libc::MSG_NOSIGNAL == 0 {
-                        // SAFETY: raising SIGPIPE, as the kernel does for a broken stream.
-                        unsafe { libc::raise(libc::SIGPIPE) };
-                    }
-                    return Some(fail(code));
-                }
+                Err(code) => return Some(send_failed(done, code, send_flags)),
             }
         };
         drop(slot);
@@ -445,6 +472,108 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
             return Some(if done > 0 { done as isize } else { fail(code) });
         }
     }
+}
+
+/// A send failed with `code` after `done` bytes: the count if any, else the error (and
+/// SIGPIPE for a broken stream unless `MSG_NOSIGNAL`, as the kernel does).
+fn send_failed(done: usize, code: c_int, send_flags: c_int) -> isize {
+    if done > 0 {
+        return done as isize;
+    }
+    if code == libc::EPIPE && send_flags & libc::MSG_NOSIGNAL == 0 {
+        // SAFETY: raising SIGPIPE, as the kernel does for a broken stream.
+        unsafe { libc::raise(libc::SIGPIPE) };
+    }
+    fail(code)
+}
+
+/// Waits (lock released while sleeping) until rendezvous send `ticket` completes: the bytes
+/// it delivered, or the errno. Neither signals nor `SO_SNDTIMEO` end the wait: until the
+/// session reports completion the peer may still be reading the application's buffer.
+fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usize, c_int> {
+    loop {
+        let wait = {
+            let mut slot = lock(index);
+            let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+                // Closed by another thread (its close drove the transfer to an end).
+                return Err(libc::EBADF);
+            };
+            socket.service();
+            if let Some(result) = socket.take_send_completion(ticket) {
+                return result;
+            }
+            socket.prepare_wait(0)
+        };
+        let _ = block(index, fd, wait, None);
+    }
+}
+
+/// The rendezvous segment at the head of the stream, zero-copy into the caller's buffers
+/// after `done` bytes (the first remaining buffer; with `peek`, a staging buffer of the whole
+/// remaining length, scattered). `Ok(Some(n))`: `n` bytes received; `Ok(None)`: nothing
+/// yet, read on (the segment was turned down, or another thread is receiving it).
+/// Like a rendezvous send, the wait ignores signals and deadlines (the buffer is in use).
+fn recv_rendezvous(
+    index: u32,
+    fd: c_int,
+    bufs: &[RawBuf],
+    done: usize,
+    peek: bool,
+) -> Result<Option<usize>, c_int> {
+    let mut staging = Vec::new();
+    let target: &mut [u8] = if peek {
+        let want: usize = bufs.iter().map(|b| b.len).sum::<usize>() - done;
+        staging.resize(want, 0u8);
+        &mut staging
+    } else {
+        let Some(first) = remaining_iov(bufs, done).into_iter().next() else {
+            return Ok(Some(0));
+        };
+        if first.iov_base.is_null() {
+            return Err(libc::EFAULT);
+        }
+        // SAFETY: the caller's buffer is writable for its length during the hook call, which
+        // does not return before the receive into it completed.
+        unsafe { core::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) }
+    };
+    let ticket = {
+        let mut slot = lock(index);
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            return Err(libc::EBADF);
+        };
+        match socket.start_recv_rendezvous(target, peek) {
+            Ok(ticket) => ticket,
+            Err(SinkRefused::Rejected) => return Ok(None),
+            Err(SinkRefused::Errno(libc::EAGAIN)) => {
+                let wait = socket.prepare_wait(0);
+                drop(slot);
+                block(index, fd, wait, None)?;
+                return Ok(None);
+            }
+            Err(SinkRefused::Errno(code)) => return Err(code),
+        }
+    };
+    let received = loop {
+        let wait = {
+            let mut slot = lock(index);
+            let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+                return Err(libc::EBADF);
+            };
+            socket.service();
+            if let Some(result) = socket.take_recv_completion(ticket, peek) {
+                if !peek {
+                    socket.settle_readable();
+                }
+                break result?;
+            }
+            socket.prepare_wait(0)
+        };
+        let _ = block(index, fd, wait, None);
+    };
+    if peek {
+        scatter(bufs, done, &staging[..received.min(staging.len())]);
+    }
+    Ok(Some(received))
 }
 
 /// The part of `bufs` after the first `done` bytes, as iovecs.
@@ -735,6 +864,20 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                             continue;
                         }
                         socket.prepare_wait(0)
+                    }
+                    Err(REMOTE_SEGMENT_AHEAD) => {
+                        drop(slot);
+                        match recv_rendezvous(index, fd, bufs, done, peek) {
+                            Ok(None) => continue,
+                            Ok(Some(n)) => {
+                                done += n;
+                                if n > 0 && wait_all && done < total {
+                                    continue;
+                                }
+                                return Some(done as isize);
+                            }
+                            Err(code) => return Some(partial(done, code)),
+                        }
                     }
                     Err(code) => return Some(partial(done, code)),
                 }

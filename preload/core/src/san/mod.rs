@@ -46,13 +46,32 @@
 //! * exec: a SAN socket inherited across `exec` does not work in the new image (the TCP anchor
 //!   carries no application bytes after the switch). Programs that hand connected sockets to
 //!   an exec'd program must run without `SANDIRECT_SAN`.
-//! * Large sends use inline messages (the rendezvous path is not wired in yet);
-//!   `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
+//! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
+//!
+//! # Rendezvous (large zero-copy sends)
+//! A *blocking* send of at least the negotiated threshold (64 KiB; `SANDIRECT_SAN_RENDEZVOUS=0`
+//! turns it off) registers the application's buffer through the process-wide registration
+//! cache ([`registrations`]) and moves it by the session's rendezvous: in READ mode the peer
+//! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
+//! through the segment's window into the sink the peer advertised. The call returns when the
+//! session reports the send complete (a short count is legal). A refused registration is
+//! `ENOBUFS` with nothing sent. Nonblocking sends always go inline.
+//!
+//! The receiver registers the application's buffer when the next bytes are a rendezvous
+//! segment and receives min(buffer, remaining) bytes into it; `MSG_PEEK` reads them without
+//! consuming them; a refused registration ends the rendezvous at what was consumed (the
+//! sender gets a short count and sends the rest again, nothing is lost).
+//!
+//! While a rendezvous uses the application's buffer the call cannot return: a signal or an
+//! `SO_SNDTIMEO`/`SO_RCVTIMEO` deadline during one is acted on only once it completed, and a
+//! nonblocking read that meets a rendezvous segment waits for that one transfer (in READ mode
+//! a local copy).
 //! * Two ends in one process: a thread about to sleep (blocking call, poll, epoll, select)
 //!   first drives the other end, since it may be the only thread that ever would.
 
 mod exchange;
 mod io;
+mod registrations;
 mod socket;
 
 use core::ffi::c_int;
@@ -158,9 +177,21 @@ fn lock(index: u32) -> MutexGuard<'static, Option<SanObject>> {
 
 /// Process-wide SAN resources, created on first use.
 struct Provider {
-    domain: san_shm::ShmDomain,
+    /// The process-wide domain and registration cache.
+    registrations: registrations::SharedRegistrations,
     negative: NegativeCache,
     dir: PathBuf,
+    /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
+    rendezvous: bool,
+}
+
+/// Turns the rendezvous off when set to `0` (large sends then go inline, like small ones).
+const RENDEZVOUS_ENV: &str = "SANDIRECT_SAN_RENDEZVOUS";
+
+/// Whether this process offers rendezvous to its peers (the negotiated threshold is the
+/// larger of both sides', so one side turning it off turns it off for the connection).
+fn rendezvous_enabled() -> bool {
+    provider().is_some_and(|p| p.rendezvous)
 }
 
 static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
@@ -174,9 +205,12 @@ fn provider() -> Option<&'static Provider> {
             let override_dir = std::env::var_os("SANDIRECT_SHM_DIR").map(PathBuf::from);
             match SegmentDir::open(override_dir.as_deref()) {
                 Ok(dir) => Some(Provider {
-                    domain: san_shm::ShmDomain::new(san_shm::DomainConfig::default()),
+                    registrations: registrations::SharedRegistrations::new(
+                        san_shm::ShmDomain::new(san_shm::DomainConfig::default()),
+                    ),
                     negative: NegativeCache::new(NegativeCacheConfig::default()),
                     dir: dir.path().to_path_buf(),
+                    rendezvous: std::env::var_os(RENDEZVOUS_ENV).is_none_or(|v| v != "0"),
                 }),
                 Err(error) => {
                     tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");
@@ -185,6 +219,11 @@ fn provider() -> Option<&'static Provider> {
             }
         })
         .as_ref()
+}
+
+/// The process-wide registrations (`None` when the SAN path is off).
+fn registrations() -> Option<std::sync::MutexGuard<'static, registrations::Registrations>> {
+    provider().map(|p| p.registrations.lock())
 }
 
 /// Whether `SANDIRECT_SAN=1` enabled the SAN path.
@@ -374,7 +413,7 @@ pub fn before_connect(
         }
     }
     let name = ConnectionKey::from_connecting_side(local, peer).segment_name();
-    match SanSocket::client(record, &provider.dir, &name, &provider.domain) {
+    match SanSocket::client(record, &provider.dir, &name, &provider.registrations) {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
             install(index, record, socket);
@@ -431,7 +470,7 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
         return;
     };
     let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
-    match SanSocket::acceptor(record, &provider.dir, &name, &provider.domain) {
+    match SanSocket::acceptor(record, &provider.dir, &name, &provider.registrations) {
         Ok(mut socket) => {
             // The marker goes out now, before accept() returns: the application watches the
             // mirror from now on, and a pending client's TCP bytes only become visible there

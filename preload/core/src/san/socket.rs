@@ -9,11 +9,13 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use san_api::Access;
 use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
 use switch::error::{RecvError, SendError};
+use switch::mr_cache::OwnerId;
 use switch::session::{
-    drive, Event, MrHandleId, RecvFlags, Role, SendFlags, Session, SessionConfig, SessionState,
-    Shutdown,
+    drive, Event, MrHandleId, RecvFlags, RecvTicket, Role, SendFlags, SendTicket, Session,
+    SessionConfig, SessionState, Shutdown,
 };
 
 use super::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
@@ -21,6 +23,10 @@ use crate::discovery::SegmentName;
 use crate::mirror::{self, Mirror, ReadLowering, WriteLowering};
 use crate::real;
 use crate::record::{Counter, DataPath, SocketRecord, SocketState};
+
+/// Not an errno (those are positive): [`SanSocket::recv`] found a rendezvous segment at the
+/// head of the stream; the caller receives it with [`SanSocket::start_recv_rendezvous`].
+pub(crate) const REMOTE_SEGMENT_AHEAD: c_int = -1;
 
 /// The one byte the acceptor writes on TCP after attaching: "switch now".
 pub(crate) const SWITCH_MARKER: u8 = 0x5a;
@@ -51,11 +57,37 @@ fn connection_config() -> ConnectionConfig {
 }
 
 fn session_config() -> SessionConfig {
+    let defaults = SessionConfig::default();
     SessionConfig {
-        // Inline only for now: rendezvous (large zero-copy sends) is not wired in yet.
-        rendezvous_threshold: u32::MAX,
-        ..SessionConfig::default()
+        // `u32::MAX` announces "never": the negotiated threshold is the larger of both sides'.
+        rendezvous_threshold: if super::rendezvous_enabled() {
+            defaults.rendezvous_threshold
+        } else {
+            u32::MAX
+        },
+        ..defaults
     }
+}
+
+/// Owner ids of the registration cache: one per SAN socket, never reused (record indices
+/// are, and a late release must not hit a newer socket's references).
+static NEXT_OWNER: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(1);
+
+fn next_owner() -> OwnerId {
+    OwnerId(NEXT_OWNER.fetch_add(1, core::sync::atomic::Ordering::Relaxed))
+}
+
+/// A registration was refused (the reason is logged where it happens).
+struct RegisterRefused;
+
+/// Why a zero-copy receive could not be started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SinkRefused {
+    /// Registration failed: the rendezvous was rejected (the sender resends the rest); read
+    /// on, the stream continues.
+    Rejected,
+    /// The call fails with this errno.
+    Errno(c_int),
 }
 
 /// Which end of the TCP connection this socket is.
@@ -185,6 +217,12 @@ pub(crate) struct SanSocket {
     /// the mirror token, took in credits or data) rings it so the others re-check.
     local_bell: Option<OwnedFd>,
     released: Vec<MrHandleId>,
+    /// This socket's owner id in the registration cache.
+    owner: OwnerId,
+    /// The outcome of the last rendezvous send, until its caller collects it.
+    send_completed: Option<(SendTicket, Result<u64, switch::error::SendError>)>,
+    /// The outcome of the last zero-copy receive, until its caller collects it.
+    recv_completed: Option<(RecvTicket, Result<u64, RecvError>)>,
 }
 
 impl core::fmt::Debug for SanSocket {
@@ -205,7 +243,7 @@ impl SanSocket {
         record: &'static SocketRecord,
         dir: &std::path::Path,
         name: &SegmentName,
-        domain: &san_shm::ShmDomain,
+        registrations: &super::registrations::SharedRegistrations,
     ) -> Result<SanSocket, SetupError> {
         let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
         let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
@@ -213,7 +251,7 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         let conn = ShmConnection::with_doorbell(
             segment,
-            domain,
+            registrations.lock().domain(),
             connection_config(),
             Box::new(MirrorDoorbell(peer.clone())),
         )
@@ -245,6 +283,9 @@ impl SanSocket {
             watched: false,
             local_bell: None,
             released: Vec::new(),
+            owner: next_owner(),
+            send_completed: None,
+            recv_completed: None,
         })
     }
 
@@ -256,7 +297,7 @@ impl SanSocket {
         record: &'static SocketRecord,
         dir: &std::path::Path,
         name: &SegmentName,
-        domain: &san_shm::ShmDomain,
+        registrations: &super::registrations::SharedRegistrations,
     ) -> Result<SanSocket, SetupError> {
         let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
         let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
@@ -275,7 +316,7 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         let conn = ShmConnection::with_doorbell(
             segment,
-            domain,
+            registrations.lock().domain(),
             connection_config(),
             Box::new(MirrorDoorbell(peer.clone())),
         )
@@ -315,6 +356,9 @@ impl SanSocket {
             watched: false,
             local_bell: None,
             released: Vec::new(),
+            owner: next_owner(),
+            send_completed: None,
+            recv_completed: None,
         };
         socket.service();
         socket.mark_switched();
@@ -447,8 +491,12 @@ impl SanSocket {
             return;
         };
         let progress = drive(session, conn, &mut self.released);
-        // No rendezvous is ever started, so no registration is ever released.
-        self.released.clear();
+        if !self.released.is_empty() {
+            if let Some(mut registrations) = super::registrations() {
+                registrations.release(&self.released);
+            }
+            self.released.clear();
+        }
         if let Err(error) = &progress {
             tracing::debug!(name = %self.name, ?error, "SAN drive error");
         }
@@ -473,6 +521,12 @@ impl SanSocket {
                     if let Some(mirror) = self.mirror.as_mut() {
                         let _ = mirror.set_read_hup();
                     }
+                }
+                Event::SendComplete { ticket, result } => {
+                    self.send_completed = Some((ticket, result));
+                }
+                Event::RecvComplete { ticket, result } => {
+                    self.recv_completed = Some((ticket, result));
                 }
                 _ => {}
             }
@@ -570,7 +624,12 @@ impl SanSocket {
             return false;
         };
         let progress = drive(session, conn, &mut self.released);
-        self.released.clear();
+        if !self.released.is_empty() {
+            if let Some(mut registrations) = super::registrations() {
+                registrations.release(&self.released);
+            }
+            self.released.clear();
+        }
         progress.is_ok_and(|p| p.messages_sent > 0)
     }
 
@@ -637,8 +696,7 @@ impl SanSocket {
             Err(RecvError::InvalidArgument) => Err(libc::EINVAL),
             Err(RecvError::NotConnected) => Err(libc::ENOTCONN),
             Err(RecvError::Interrupted) => Err(libc::EINTR),
-            // Rendezvous is never negotiated by this driver: a peer that sends one breaks
-            // the protocol we speak.
+            Err(RecvError::RemoteSegment { .. }) => Err(REMOTE_SEGMENT_AHEAD),
             Err(_) => Err(libc::ECONNRESET),
         }
     }
@@ -683,6 +741,188 @@ impl SanSocket {
             Err(SendError::TooLong) => Err(libc::EMSGSIZE),
             Err(_) => Err(libc::EINVAL),
         }
+    }
+
+    /// Whether a blocking send of `len` bytes should go by rendezvous: the session is
+    /// established with a negotiated threshold `len` reaches, and nothing is buffered ahead
+    /// of it locally.
+    pub(crate) fn wants_rendezvous(&self, len: usize) -> bool {
+        let Some(session) = self.session.as_ref() else {
+            return false;
+        };
+        session.state() == SessionState::Established
+            && self.early.is_empty()
+            && !self.write_shut
+            && session
+                .rendezvous_threshold()
+                .is_some_and(|t| t != u32::MAX && len as u64 >= u64::from(t))
+    }
+
+    /// Starts a zero-copy send of `data` (which must stay valid and unchanged until the
+    /// send completes: the caller is a blocking send that waits for it). `ENOBUFS` when the
+    /// registration is refused, `EAGAIN` while another rendezvous is in progress.
+    pub(crate) fn start_send_rendezvous(&mut self, data: &[u8]) -> Result<SendTicket, c_int> {
+        if self.write_shut {
+            return Err(libc::EPIPE);
+        }
+        let Some(session) = self.session.as_mut() else {
+            return Err(libc::ENOTCONN);
+        };
+        // READ mode: the peer copies the buffer out (CMA). WRITE mode: we copy it out
+        // through the window, which needs only local access.
+        let access = if session.sends_use_read_mode() == Some(true) {
+            Access::REMOTE_READ
+        } else {
+            Access::NONE
+        };
+        let Some(mut registrations) = super::registrations() else {
+            return Err(libc::ENOBUFS);
+        };
+        let rest = registrations
+            .register(self.owner, data.as_ptr() as u64, data.len() as u64, access)
+            .map_err(|error| {
+                tracing::debug!(
+                    ?error,
+                    len = data.len(),
+                    "rendezvous send: registration refused"
+                );
+                libc::ENOBUFS
+            })?;
+        match session.send_rendezvous(&[], rest) {
+            Ok(ticket) => {
+                drop(registrations);
+                self.data_to_announce = true;
+                self.service();
+                Ok(ticket)
+            }
+            Err(error) => {
+                tracing::debug!(?error, "rendezvous send refused by the session");
+                registrations.release(&[rest.handle]);
+                Err(match error {
+                    SendError::WouldBlock => libc::EAGAIN,
+                    SendError::Closed => libc::EPIPE,
+                    SendError::Reset if self.peer_fin => libc::EPIPE,
+                    SendError::Reset => libc::ECONNRESET,
+                    SendError::NotConnected => libc::ENOTCONN,
+                    _ => libc::ENOBUFS,
+                })
+            }
+        }
+    }
+
+    /// The outcome of rendezvous send `ticket`, once the session reported it: `Ok(bytes)`
+    /// delivered (counted as rendezvous bytes), or the errno.
+    pub(crate) fn take_send_completion(
+        &mut self,
+        ticket: SendTicket,
+    ) -> Option<Result<usize, c_int>> {
+        match self.send_completed {
+            Some((done, _)) if done == ticket => {}
+            _ => return None,
+        }
+        let (_, result) = self.send_completed.take()?;
+        Some(match result {
+            Ok(bytes) => {
+                self.record.count(Counter::SanRendezvousSent, bytes);
+                Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
+            }
+            Err(SendError::Closed) => Err(libc::EPIPE),
+            Err(SendError::Reset) if self.peer_fin => Err(libc::EPIPE),
+            Err(SendError::Reset) => Err(libc::ECONNRESET),
+            Err(SendError::NoBuffers) => Err(libc::ENOBUFS),
+            Err(_) => Err(libc::ECONNRESET),
+        })
+    }
+
+    /// The rendezvous segment at the head of the stream goes zero-copy into `buf` (which must
+    /// stay valid until the receive completes: the caller waits for it). A refused
+    /// registration rejects the segment: the sender gets a short count and resends the rest.
+    pub(crate) fn start_recv_rendezvous(
+        &mut self,
+        buf: &mut [u8],
+        peek: bool,
+    ) -> Result<RecvTicket, SinkRefused> {
+        let Some(session) = self.session.as_mut() else {
+            return Err(SinkRefused::Errno(libc::ENOTCONN));
+        };
+        // The segment's mode (we read it, or the peer writes into an advertised sink) is the
+        // session's knowledge, not ours, and the capabilities the session was started with
+        // may differ from the connection's current ones (CMA is confirmed once the peer is
+        // known): register for both. The remote exposure ends when the session releases
+        // the sink (the cache revokes the rkey).
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        let registered =
+            super::registrations()
+                .ok_or(RegisterRefused)
+                .and_then(|mut registrations| {
+                    registrations
+                        .register(
+                            self.owner,
+                            buf.as_mut_ptr() as u64,
+                            buf.len() as u64,
+                            access,
+                        )
+                        .map_err(|_| RegisterRefused)
+                });
+        let Ok(sink) = registered else {
+            tracing::debug!(len = buf.len(), "rendezvous receive: registration refused");
+            return match session.reject_remote_segment() {
+                Ok(()) => {
+                    self.service();
+                    Err(SinkRefused::Rejected)
+                }
+                Err(RecvError::Reset) => Err(SinkRefused::Errno(libc::ECONNRESET)),
+                Err(_) => Err(SinkRefused::Errno(libc::EAGAIN)),
+            };
+        };
+        let flags = RecvFlags {
+            peek,
+            ..RecvFlags::default()
+        };
+        match session.post_recv(sink, flags) {
+            Ok(ticket) => {
+                // The sender sleeps until our completion message (or sink advertisement)
+                // reaches it: announce it as readable, not only as a credit return.
+                self.data_to_announce = true;
+                self.service();
+                Ok(ticket)
+            }
+            Err(error) => {
+                tracing::debug!(?error, ?sink, "zero-copy receive refused by the session");
+                if let Some(mut registrations) = super::registrations() {
+                    registrations.release(&[sink.handle]);
+                }
+                Err(SinkRefused::Errno(match error {
+                    RecvError::WouldBlock | RecvError::NotRemote => libc::EAGAIN,
+                    RecvError::Reset => libc::ECONNRESET,
+                    RecvError::NotConnected => libc::ENOTCONN,
+                    _ => libc::EINVAL,
+                }))
+            }
+        }
+    }
+
+    /// The outcome of zero-copy receive `ticket`, once the session reported it.
+    pub(crate) fn take_recv_completion(
+        &mut self,
+        ticket: RecvTicket,
+        peek: bool,
+    ) -> Option<Result<usize, c_int>> {
+        match self.recv_completed {
+            Some((done, _)) if done == ticket => {}
+            _ => return None,
+        }
+        let (_, result) = self.recv_completed.take()?;
+        Some(match result {
+            Ok(bytes) => {
+                if !peek {
+                    self.record.count(Counter::SanRendezvousReceived, bytes);
+                }
+                Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
+            }
+            Err(RecvError::Reset) if self.peer_fin => Ok(0),
+            Err(_) => Err(libc::ECONNRESET),
+        })
     }
 
     /// Bytes a read would return now (FIONREAD): queued SAN bytes, or (acceptor) the client's
@@ -892,6 +1132,16 @@ impl SanSocket {
         }
         if let Some(mut conn) = self.conn.take() {
             conn.close();
+        }
+    }
+}
+
+impl Drop for SanSocket {
+    /// Drops the references this socket still holds in the registration cache (a close that
+    /// gave up on a rendezvous, a broken connection): remote exposure through them ends now.
+    fn drop(&mut self) {
+        if let Some(mut registrations) = super::registrations() {
+            registrations.release_owner(self.owner);
         }
     }
 }
