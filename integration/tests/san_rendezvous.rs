@@ -14,36 +14,13 @@ use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use integration::profile_dir;
 use preload_core::record::{Counter, SocketState};
 
-/// Builds `libsandirect.so` once (same profile as this test) and returns its path.
+/// `libsandirect.so`, built once per test run (same profile as this test).
 fn library() -> &'static Path {
-    static LIBRARY: OnceLock<PathBuf> = OnceLock::new();
-    LIBRARY.get_or_init(|| {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-        let mut build = Command::new(env!("CARGO"));
-        build
-            .args([
-                "build",
-                "--quiet",
-                "-p",
-                "sandirect-preload",
-                "--manifest-path",
-            ])
-            .arg(&manifest);
-        if !cfg!(debug_assertions) {
-            build.arg("--release");
-        }
-        assert!(
-            build.status().unwrap().success(),
-            "building libsandirect.so failed"
-        );
-        profile_dir().join("libsandirect.so")
-    })
+    &integration::apps::products().library
 }
 
 /// Private stats and segment directories for one test.
