@@ -51,7 +51,7 @@
 //! # Rendezvous (large zero-copy sends)
 //! A *blocking* send of at least the negotiated threshold (64 KiB; `SANDIRECT_SAN_RENDEZVOUS=0`
 //! turns it off) registers the application's buffer through the process-wide registration
-//! cache ([`registrations`]) and moves it by the session's rendezvous: in READ mode the peer
+//! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
 //! through the segment's window into the sink the peer advertised. The call returns when the
 //! session reports the send complete (a short count is legal). A refused registration is
