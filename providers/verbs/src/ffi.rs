@@ -553,11 +553,21 @@ fn segments(local: &AbiLocalSegment, remote: &AbiRemote) -> (LocalSegment, Remot
     )
 }
 
-unsafe extern "C" fn connection_post_write(
+/// The shared body of the two RDMA posts: validate the handles, then call `post`.
+///
+/// # Safety
+/// `conn`, `local` and `remote` as for the vtable entries (valid or null).
+unsafe fn post_rdma(
     conn: *mut AbiConnection,
     wr_id: u64,
     local: *const AbiLocalSegment,
     remote: *const AbiRemote,
+    post: fn(
+        &mut VerbsConnection,
+        WrId,
+        san_api::LocalSegment,
+        san_api::RemoteDescriptor,
+    ) -> Result<(), san_api::PostError>,
 ) -> i32 {
     guard(|| {
         // SAFETY: caller contract.
@@ -569,10 +579,24 @@ unsafe extern "C" fn connection_post_write(
             return status::INVALID_ARGUMENT;
         };
         let (local, remote) = segments(local, remote);
-        conn.post_write(WrId(wr_id), local, remote)
+        post(conn, WrId(wr_id), local, remote)
             .err()
             .map_or(status::OK, convert::post_error_to_status)
     })
+}
+
+unsafe extern "C" fn connection_post_write(
+    conn: *mut AbiConnection,
+    wr_id: u64,
+    local: *const AbiLocalSegment,
+    remote: *const AbiRemote,
+) -> i32 {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        post_rdma(conn, wr_id, local, remote, |c, id, l, r| {
+            c.post_write(id, l, r)
+        })
+    }
 }
 
 unsafe extern "C" fn connection_post_read(
@@ -581,20 +605,12 @@ unsafe extern "C" fn connection_post_read(
     local: *const AbiLocalSegment,
     remote: *const AbiRemote,
 ) -> i32 {
-    guard(|| {
-        // SAFETY: caller contract.
-        let conn = unsafe { handle::<VerbsConnection, _>(conn) };
-        // SAFETY: caller contract.
-        let (Some(conn), Some(local), Some(remote)) =
-            (conn, unsafe { local.as_ref() }, unsafe { remote.as_ref() })
-        else {
-            return status::INVALID_ARGUMENT;
-        };
-        let (local, remote) = segments(local, remote);
-        conn.post_read(WrId(wr_id), local, remote)
-            .err()
-            .map_or(status::OK, convert::post_error_to_status)
-    })
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        post_rdma(conn, wr_id, local, remote, |c, id, l, r| {
+            c.post_read(id, l, r)
+        })
+    }
 }
 
 unsafe extern "C" fn connection_poll(
