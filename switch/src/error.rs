@@ -110,6 +110,34 @@ pub enum PeerMisbehaved {
     UnexpectedRendezvousMode,
     /// Data after the peer's `Fin`.
     DataAfterFin,
+    /// Data, a rendezvous start or `Fin` after the peer's `Downgrade` (its stream goes on
+    /// over kernel TCP, so nothing of it may follow on the SAN).
+    DataAfterDowngrade,
+    /// A second `Downgrade`.
+    UnexpectedDowngrade,
+}
+
+/// Why [`crate::session::Session::downgrade`] refused. Nothing changed in the session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DowngradeError {
+    /// The peer did not announce `caps::DOWNGRADE` in its hello: the stream cannot move back
+    /// to kernel TCP live.
+    Unsupported,
+    /// The session was reset: there is no stream left to move.
+    Reset,
+    /// Negotiation fell back: the stream is on kernel TCP already.
+    FellBack,
+}
+
+impl fmt::Display for DowngradeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DowngradeError::Unsupported => f.write_str("the peer cannot downgrade to kernel TCP"),
+            DowngradeError::Reset => f.write_str("the session was reset"),
+            DowngradeError::FellBack => f.write_str("the session fell back to kernel TCP"),
+        }
+    }
 }
 
 /// Why negotiation failed (the caller falls back to kernel TCP).
@@ -170,6 +198,10 @@ pub enum SendError {
     TooLong,
     /// Malformed arguments (empty rendezvous rest, range outside its registration, …): `EINVAL`.
     InvalidArgument,
+    /// The session is moving (or moved) the stream back to kernel TCP: the caller writes
+    /// these bytes to the kernel TCP socket instead (the peer reads it after our
+    /// `Downgrade`). Never meant for the application; `ENOTCONN` if it leaks.
+    Downgraded,
 }
 
 impl SendError {
@@ -183,6 +215,7 @@ impl SendError {
             SendError::NotConnected => errno::ENOTCONN,
             SendError::TooLong => errno::EMSGSIZE,
             SendError::InvalidArgument => errno::EINVAL,
+            SendError::Downgraded => errno::ENOTCONN,
         }
     }
 }
@@ -219,6 +252,10 @@ pub enum RecvError {
     NotConnected,
     /// Unsupported flags (MSG_OOB without urgent data) or an empty buffer: `EINVAL`.
     InvalidArgument,
+    /// Every byte the peer sent over the SAN was read and the peer downgraded: the stream
+    /// continues on kernel TCP (read it there). Not an end of stream. Never meant for the
+    /// application; `ENOTCONN` if it leaks.
+    Downgraded,
 }
 
 impl RecvError {
@@ -230,7 +267,7 @@ impl RecvError {
             }
             RecvError::Interrupted => errno::EINTR,
             RecvError::Reset => errno::ECONNRESET,
-            RecvError::NotConnected => errno::ENOTCONN,
+            RecvError::NotConnected | RecvError::Downgraded => errno::ENOTCONN,
             RecvError::InvalidArgument => errno::EINVAL,
         }
     }

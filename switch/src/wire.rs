@@ -145,6 +145,9 @@ pub mod ctrl {
         pub const RDMA_READ: u16 = 0x0001;
         /// The sender's provider supports RDMA write with immediate data.
         pub const WRITE_WITH_IMM: u16 = 0x0002;
+        /// The sender of the hello understands `Downgrade` (live move of the stream back to
+        /// kernel TCP). Older peers ignore the bit, so announcing it is always compatible.
+        pub const DOWNGRADE: u16 = 0x0004;
     }
 
     /// The message types of version 1.
@@ -173,6 +176,8 @@ pub mod ctrl {
         Fin = 10,
         /// Abortive close.
         Rst = 11,
+        /// The rest of the sender's stream goes over kernel TCP (after all data before it).
+        Downgrade = 12,
     }
 
     impl MessageType {
@@ -190,6 +195,7 @@ pub mod ctrl {
                 9 => MessageType::CreditUpdate,
                 10 => MessageType::Fin,
                 11 => MessageType::Rst,
+                12 => MessageType::Downgrade,
                 _ => return None,
             })
         }
@@ -207,7 +213,8 @@ pub mod ctrl {
                 MessageType::Data
                 | MessageType::CreditUpdate
                 | MessageType::Fin
-                | MessageType::Rst => 0,
+                | MessageType::Rst
+                | MessageType::Downgrade => 0,
             }
         }
 
@@ -449,6 +456,8 @@ pub mod ctrl {
         Fin,
         /// Abortive close.
         Rst,
+        /// The sender's stream continues on kernel TCP.
+        Downgrade,
     }
 
     impl Message {
@@ -466,6 +475,7 @@ pub mod ctrl {
                 Message::CreditUpdate => MessageType::CreditUpdate,
                 Message::Fin => MessageType::Fin,
                 Message::Rst => MessageType::Rst,
+                Message::Downgrade => MessageType::Downgrade,
             }
         }
     }
@@ -566,6 +576,7 @@ pub mod ctrl {
                 MessageType::CreditUpdate => Message::CreditUpdate,
                 MessageType::Fin => Message::Fin,
                 MessageType::Rst => Message::Rst,
+                MessageType::Downgrade => Message::Downgrade,
             };
             Ok(Repr {
                 credits,
@@ -655,7 +666,7 @@ pub mod ctrl {
                         flag_bits |= flags::WITHDRAW;
                     }
                 }
-                Message::CreditUpdate | Message::Fin | Message::Rst => {}
+                Message::CreditUpdate | Message::Fin | Message::Rst | Message::Downgrade => {}
             }
             packet.set_flags(flag_bits);
             let body_end = HEADER_LEN + kind.body_len();

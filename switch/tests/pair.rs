@@ -420,10 +420,12 @@ fn rendezvous_round_trip(receiver_reads: bool) {
     );
     pair.run();
 
-    // The prefix comes inline, then the remote segment.
+    // The prefix comes inline, then the remote segment; FIONREAD counts both.
+    assert_eq!(pair.b.session.recv_pending_bytes(), total as u64);
     let mut buf = [0u8; 200];
     assert_eq!(pair.b.session.recv(&mut buf, RecvFlags::default()), Ok(100));
     assert_eq!(&buf[..100], &data[..100]);
+    assert_eq!(pair.b.session.recv_pending_bytes(), (total - 100) as u64);
     assert_eq!(
         pair.b.session.recv(&mut buf, RecvFlags::default()),
         Err(RecvError::RemoteSegment {
@@ -448,6 +450,7 @@ fn rendezvous_round_trip(receiver_reads: bool) {
         got.extend(part);
     }
     assert_eq!(got, data);
+    assert_eq!(pair.b.session.recv_pending_bytes(), 0);
     pair.run();
     let results = sent_ticket_result(&pair.a.events);
     assert_eq!(results, vec![Ok(total as u64)]);
@@ -805,7 +808,7 @@ mod hostile {
         // garbage.
         prop_oneof![
             (
-                1u8..=11,
+                1u8..=12,
                 0u8..8,
                 any::<u16>(),
                 proptest::collection::vec(any::<u8>(), 0..48)
@@ -900,4 +903,723 @@ fn peek_spans_messages_and_matches_the_following_read() {
     assert_eq!(rest, &data[offset..]);
     offset += rest.len();
     assert_eq!(offset, 600);
+}
+
+// ------------------------------------------------------------------ downgrade to kernel TCP
+
+/// One direction of a connection as the preload carries it during a downgrade: the
+/// application's byte pattern, what the session accepted, the kernel TCP continuation (bytes
+/// written after `SendError::Downgraded`), and what the receiver read (SAN, then TCP).
+struct Direction {
+    data: Vec<u8>,
+    sent: usize,
+    tcp: Vec<u8>,
+    /// Bytes ever written to `tcp` (the reader drains it).
+    tcp_written: usize,
+    rendezvous: Option<(switch::session::SendTicket, usize)>,
+    got: Vec<u8>,
+    reading_tcp: bool,
+    eof: bool,
+}
+
+impl Direction {
+    fn new(stream: u64, len: usize) -> Direction {
+        Direction {
+            data: pattern(stream, 0, len),
+            sent: 0,
+            tcp: Vec::new(),
+            tcp_written: 0,
+            rendezvous: None,
+            got: Vec::new(),
+            reading_tcp: false,
+            eof: false,
+        }
+    }
+}
+
+/// A pair plus both directions' application state: the byte-exactness model.
+struct Downgrading {
+    pair: Pair,
+    a_to_b: Direction,
+    b_to_a: Direction,
+}
+
+impl Downgrading {
+    fn new(config: PairConfig, len_ab: usize, len_ba: usize) -> Downgrading {
+        Downgrading {
+            pair: Pair::established(config),
+            a_to_b: Direction::new(1, len_ab),
+            b_to_a: Direction::new(2, len_ba),
+        }
+    }
+
+    fn dir(&mut self, from: Which) -> &mut Direction {
+        match from {
+            Which::A => &mut self.a_to_b,
+            Which::B => &mut self.b_to_a,
+        }
+    }
+
+    /// The sending application: writes its data up to `until` into the session while it
+    /// accepts, then into kernel TCP once the session says `Downgraded`.
+    fn send(&mut self, from: Which, until: usize) {
+        self.collect_send_completions(from);
+        for _ in 0..10_000 {
+            let dir = self.dir(from);
+            let until = until.min(dir.data.len());
+            if dir.sent >= until || dir.rendezvous.is_some() {
+                return;
+            }
+            let chunk = dir.data[dir.sent..until].to_vec();
+            match self
+                .pair
+                .side(from)
+                .session
+                .send(&chunk, SendFlags::default())
+            {
+                Ok(n) => self.dir(from).sent += n,
+                Err(SendError::WouldBlock) => return,
+                Err(SendError::Downgraded) => {
+                    let dir = self.dir(from);
+                    dir.tcp.extend_from_slice(&chunk);
+                    dir.tcp_written += chunk.len();
+                    dir.sent = until;
+                }
+                Err(e) => panic!("send: {e}"),
+            }
+        }
+        panic!("send loop did not end");
+    }
+
+    /// Starts a rendezvous of the next `len` bytes (prefix 100) from `from`.
+    fn send_rendezvous(&mut self, from: Which, len: usize) {
+        let dir = self.dir(from);
+        let start = dir.sent;
+        let bytes = dir.data[start..start + len].to_vec();
+        let ticket = self.pair.send_rendezvous(from, &bytes, 100);
+        self.dir(from).rendezvous = Some((ticket, start));
+    }
+
+    /// A rendezvous send that completed moves `sent` to its (possibly short) count.
+    fn collect_send_completions(&mut self, from: Which) {
+        let Some((ticket, start)) = self.dir(from).rendezvous else {
+            return;
+        };
+        let events = &mut self.pair.side(from).events;
+        let Some(position) = events
+            .iter()
+            .position(|e| matches!(e, Event::SendComplete { ticket: t, .. } if *t == ticket))
+        else {
+            return;
+        };
+        let Event::SendComplete { result, .. } = events.remove(position) else {
+            unreachable!()
+        };
+        let n = result.expect("rendezvous send") as usize;
+        let dir = self.dir(from);
+        dir.sent = start + n;
+        dir.rendezvous = None;
+    }
+
+    /// The receiving application (the preload's read path): the session until
+    /// `RecvError::Downgraded`, then the peer's kernel TCP continuation.
+    fn read(&mut self, to: Which) {
+        let from = match to {
+            Which::A => Which::B,
+            Which::B => Which::A,
+        };
+        let mut buf = vec![0u8; 64 * 1024];
+        for _ in 0..10_000 {
+            let dir = self.dir(from);
+            if dir.eof {
+                return;
+            }
+            if dir.reading_tcp {
+                let tcp = std::mem::take(&mut dir.tcp);
+                dir.got.extend(tcp);
+                return;
+            }
+            match self
+                .pair
+                .side(to)
+                .session
+                .recv(&mut buf, RecvFlags::default())
+            {
+                Ok(0) => {
+                    self.dir(from).eof = true;
+                    return;
+                }
+                Ok(n) => self.dir(from).got.extend_from_slice(&buf[..n]),
+                Err(RecvError::RemoteSegment { len }) => {
+                    match self
+                        .pair
+                        .zero_copy_recv(to, len.min(1 << 20), RecvFlags::default())
+                    {
+                        Ok(Some(bytes)) => self.dir(from).got.extend(bytes),
+                        Ok(None) => {}
+                        Err(e) => panic!("zero-copy receive: {e}"),
+                    }
+                }
+                Err(RecvError::Downgraded) => {
+                    assert!(self.pair.side(to).session.peer_downgraded());
+                    self.dir(from).reading_tcp = true;
+                }
+                Err(RecvError::WouldBlock) => {
+                    self.pair.run();
+                    let session = &self.pair.side(to).session;
+                    // Nothing more arrives now (the session says Downgraded once it does).
+                    if !session.readiness().readable && !session.peer_downgraded() {
+                        return;
+                    }
+                }
+                Err(e) => panic!("recv: {e}"),
+            }
+        }
+        panic!("read loop did not end");
+    }
+
+    /// Both applications send the rest of their data and read everything until both
+    /// sessions are `Downgraded`; then every stream must be exactly its pattern.
+    fn finish(&mut self) {
+        for _ in 0..1000 {
+            self.pair.run();
+            for side in [Which::A, Which::B] {
+                self.send(side, usize::MAX);
+                self.read(side);
+            }
+            self.pair.run();
+            let done = |d: &Direction| d.rendezvous.is_none() && d.got.len() == d.data.len();
+            if self.pair.a.session.state() == SessionState::Downgraded
+                && self.pair.b.session.state() == SessionState::Downgraded
+                && done(&self.a_to_b)
+                && done(&self.b_to_a)
+            {
+                break;
+            }
+        }
+        assert_eq!(self.pair.a.session.state(), SessionState::Downgraded);
+        assert_eq!(self.pair.b.session.state(), SessionState::Downgraded);
+        assert!(self.a_to_b.got == self.a_to_b.data, "A->B stream not exact");
+        assert!(self.b_to_a.got == self.b_to_a.data, "B->A stream not exact");
+        for side in [&self.pair.a, &self.pair.b] {
+            assert!(side.session.is_quiescent());
+            assert!(side.errors.is_empty(), "{:?}", side.errors);
+            assert!(!side.events.iter().any(|e| matches!(e, Event::Reset(_))));
+            assert_eq!(side.session.stats().downgrades, 1);
+        }
+        self.pair.assert_all_released();
+        assert_eq!(self.pair.fabric.violation_count(), 0);
+    }
+}
+
+fn peer_downgraded_events(events: &[Event]) -> usize {
+    events
+        .iter()
+        .filter(|e| matches!(e, Event::PeerDowngraded))
+        .count()
+}
+
+#[test]
+fn downgrade_moves_both_streams_to_tcp_without_losing_a_byte() {
+    let mut t = Downgrading::new(PairConfig::default(), 20_000, 15_000);
+    assert!(t.pair.a.session.can_downgrade() && t.pair.b.session.can_downgrade());
+    // Data in flight both ways, partly read, when A starts the downgrade.
+    t.send(Which::A, 3000);
+    t.send(Which::B, 2000);
+    t.pair.run();
+    t.read(Which::B);
+    t.send(Which::A, 5000);
+    assert_eq!(t.pair.a.session.downgrade(), Ok(()));
+    assert_eq!(t.pair.a.session.downgrade(), Ok(()), "idempotent");
+    assert!(t.pair.a.session.is_downgrading());
+    assert_eq!(
+        t.pair.a.session.send(b"x", SendFlags::default()),
+        Err(SendError::Downgraded)
+    );
+    assert_eq!(SendError::Downgraded.errno(), 107);
+    assert!(t.pair.a.session.readiness().writable, "sends fail at once");
+    // What the session already accepted (up to its send buffer) goes on the SAN; the rest
+    // of the application's writes go to TCP.
+    let on_san = t.a_to_b.sent;
+    t.send(Which::A, 9000);
+    assert_eq!(
+        t.a_to_b.tcp_written,
+        9000 - on_san,
+        "sends after downgrade() go to TCP"
+    );
+    t.pair.run();
+    t.read(Which::B);
+    t.pair.run();
+    // B learned it and began its own downgrade: its sends now fail too.
+    assert_eq!(peer_downgraded_events(&t.pair.b.events), 1);
+    assert!(t.pair.b.session.peer_downgraded() && t.pair.b.session.is_downgrading());
+    assert_eq!(
+        t.pair.b.session.send(b"y", SendFlags::default()),
+        Err(SendError::Downgraded)
+    );
+    t.finish();
+    assert_eq!(peer_downgraded_events(&t.pair.a.events), 1, "B answered");
+    let readiness = t.pair.b.session.readiness();
+    assert!(!readiness.readable && !readiness.read_hup && !readiness.hup && !readiness.error);
+    let mut buf = [0u8; 8];
+    assert_eq!(
+        t.pair.b.session.recv(&mut buf, RecvFlags::default()),
+        Err(RecvError::Downgraded),
+        "not EOF: the stream continues on TCP"
+    );
+    assert_eq!(RecvError::Downgraded.errno(), 107);
+}
+
+#[test]
+fn inline_data_queued_before_the_peers_downgrade_stays_readable_in_downgraded() {
+    let mut t = Downgrading::new(PairConfig::default(), 600, 0);
+    t.send(Which::A, 600);
+    t.pair.a.session.downgrade().unwrap();
+    t.pair.run();
+    // B has not read: its queue still holds A's bytes, yet both sides finished the
+    // downgrade (inline data needs nothing of the SAN any more).
+    assert_eq!(t.pair.a.session.state(), SessionState::Downgraded);
+    assert_eq!(t.pair.b.session.state(), SessionState::Downgraded);
+    assert!(t.pair.b.session.readiness().readable);
+    let mut buf = [0u8; 1000];
+    let n = t
+        .pair
+        .b
+        .session
+        .recv(&mut buf, RecvFlags::default())
+        .unwrap();
+    assert_eq!(&buf[..n], &t.a_to_b.data[..n]);
+    t.a_to_b.got.extend_from_slice(&buf[..n]);
+    t.finish();
+    // close() in Downgraded sends nothing and changes nothing.
+    let sent = t.pair.a.session.stats().messages_sent;
+    t.pair.a.session.close(false);
+    t.pair.b.session.close(true);
+    t.pair.run();
+    assert_eq!(t.pair.a.session.stats().messages_sent, sent);
+    assert_eq!(t.pair.a.session.state(), SessionState::Downgraded);
+    assert_eq!(t.pair.b.session.state(), SessionState::Downgraded);
+    assert!(t.pair.a.session.is_quiescent() && t.pair.b.session.is_quiescent());
+}
+
+#[test]
+fn downgrade_after_our_fin_still_tells_the_peer() {
+    let mut t = Downgrading::new(PairConfig::default(), 2000, 3000);
+    t.send(Which::A, 2000);
+    t.pair.a.session.shutdown(Shutdown::Write);
+    t.pair.a.session.downgrade().unwrap();
+    t.pair.run();
+    t.read(Which::B);
+    t.pair.run();
+    assert!(t.pair.b.events.contains(&Event::PeerClosed));
+    assert_eq!(peer_downgraded_events(&t.pair.b.events), 1);
+    // Sends after shutdown stay EPIPE (the write side was closed before the downgrade).
+    assert_eq!(
+        t.pair.a.session.send(b"x", SendFlags::default()),
+        Err(SendError::Closed)
+    );
+    t.finish();
+    // The Fin before the Downgrade ends A's stream: B sees EOF, not a continuation.
+    let mut buf = [0u8; 8];
+    assert_eq!(t.pair.b.session.recv(&mut buf, RecvFlags::default()), Ok(0));
+    assert!(t.a_to_b.eof && t.a_to_b.tcp_written == 0);
+    assert!(t.pair.b.session.readiness().read_hup);
+}
+
+#[test]
+fn the_peer_answers_a_downgrade_after_its_own_fin() {
+    let mut t = Downgrading::new(PairConfig::default(), 2500, 1000);
+    t.send(Which::B, 1000);
+    t.pair.b.session.shutdown(Shutdown::Write);
+    t.pair.run();
+    assert!(t.pair.a.events.contains(&Event::PeerClosed));
+    t.send(Which::A, 1000);
+    t.pair.a.session.downgrade().unwrap();
+    t.finish();
+    assert_eq!(t.a_to_b.tcp_written, 1500);
+    assert!(t.b_to_a.eof, "B's stream ended with its Fin");
+}
+
+#[test]
+fn a_lingering_graceful_close_answers_a_downgrade() {
+    let mut t = Downgrading::new(PairConfig::default(), 0, 3000);
+    // B's application wrote and closed; its session lingers until A read everything.
+    t.send(Which::B, 3000);
+    t.pair.b.session.close(false);
+    assert_eq!(t.pair.b.session.state(), SessionState::Closed);
+    t.pair.a.session.downgrade().unwrap();
+    t.pair.run();
+    t.read(Which::A);
+    t.pair.run();
+    assert_eq!(
+        peer_downgraded_events(&t.pair.b.events),
+        1,
+        "B got A's Downgrade"
+    );
+    assert_eq!(
+        peer_downgraded_events(&t.pair.a.events),
+        1,
+        "and answered it"
+    );
+    assert_eq!(t.pair.b.session.state(), SessionState::Downgraded);
+    assert_eq!(t.pair.a.session.state(), SessionState::Downgraded);
+    assert!(t.pair.a.session.is_quiescent() && t.pair.b.session.is_quiescent());
+    assert_eq!(t.b_to_a.got, t.b_to_a.data);
+    assert!(t.b_to_a.eof, "B's close sent Fin before its Downgrade");
+    t.pair.assert_all_released();
+}
+
+#[test]
+fn simultaneous_downgrades_meet() {
+    let mut t = Downgrading::new(PairConfig::default(), 5000, 5000);
+    t.send(Which::A, 2500);
+    t.send(Which::B, 2500);
+    t.pair.a.session.downgrade().unwrap();
+    t.pair.b.session.downgrade().unwrap();
+    t.finish();
+    assert_eq!(t.a_to_b.tcp_written, 2500);
+    assert_eq!(t.b_to_a.tcp_written, 2500);
+}
+
+#[test]
+fn downgrade_requested_during_the_handshake_goes_out_once_established() {
+    let mut pair = Pair::new(PairConfig::default());
+    assert!(!pair.a.session.can_downgrade());
+    assert_eq!(pair.a.session.downgrade(), Ok(()));
+    assert!(pair.a.session.readiness().writable);
+    assert_eq!(
+        pair.a.session.send(b"x", SendFlags::default()),
+        Err(SendError::Downgraded)
+    );
+    pair.run();
+    assert_eq!(pair.a.session.state(), SessionState::Downgraded);
+    assert_eq!(pair.b.session.state(), SessionState::Downgraded);
+    let mut buf = [0u8; 4];
+    assert_eq!(
+        pair.b.session.recv(&mut buf, RecvFlags::default()),
+        Err(RecvError::Downgraded)
+    );
+}
+
+/// A 1 MiB rendezvous is in flight from `sender` when `initiator` starts the downgrade: it
+/// completes first (the receiver consumes its remote segment), then the streams move.
+fn downgrade_with_rendezvous_in_flight(receiver_reads: bool, initiator: Which, sender: Which) {
+    let config = PairConfig {
+        caps_a: caps(receiver_reads),
+        caps_b: caps(receiver_reads),
+        ..PairConfig::default()
+    };
+    let mut t = Downgrading::new(config, (1 << 20) + 5000, (1 << 20) + 5000);
+    t.send(sender, 1000);
+    t.send_rendezvous(sender, 1 << 20);
+    t.pair.run();
+    let mode = t.pair.side(sender).session.sends_use_read_mode();
+    assert_eq!(mode, Some(receiver_reads));
+    t.pair.side(initiator).session.downgrade().unwrap();
+    t.pair.run();
+    // The sender's rendezvous is still in flight: it neither accepts sends (a short count
+    // must be re-sent first) nor has sent its Downgrade yet.
+    assert_eq!(
+        t.pair.side(sender).session.send(b"x", SendFlags::default()),
+        Err(SendError::WouldBlock)
+    );
+    assert!(!t.pair.side(sender).session.readiness().writable);
+    assert_ne!(
+        t.pair.side(sender).session.state(),
+        SessionState::Downgraded
+    );
+    t.finish();
+    let tcp_written = t.dir(sender).tcp_written;
+    assert_eq!(
+        tcp_written, 4000,
+        "only the bytes after the rendezvous use TCP"
+    );
+    let stats = t.pair.side(sender).session.stats();
+    assert_eq!(stats.bytes_rendezvous, (1 << 20) - 100);
+}
+
+#[test]
+fn read_mode_rendezvous_in_flight_completes_before_the_senders_downgrade() {
+    downgrade_with_rendezvous_in_flight(true, Which::A, Which::A);
+}
+
+#[test]
+fn write_mode_rendezvous_in_flight_completes_before_the_senders_downgrade() {
+    downgrade_with_rendezvous_in_flight(false, Which::A, Which::A);
+}
+
+#[test]
+fn read_mode_remote_segment_before_the_peers_downgrade_is_still_received() {
+    downgrade_with_rendezvous_in_flight(true, Which::B, Which::A);
+}
+
+#[test]
+fn write_mode_remote_segment_before_the_peers_downgrade_is_still_received() {
+    downgrade_with_rendezvous_in_flight(false, Which::B, Which::A);
+}
+
+#[test]
+fn a_reset_during_a_downgrade_is_a_reset() {
+    let mut t = Downgrading::new(PairConfig::default(), 1 << 20, 0);
+    t.send_rendezvous(Which::A, 1 << 20);
+    t.pair.run();
+    t.pair.b.session.downgrade().unwrap();
+    t.pair.run();
+    assert!(t.pair.a.session.is_downgrading());
+    t.pair.a.session.close(true);
+    t.pair.run();
+    assert!(t.pair.b.events.contains(&Event::Reset(ResetCause::Peer)));
+    assert_eq!(t.pair.a.session.state(), SessionState::Reset);
+    assert_eq!(t.pair.b.session.state(), SessionState::Reset);
+    // The inline prefix already received stays readable, then ECONNRESET (not TCP).
+    let mut buf = [0u8; 4096];
+    assert_eq!(
+        t.pair.b.session.recv(&mut buf, RecvFlags::default()),
+        Ok(100)
+    );
+    assert_eq!(
+        t.pair.b.session.recv(&mut buf, RecvFlags::default()),
+        Err(RecvError::Reset)
+    );
+    assert_eq!(
+        t.pair.b.session.downgrade(),
+        Err(switch::error::DowngradeError::Reset)
+    );
+    t.pair.run();
+    t.pair.assert_all_released();
+    assert!(t.pair.a.session.is_quiescent() && t.pair.b.session.is_quiescent());
+}
+
+/// A session whose peer is driven by hand, established with `peer_caps` in the hello.
+fn hand_driven(peer_caps: u16) -> Session {
+    let mut session = Session::new(Role::Active, SessionConfig::default(), caps(true), SLOTS, 0);
+    while session.poll_op().is_some() {}
+    let mut hello = hello_bytes(1, 8, 256);
+    hello[ctrl::field::hello::CAPS].copy_from_slice(&peer_caps.to_be_bytes());
+    session.handle_message(RecvSlot(0), &hello).unwrap();
+    let mut buf = [0u8; 256];
+    while session.poll_transmit(&mut buf).is_some() {}
+    while session.poll_op().is_some() {}
+    while session.poll_event().is_some() {}
+    session
+}
+
+fn message_bytes(message: ctrl::Message, payload: &[u8]) -> Vec<u8> {
+    let repr = ctrl::Repr {
+        credits: 0,
+        message,
+        payload,
+    };
+    let mut buf = vec![0u8; repr.buffer_len()];
+    repr.emit(&mut buf).unwrap();
+    buf
+}
+
+/// Once both `Downgrade`s are through, the peer closes its SAN connection (it converts to
+/// plain TCP): the flushes that follow end our downgrade too, never a reset, even while a
+/// repost or a credit return is still pending.
+#[test]
+fn flushes_after_both_downgrades_complete_the_downgrade() {
+    let mut session = hand_driven(ctrl::caps::RDMA_READ | ctrl::caps::DOWNGRADE);
+    session.downgrade().unwrap();
+    let mut buf = [0u8; 256];
+    let sent = session.poll_transmit(&mut buf).expect("our Downgrade");
+    let packet = ctrl::Packet::new_checked(&buf[..sent.len]).unwrap();
+    assert_eq!(
+        ctrl::Repr::parse(&packet).unwrap().message,
+        ctrl::Message::Downgrade
+    );
+    session
+        .handle_message(RecvSlot(1), &message_bytes(ctrl::Message::Downgrade, &[]))
+        .unwrap();
+    assert!(session.peer_downgraded());
+    // The peer's connection goes away before our send completion and the slot's repost.
+    let flushed = san_api::Completion {
+        wr_id: san_api::WrId(u64::MAX - 1),
+        kind: san_api::CompletionKind::Recv {
+            slot: RecvSlot(2),
+            len: 0,
+        },
+        status: Err(san_api::CompletionError::Flushed),
+    };
+    assert_eq!(session.handle_completion(&flushed), Ok(()));
+    assert_eq!(session.state(), SessionState::Downgraded);
+    assert_eq!(
+        session.recv(&mut buf, RecvFlags::default()),
+        Err(RecvError::Downgraded)
+    );
+    // Before both are through, the same flush is a reset.
+    let mut early = hand_driven(ctrl::caps::RDMA_READ | ctrl::caps::DOWNGRADE);
+    early.downgrade().unwrap();
+    assert!(early.handle_completion(&flushed).is_err());
+    assert_eq!(early.state(), SessionState::Reset);
+}
+
+/// A peer whose data we have not read and whose last credit update we consumed is down to one
+/// credit: it could not send the control message our rendezvous waits for (`RdmaDone`), and
+/// the credit it needs is "lazy" (owed for an update). It gets it back anyway while we are
+/// above the reserve (found as a two-process hang: the receiver spent its control reserve on
+/// a credit update while the sender's application was blocked in a rendezvous send).
+#[test]
+fn a_peer_at_its_last_credit_gets_a_lazy_credit_back() {
+    let mut session = hand_driven(ctrl::caps::RDMA_READ);
+    let mut buf = [0u8; 256];
+    // What we owe so far (the hello's slot) goes back with a message of ours: the peer now
+    // holds one credit per slot.
+    session.send(b"x", SendFlags::default()).unwrap();
+    while session.poll_transmit(&mut buf).is_some() {}
+    while session.poll_op().is_some() {}
+    assert_eq!(session.credits_owed(), 0);
+    let peer_credits = u64::from(SLOTS.recv_slots);
+    assert_eq!(session.peer_credit_view(), peer_credits);
+    // The peer sends data down to its reserve; our application does not read it (it is
+    // blocked in a rendezvous send)...
+    let data = message_bytes(ctrl::Message::Data { urgent: false }, &[7u8; 100]);
+    for slot in 0..peer_credits - 2 {
+        session
+            .handle_message(RecvSlot(slot as u16), &data)
+            .unwrap();
+    }
+    // ...then spends one of its two reserved credits on a credit update (allowed).
+    session
+        .handle_message(
+            RecvSlot((peer_credits - 2) as u16),
+            &message_bytes(ctrl::Message::CreditUpdate, &[]),
+        )
+        .unwrap();
+    while session.poll_op().is_some() {}
+    assert_eq!(session.peer_credit_view(), 1);
+    assert_eq!(
+        session.credits_owed(),
+        1,
+        "only the update's lazy credit is owed"
+    );
+    let sent = session
+        .poll_transmit(&mut buf)
+        .expect("a credit update for the muted peer");
+    let packet = ctrl::Packet::new_checked(&buf[..sent.len]).unwrap();
+    let repr = ctrl::Repr::parse(&packet).unwrap();
+    assert_eq!(repr.message, ctrl::Message::CreditUpdate);
+    assert_eq!(repr.credits, 1);
+}
+
+#[test]
+fn a_peer_without_the_capability_cannot_be_downgraded() {
+    let mut session = hand_driven(ctrl::caps::RDMA_READ);
+    assert_eq!(session.state(), SessionState::Established);
+    assert!(!session.can_downgrade());
+    assert_eq!(
+        session.downgrade(),
+        Err(switch::error::DowngradeError::Unsupported)
+    );
+    assert!(!session.is_downgrading());
+    assert_eq!(session.send(b"still san", SendFlags::default()), Ok(9));
+    let mut buf = [0u8; 256];
+    let sent = session.poll_transmit(&mut buf).expect("data still flows");
+    let repr = ctrl::Repr::parse_bytes(&buf[..sent.len]).unwrap();
+    assert_eq!(repr.message, ctrl::Message::Data { urgent: false });
+    assert_eq!(session.stats().downgrades, 0);
+
+    // Requested during the handshake, then the hello lacks the bit: reset, never misorder.
+    let mut early = Session::new(Role::Active, SessionConfig::default(), caps(true), SLOTS, 0);
+    while early.poll_op().is_some() {}
+    early.downgrade().unwrap();
+    early
+        .handle_message(RecvSlot(0), &hello_bytes(1, 8, 256))
+        .unwrap();
+    assert_eq!(early.state(), SessionState::Reset);
+    let mut events = Vec::new();
+    while let Some(e) = early.poll_event() {
+        events.push(e);
+    }
+    assert!(events.contains(&Event::Reset(ResetCause::DowngradeUnsupported)));
+}
+
+#[test]
+fn data_rendezvous_fin_or_a_second_downgrade_after_the_peers_downgrade_are_violations() {
+    let downgrade = message_bytes(ctrl::Message::Downgrade, &[]);
+    let after: [(Vec<u8>, PeerMisbehaved); 4] = [
+        (
+            message_bytes(ctrl::Message::Data { urgent: false }, b"late"),
+            PeerMisbehaved::DataAfterDowngrade,
+        ),
+        (
+            message_bytes(
+                ctrl::Message::RndvRead {
+                    rest: san_api::RemoteDescriptor {
+                        addr: 0x1000,
+                        len: 10,
+                        rkey: san_api::RemoteKey(1),
+                    },
+                },
+                &[],
+            ),
+            PeerMisbehaved::DataAfterDowngrade,
+        ),
+        (
+            message_bytes(ctrl::Message::Fin, &[]),
+            PeerMisbehaved::DataAfterDowngrade,
+        ),
+        (downgrade.clone(), PeerMisbehaved::UnexpectedDowngrade),
+    ];
+    for (late, why) in after {
+        let mut session = hand_driven(ctrl::caps::DOWNGRADE);
+        session
+            .handle_message(
+                RecvSlot(1),
+                &message_bytes(ctrl::Message::Data { urgent: false }, b"early"),
+            )
+            .unwrap();
+        session.handle_message(RecvSlot(2), &downgrade).unwrap();
+        assert!(session.peer_downgraded());
+        assert_eq!(
+            session.send(b"x", SendFlags::default()),
+            Err(SendError::Downgraded),
+            "the peer's Downgrade begins ours"
+        );
+        assert_eq!(
+            session.handle_message(RecvSlot(3), &late),
+            Err(Error::PeerMisbehaved(why))
+        );
+        assert_eq!(session.state(), SessionState::Reset);
+        let mut events = Vec::new();
+        while let Some(e) = session.poll_event() {
+            events.push(e);
+        }
+        assert_eq!(
+            events[..2],
+            [
+                Event::PeerDowngraded,
+                Event::Reset(ResetCause::PeerMisbehaved(why))
+            ]
+        );
+        // Inline data from before the downgrade stays readable after the reset, as always.
+        let mut buf = [0u8; 16];
+        assert_eq!(session.recv(&mut buf, RecvFlags::default()), Ok(5));
+    }
+}
+
+#[test]
+fn downgrade_goes_out_with_a_control_credit_and_waits_behind_data() {
+    let mut session = hand_driven(ctrl::caps::DOWNGRADE);
+    session.send(&[7u8; 100], SendFlags::default()).unwrap();
+    session.downgrade().unwrap();
+    let mut buf = [0u8; 256];
+    let mut kinds = Vec::new();
+    while let Some(t) = session.poll_transmit(&mut buf) {
+        kinds.push(
+            ctrl::Repr::parse_bytes(&buf[..t.len])
+                .unwrap()
+                .message
+                .kind(),
+        );
+    }
+    assert_eq!(
+        kinds,
+        [ctrl::MessageType::Data, ctrl::MessageType::Downgrade],
+        "queued data first, then Downgrade, then nothing"
+    );
+    // Not Downgraded until its send completed and the peer's Downgrade arrived.
+    assert_ne!(session.state(), SessionState::Downgraded);
+    assert!(!session.is_quiescent());
 }

@@ -55,6 +55,10 @@ fn simulation() {
         );
         assert!(coverage.interrupted_receives > 0 && coverage.resets > 0);
         assert!(coverage.clean_connections > 0 && coverage.bytes_delivered > 0);
+        assert!(
+            coverage.clean_downgrades > 0 && coverage.tcp_bytes > 0,
+            "no session moved its stream to kernel TCP"
+        );
     }
 }
 

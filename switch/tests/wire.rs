@@ -158,6 +158,7 @@ fn golden_bodiless_messages() {
         (Message::CreditUpdate, 9u8),
         (Message::Fin, 10),
         (Message::Rst, 11),
+        (Message::Downgrade, 12),
     ] {
         golden(
             Repr {
@@ -176,7 +177,13 @@ fn parse_rejects_what_the_protocol_forbids() {
         assert!(Repr::parse_bytes(bytes).is_err(), "{why}: {bytes:02x?}");
     };
     reject(&[0, 0, 0, 0, 0, 0, 0, 0], "unknown type 0");
-    reject(&[12, 0, 0, 0, 0, 0, 0, 0], "unknown type 12");
+    reject(&[13, 0, 0, 0, 0, 0, 0, 0], "unknown type 13");
+    reject(&[12, 1, 0, 0, 0, 0, 0, 0], "URG on Downgrade");
+    reject(&[12, 0, 0, 0, 0, 0, 0, 1, 0], "payload on Downgrade");
+    reject(
+        &[12, 0, 0, 0, 0, 0, 0, 0, 0],
+        "trailing byte after Downgrade",
+    );
     reject(&[10, 1, 0, 0, 0, 0, 0, 0], "URG on Fin");
     reject(&[2, 0x80, 0, 0, 0, 0, 0, 1, 0], "unknown flag");
     reject(&[2, 0, 0, 0, 0, 0, 0, 0], "empty Data");
@@ -203,6 +210,31 @@ fn parse_rejects_what_the_protocol_forbids() {
     hello[field::hello::RESERVED.start] = 0;
     hello[field::CREDITS.end - 1] = 1;
     reject(&hello, "credits in a hello");
+}
+
+#[test]
+fn golden_hello_announcing_downgrade() {
+    golden(
+        Repr {
+            credits: 0,
+            message: Message::Hello(Hello {
+                version: 1,
+                caps: ctrl::caps::RDMA_READ | ctrl::caps::DOWNGRADE,
+                recv_slots: 8,
+                slot_size: 256,
+                rndv_threshold: 0,
+                tcp_bytes_sent: 0,
+            }),
+            payload: &[],
+        },
+        &[
+            1, 0, 0, 0, 0, 0, 0, 0, // header
+            0, 1, 0, 5, 0, 8, 0, 0, // version, caps (RDMA_READ | DOWNGRADE), slots, reserved
+            0, 0, 1, 0, 0, 0, 0, 0, // slot_size, rndv_threshold
+            0, 0, 0, 0, 0, 0, 0, 0, // tcp_bytes_sent
+        ],
+    );
+    assert_eq!(ctrl::caps::DOWNGRADE, 0x0004);
 }
 
 #[test]
@@ -270,6 +302,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
         Just(Message::CreditUpdate),
         Just(Message::Fin),
         Just(Message::Rst),
+        Just(Message::Downgrade),
     ]
 }
 
@@ -400,12 +433,12 @@ fn protocol_md_tables_match_the_code() {
         assert_eq!(kind.body_len(), body, "body of {}", cells[1]);
         types_seen += 1;
     }
-    assert_eq!(types_seen, 11, "every type is documented");
+    assert_eq!(types_seen, 12, "every type is documented");
     // Body fields end within their type's body.
     for (heading, _, range) in &expected {
         if let Some(name) = heading.strip_prefix("Body of ") {
             let first = name.split([',', ' ']).next().unwrap();
-            let kind = (1..=11)
+            let kind = (1..=12)
                 .filter_map(MessageType::from_byte)
                 .find(|k| format!("{k:?}") == first)
                 .unwrap();

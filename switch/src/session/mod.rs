@@ -36,6 +36,13 @@
 //! rendezvous is in progress the session accepts no further send (it reports not writable),
 //! which is what makes a short count after an abort exact.
 //!
+//! ## Downgrade to kernel TCP
+//! [`Session::downgrade`] (before a `fork`/`exec`) moves the stream back to kernel TCP live:
+//! sends fail with [`SendError::Downgraded`] (the caller writes to TCP), `Downgrade` goes out
+//! after everything queued, the peer answers with its own, and `recv` returns what came
+//! before the peer's `Downgrade`, then [`RecvError::Downgraded`] (read TCP from there). The
+//! session ends in [`SessionState::Downgraded`]. `docs/PROTOCOL.md` section 7 has the rules.
+//!
 //! ## Flow control
 //! Receive slots are re-posted as soon as a message is consumed, but the credit of a data
 //! message is returned only when the application has read all of its bytes: the receive
@@ -48,7 +55,9 @@ mod driver;
 pub use credits::{Credits, MessageClass, CREDIT_RESERVE};
 pub use driver::{drive, Progress, Pump};
 
-use crate::error::{Error, PeerIncompatible, PeerMisbehaved, ProviderError, RecvError, SendError};
+use crate::error::{
+    DowngradeError, Error, PeerIncompatible, PeerMisbehaved, ProviderError, RecvError, SendError,
+};
 use crate::wire::{ctrl, PROTOCOL_VERSION};
 use alloc::collections::VecDeque;
 use alloc::vec::Vec;
@@ -217,6 +226,11 @@ pub enum ResetCause {
     Provider(ProviderError),
     /// The peer broke the protocol.
     PeerMisbehaved(PeerMisbehaved),
+    /// [`Session::downgrade`] was called during the handshake and the peer's hello then
+    /// lacked `caps::DOWNGRADE`: the stream can move to kernel TCP neither live nor by
+    /// falling back (the peer is established), so the connection is reset rather than risk
+    /// a misordered byte.
+    DowngradeUnsupported,
 }
 
 /// Something the application (or the preload) must learn.
@@ -246,6 +260,11 @@ pub enum Event {
     },
     /// The peer shut down its sending side (EOF after the queued data).
     PeerClosed,
+    /// The peer sent `Downgrade`: the rest of its stream comes over kernel TCP, after the
+    /// data already queued here (`recv` returns [`RecvError::Downgraded`] once that is read).
+    /// The session downgrades its own direction too (sends fail with
+    /// [`SendError::Downgraded`] from now on).
+    PeerDowngraded,
     /// The session was reset.
     Reset(ResetCause),
 }
@@ -280,6 +299,11 @@ pub enum SessionState {
     Reset,
     /// Negotiation failed: the caller carries the connection over kernel TCP. Terminal.
     FellBack,
+    /// Both sides exchanged `Downgrade` and nothing of the SAN is in use any more (no RDMA
+    /// operation or rendezvous in flight, every registration released): the stream is on
+    /// kernel TCP. Inline data received before the peer's `Downgrade` may still be queued
+    /// (`recv` returns it, then [`RecvError::Downgraded`]). Terminal.
+    Downgraded,
 }
 
 /// Counters for benchmarks and diagnostics.
@@ -301,6 +325,9 @@ pub struct SessionStats {
     pub rendezvous_started: u64,
     /// Rendezvous sends that ended with a short count.
     pub rendezvous_aborted: u64,
+    /// Downgrades to kernel TCP begun (by [`Session::downgrade`] or the peer's `Downgrade`):
+    /// 0 or 1 per session, so sums count connections moved back to TCP.
+    pub downgrades: u64,
 }
 
 /// Work-request id tags (top byte), so completions can be routed without a lookup table.
@@ -322,10 +349,17 @@ struct Peer {
     we_send_read_mode: bool,
 }
 
+impl Peer {
+    fn supports_downgrade(&self) -> bool {
+        self.hello.caps & ctrl::caps::DOWNGRADE != 0
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Terminal {
     Reset { rst_pending: bool, error: bool },
     FellBack,
+    Downgraded,
 }
 
 /// One inline piece of the receive stream.
@@ -446,6 +480,10 @@ pub struct Session {
     tx_rndv: Option<TxRendezvous>,
     shut_write: bool,
     fin_sent: bool,
+    /// `downgrade()` was called or the peer's `Downgrade` arrived: sends fail with
+    /// `SendError::Downgraded`, and `Downgrade` goes out after everything queued.
+    downgrade_requested: bool,
+    downgrade_sent: bool,
 
     // Receive side.
     rx_queue: VecDeque<Segment>,
@@ -456,6 +494,7 @@ pub struct Session {
     rx_urgent_pending: usize,
     rx_sink: Option<Sink>,
     peer_fin: bool,
+    peer_downgraded: bool,
     shut_read: bool,
 
     stats: SessionStats,
@@ -514,11 +553,14 @@ impl Session {
             tx_rndv: None,
             shut_write: false,
             fin_sent: false,
+            downgrade_requested: false,
+            downgrade_sent: false,
             rx_queue: VecDeque::new(),
             rx_bytes: VecDeque::new(),
             rx_urgent_pending: 0,
             rx_sink: None,
             peer_fin: false,
+            peer_downgraded: false,
             shut_read: false,
             stats: SessionStats::default(),
         };
@@ -537,6 +579,8 @@ impl Session {
         match self.terminal {
             Some(Terminal::FellBack) => SessionState::FellBack,
             Some(Terminal::Reset { .. }) => SessionState::Reset,
+            Some(Terminal::Downgraded) => SessionState::Downgraded,
+            None if self.downgrade_finished() => SessionState::Downgraded,
             None if self.closed_by_app => SessionState::Closed,
             None if self.peer.is_some() && self.hello_sent => SessionState::Established,
             None => SessionState::Handshaking,
@@ -557,15 +601,23 @@ impl Session {
                     urgent: self.rx_urgent_pending > 0,
                 }
             }
-            None => {}
+            Some(Terminal::Downgraded) | None => {}
         }
-        if self.state() != SessionState::Established && !self.closed_by_app {
-            return Readiness::default();
+        if self.state() == SessionState::Handshaking {
+            // A send fails at once after `downgrade()` (the caller writes to TCP instead).
+            return Readiness {
+                writable: self.downgrade_requested,
+                ..Readiness::default()
+            };
         }
+        // After the peer's `Downgrade` an empty queue is not readable: the rest of the
+        // stream is on kernel TCP, whose readiness the caller merges in.
         let rx_has_data = !self.rx_queue.is_empty();
         Readiness {
             readable: rx_has_data || self.peer_fin || self.shut_read,
-            writable: self.shut_write || self.send_space() > 0,
+            writable: self.shut_write
+                || (self.downgrade_requested && self.tx_rndv.is_none())
+                || self.send_space() > 0,
             read_hup: self.peer_fin,
             hup: self.peer_fin && self.shut_write,
             error: false,
@@ -621,6 +673,42 @@ impl Session {
         self.rx_bytes.len()
     }
 
+    /// Stream bytes a read could return without waiting for the peer (FIONREAD): the inline
+    /// bytes plus what is left of every rendezvous segment the peer announced (their bytes
+    /// are in the peer's registered memory, ready to be moved).
+    pub fn recv_pending_bytes(&self) -> u64 {
+        let remote: u64 = self
+            .rx_queue
+            .iter()
+            .map(|segment| match segment {
+                Segment::Remote(remote) => remote.total.saturating_sub(remote.consumed),
+                Segment::Inline(_) => 0,
+            })
+            .sum();
+        self.rx_bytes.len() as u64 + remote
+    }
+
+    /// True when [`Session::downgrade`] may be called with success: the session is
+    /// established (or closed but lingering), not reset, and the peer announced
+    /// `caps::DOWNGRADE`.
+    pub fn can_downgrade(&self) -> bool {
+        self.terminal.is_none()
+            && self.hello_sent
+            && self.peer.is_some_and(|p| p.supports_downgrade())
+    }
+
+    /// True from [`Session::downgrade`] (or the peer's `Downgrade`) on: sends fail with
+    /// [`SendError::Downgraded`] and the caller writes to kernel TCP instead.
+    pub fn is_downgrading(&self) -> bool {
+        self.downgrade_requested
+    }
+
+    /// True once the peer's `Downgrade` arrived: after the queued data, the peer's stream
+    /// continues on kernel TCP.
+    pub fn peer_downgraded(&self) -> bool {
+        self.peer_downgraded
+    }
+
     /// True when the next byte to read is urgent (SIOCATMARK).
     pub fn at_mark(&self) -> bool {
         match self.rx_queue.front() {
@@ -655,7 +743,9 @@ impl Session {
             Some(Terminal::Reset { rst_pending, .. }) => {
                 !pending_output && (!rst_pending || !self.can_send_anything())
             }
-            Some(Terminal::FellBack) => !pending_output,
+            Some(Terminal::FellBack) | Some(Terminal::Downgraded) => !pending_output,
+            // A downgrade ends only in `Downgraded`, also after a graceful close.
+            None if self.downgrade_requested => self.downgrade_finished(),
             None => {
                 self.closed_by_app
                     && !pending_output
@@ -683,6 +773,35 @@ impl Session {
             .iter()
             .any(|(wr, h)| *h == handle && posted(*wr));
         tx || rx || after_reset
+    }
+
+    /// Every condition of the `Downgraded` state holds: both `Downgrade`s exchanged (ours
+    /// completed), nothing posted or queued for the provider, no rendezvous in either
+    /// direction, every registration released. Once true, nothing but a new input can make
+    /// it false, and every input first latches it ([`Session::settle_downgrade`]).
+    fn downgrade_finished(&self) -> bool {
+        self.downgrade_through()
+            && self.sends_in_flight == 0
+            && self.ops.is_empty()
+            && self.controls.is_empty()
+            && self.release_on_completion.is_empty()
+    }
+
+    /// Makes a finished downgrade terminal before any input, application call or output
+    /// poll, so nothing later (a credit update either way, flushes at teardown) changes it.
+    fn settle_downgrade(&mut self) {
+        if self.downgrade_finished() {
+            self.terminal = Some(Terminal::Downgraded);
+        }
+    }
+
+    /// Starts our downgrade (once): sends fail from now on; `Downgrade` goes out after
+    /// everything queued.
+    fn begin_downgrade(&mut self) {
+        if !self.downgrade_requested {
+            self.downgrade_requested = true;
+            self.stats.downgrades += 1;
+        }
     }
 
     fn can_send_anything(&self) -> bool {
@@ -739,6 +858,7 @@ impl Session {
                 | ResetCause::UnreadDataOnClose
                 | ResetCause::DataAfterClose
                 | ResetCause::PeerMisbehaved(_)
+                | ResetCause::DowngradeUnsupported
         );
         let error = matches!(
             cause,
@@ -787,6 +907,7 @@ impl Session {
     /// A message arrived in `slot` (a successful `Recv` completion; `bytes` are the slot's
     /// contents). Consumes the message and queues the slot's re-post.
     pub fn handle_message(&mut self, slot: RecvSlot, bytes: &[u8]) -> Result<(), Error> {
+        self.settle_downgrade();
         if self.terminal.is_some() {
             // The connection is finished; nothing the peer says matters any more.
             return Ok(());
@@ -869,6 +990,9 @@ impl Session {
             }
             ctrl::Message::Fin => {
                 self.slots_released += 1;
+                if self.peer_downgraded {
+                    return Err(self.fail(PeerMisbehaved::DataAfterDowngrade));
+                }
                 if !self.peer_fin {
                     self.peer_fin = true;
                     self.events.push_back(Event::PeerClosed);
@@ -877,6 +1001,17 @@ impl Session {
             ctrl::Message::Rst => {
                 self.slots_released += 1;
                 self.enter_reset(ResetCause::Peer);
+            }
+            ctrl::Message::Downgrade => {
+                self.slots_released += 1;
+                if self.peer_downgraded {
+                    return Err(self.fail(PeerMisbehaved::UnexpectedDowngrade));
+                }
+                // The peer's SAN stream ends here; ours follows it to TCP (also after our
+                // `Fin` or a graceful close, so the peer learns where our stream ends).
+                self.peer_downgraded = true;
+                self.events.push_back(Event::PeerDowngraded);
+                self.begin_downgrade();
             }
         }
         Ok(())
@@ -917,6 +1052,12 @@ impl Session {
             we_send_read_mode: hello.caps & ctrl::caps::RDMA_READ != 0,
         });
         self.send_credits = Credits::new(hello.recv_slots - 1);
+        if self.downgrade_requested && hello.caps & ctrl::caps::DOWNGRADE == 0 {
+            // `downgrade()` during the handshake accepted sends for kernel TCP, which this
+            // peer would never read in order: reset (never a misordered byte).
+            self.enter_reset(ResetCause::DowngradeUnsupported);
+            return Ok(());
+        }
         self.report_established();
         Ok(())
     }
@@ -934,6 +1075,9 @@ impl Session {
     }
 
     fn on_data(&mut self, payload: &[u8], urgent: bool) -> Result<(), Error> {
+        if self.peer_downgraded {
+            return Err(self.fail(PeerMisbehaved::DataAfterDowngrade));
+        }
         if self.peer_fin {
             return Err(self.fail(PeerMisbehaved::DataAfterFin));
         }
@@ -967,6 +1111,9 @@ impl Session {
         rest_len: u64,
         source: Option<RemoteDescriptor>,
     ) -> Result<(), Error> {
+        if self.peer_downgraded {
+            return Err(self.fail(PeerMisbehaved::DataAfterDowngrade));
+        }
         if self.peer_fin {
             return Err(self.fail(PeerMisbehaved::DataAfterFin));
         }
@@ -1160,6 +1307,7 @@ impl Session {
     /// A non-receive completion (or a failed receive). Successful receives go to
     /// [`Session::handle_message`].
     pub fn handle_completion(&mut self, completion: &Completion) -> Result<(), Error> {
+        self.settle_downgrade();
         let wr = completion.wr_id;
         if let Some(pos) = self.rdma_in_flight.iter().position(|w| *w == wr) {
             self.rdma_in_flight.swap_remove(pos);
@@ -1186,6 +1334,15 @@ impl Session {
             (CompletionKind::Recv { .. }, Ok(())) => Err(Error::InvalidState),
             (CompletionKind::Read, status) => self.on_read_completion(wr, status),
             (CompletionKind::Write, status) => self.on_write_completion(wr, status),
+            (_, Err(_)) if self.downgrade_through() => {
+                // Both `Downgrade`s are through and nothing is moving: the peer, done with the
+                // SAN, closed the connection. What is left to post (receive slots, credit
+                // returns) has no reader; nothing of the stream is lost.
+                self.ops.retain(|op| matches!(op, Op::Release(_)));
+                self.controls.clear();
+                self.terminal = Some(Terminal::Downgraded);
+                Ok(())
+            }
             (_, Err(e)) => {
                 let why = ProviderError::Completion(e);
                 self.enter_reset(ResetCause::Provider(why));
@@ -1194,9 +1351,25 @@ impl Session {
         }
     }
 
+    /// Our `Downgrade` is transmitted, the peer's received, and no transfer is in progress in
+    /// either direction: only bookkeeping (reposts, credit returns) may still be pending.
+    fn downgrade_through(&self) -> bool {
+        self.terminal.is_none()
+            && self.downgrade_sent
+            && self.peer_downgraded
+            && self.rdma_in_flight.is_empty()
+            && self.tx_rndv.is_none()
+            && self.rx_sink.is_none()
+            && !self
+                .rx_queue
+                .iter()
+                .any(|s| matches!(s, Segment::Remote(_)))
+    }
+
     /// Posting the work request `wr_id` (from `poll_op` or `poll_transmit`) failed: the
     /// connection is unusable. The driver reports it here.
     pub fn handle_post_error(&mut self, wr_id: WrId, error: PostError) -> Error {
+        self.settle_downgrade();
         self.rdma_in_flight.retain(|w| *w != wr_id);
         while let Some(pos) = self
             .release_on_completion
@@ -1315,6 +1488,7 @@ impl Session {
     /// The registration cache invalidated `handle` (its memory was unmapped or remapped).
     /// The session never posts a new op with it; a rendezvous using it ends early.
     pub fn handle_invalidated(&mut self, handle: MrHandleId) {
+        self.settle_downgrade();
         if let Some(rndv) = self.tx_rndv.as_mut() {
             if rndv.rest.handle == handle {
                 rndv.invalidated = true;
@@ -1381,10 +1555,18 @@ impl Session {
         match self.terminal {
             Some(Terminal::Reset { .. }) => return Err(SendError::Reset),
             Some(Terminal::FellBack) => return Err(SendError::NotConnected),
-            None => {}
+            Some(Terminal::Downgraded) | None => {}
         }
         if self.shut_write || self.closed_by_app {
             return Err(SendError::Closed);
+        }
+        if self.downgrade_requested {
+            // Our rendezvous in progress may still end with a short count whose rest the
+            // application re-sends: it must not have written later bytes to TCP yet.
+            if self.tx_rndv.is_some() {
+                return Err(SendError::WouldBlock);
+            }
+            return Err(SendError::Downgraded);
         }
         if self.peer.is_none() {
             return Err(SendError::WouldBlock);
@@ -1396,6 +1578,7 @@ impl Session {
     /// Returns the count accepted (short counts happen, like a non-blocking TCP send);
     /// `Ok(0)` only for an empty `data` (no message is sent, as on Linux).
     pub fn send(&mut self, data: &[u8], flags: SendFlags) -> Result<usize, SendError> {
+        self.settle_downgrade();
         self.check_send()?;
         if data.is_empty() {
             return Ok(0);
@@ -1421,6 +1604,7 @@ impl Session {
         prefix: &[u8],
         rest: RegisteredRange,
     ) -> Result<SendTicket, SendError> {
+        self.settle_downgrade();
         self.check_send()?;
         if self.tx_rndv.is_some() {
             return Err(SendError::WouldBlock);
@@ -1458,7 +1642,7 @@ impl Session {
         }
         match self.terminal {
             Some(Terminal::FellBack) => Err(RecvError::NotConnected),
-            Some(Terminal::Reset { .. }) => Ok(()),
+            Some(Terminal::Reset { .. } | Terminal::Downgraded) => Ok(()),
             None if self.peer.is_none() => Err(RecvError::WouldBlock),
             None => Ok(()),
         }
@@ -1469,6 +1653,7 @@ impl Session {
     /// urgent byte unless it is the first byte. When the next bytes are a rendezvous
     /// segment, returns [`RecvError::RemoteSegment`] (use [`Session::post_recv`]).
     pub fn recv(&mut self, buf: &mut [u8], flags: RecvFlags) -> Result<usize, RecvError> {
+        self.settle_downgrade();
         self.check_recv(flags)?;
         if buf.is_empty() {
             return Ok(0);
@@ -1539,11 +1724,15 @@ impl Session {
         if copied > 0 {
             return Ok(copied);
         }
-        if self.terminal.is_some() {
+        if matches!(self.terminal, Some(Terminal::Reset { .. })) {
             return Err(RecvError::Reset);
         }
         if self.peer_fin || self.shut_read {
+            // A `Fin` before the peer's `Downgrade` ended the stream: EOF, not a continuation.
             return Ok(0);
+        }
+        if self.peer_downgraded {
+            return Err(RecvError::Downgraded);
         }
         Err(RecvError::WouldBlock)
     }
@@ -1558,8 +1747,9 @@ impl Session {
         buf: RegisteredRange,
         flags: RecvFlags,
     ) -> Result<RecvTicket, RecvError> {
+        self.settle_downgrade();
         self.check_recv(flags)?;
-        if self.terminal.is_some() {
+        if matches!(self.terminal, Some(Terminal::Reset { .. })) {
             return Err(RecvError::Reset);
         }
         if self.rx_sink.is_some() {
@@ -1637,8 +1827,11 @@ impl Session {
     /// stream (ENOMEM): ends that rendezvous at what was consumed so far. The sender sees a
     /// short count and retries the rest; no byte is lost or duplicated.
     pub fn reject_remote_segment(&mut self) -> Result<(), RecvError> {
-        if self.terminal.is_some() {
-            return Err(RecvError::Reset);
+        self.settle_downgrade();
+        match self.terminal {
+            Some(Terminal::Reset { .. }) => return Err(RecvError::Reset),
+            Some(Terminal::FellBack) => return Err(RecvError::NotConnected),
+            Some(Terminal::Downgraded) | None => {}
         }
         if self.rx_sink.is_some() || !matches!(self.rx_queue.front(), Some(Segment::Remote(_))) {
             return Err(RecvError::NotRemote);
@@ -1647,10 +1840,52 @@ impl Session {
         Ok(())
     }
 
+    /// Begins the live move of this connection back to kernel TCP (before a `fork`/`exec`,
+    /// which cannot share the SAN session). From this call on, [`Session::send`] and
+    /// [`Session::send_rendezvous`] fail with [`SendError::Downgraded`] (with
+    /// [`SendError::WouldBlock`] while our rendezvous is still in progress, since it may end
+    /// with a short count whose rest must be re-sent first): the caller writes
+    /// those bytes to the kernel TCP socket, which the peer reads only after our
+    /// `Downgrade`. Everything queued before (inline data, a rendezvous in progress, a `Fin`
+    /// owed) still goes out first, then `Downgrade`. The peer answers with its own
+    /// `Downgrade`; `recv` returns the data queued before it, then
+    /// [`RecvError::Downgraded`] (read the rest from kernel TCP). The session ends in
+    /// [`SessionState::Downgraded`].
+    ///
+    /// During the handshake the request is kept and `Downgrade` goes out once established
+    /// (a peer without the capability then resets the session:
+    /// [`ResetCause::DowngradeUnsupported`]). Idempotent.
+    ///
+    /// # Errors
+    /// [`DowngradeError::Unsupported`] when the peer did not announce the capability,
+    /// [`DowngradeError::Reset`] / [`DowngradeError::FellBack`] in those states; nothing
+    /// changes then.
+    pub fn downgrade(&mut self) -> Result<(), DowngradeError> {
+        self.settle_downgrade();
+        match self.terminal {
+            Some(Terminal::Reset { .. }) => return Err(DowngradeError::Reset),
+            Some(Terminal::FellBack) => return Err(DowngradeError::FellBack),
+            Some(Terminal::Downgraded) => return Ok(()),
+            None => {}
+        }
+        if self.downgrade_requested {
+            return Ok(());
+        }
+        if self.peer.is_some_and(|p| !p.supports_downgrade()) {
+            return Err(DowngradeError::Unsupported);
+        }
+        self.begin_downgrade();
+        Ok(())
+    }
+
     /// `shutdown(2)`. Write: `Fin` goes out after everything queued. Read: queued data stays
     /// readable, then `recv` returns 0; data arriving later is dropped (its credit returned).
+    ///
+    /// After [`Session::downgrade`] the write side is kernel TCP's: shutting it down is the
+    /// caller's business there, and no `Fin` follows our `Downgrade`.
     pub fn shutdown(&mut self, how: Shutdown) {
-        if matches!(how, Shutdown::Write | Shutdown::Both) {
+        self.settle_downgrade();
+        if matches!(how, Shutdown::Write | Shutdown::Both) && !self.downgrade_requested {
             self.shut_write = true;
         }
         if matches!(how, Shutdown::Read | Shutdown::Both) {
@@ -1664,7 +1899,12 @@ impl Session {
     ///
     /// An abortive close after a graceful one is how a driver gives up on a lingering close
     /// (the peer never answers): the session resets at once.
+    ///
+    /// In [`SessionState::Downgraded`] it does nothing (no `Fin`, no `Rst`): the stream is on
+    /// kernel TCP and the caller just drops the SAN connection. A graceful close while a
+    /// downgrade is in progress lets the downgrade finish (no `Fin`).
     pub fn close(&mut self, abortive: bool) {
+        self.settle_downgrade();
         if self.terminal.is_some() {
             return;
         }
@@ -1687,6 +1927,7 @@ impl Session {
 
     /// The next provider op, if any.
     pub fn poll_op(&mut self) -> Option<Op> {
+        self.settle_downgrade();
         let op = self.ops.pop_front()?;
         match op {
             Op::PostRecv { .. } if self.initial_posts_pending > 0 => {
@@ -1708,6 +1949,7 @@ impl Session {
     /// negotiated message size) and returns its work-request id and length, or `None` when
     /// nothing may be sent now (nothing queued, no credits, no free send slot).
     pub fn poll_transmit(&mut self, buf: &mut [u8]) -> Option<Transmit> {
+        self.settle_downgrade();
         if self.sends_in_flight >= self.slots.send_slots || self.initial_posts_pending > 0 {
             return None;
         }
@@ -1744,7 +1986,7 @@ impl Session {
                     ctrl::caps::WRITE_WITH_IMM
                 } else {
                     0
-                },
+                } | ctrl::caps::DOWNGRADE,
                 recv_slots: self.slots.recv_slots,
                 slot_size: self.slots.slot_size,
                 rndv_threshold: self.config.rendezvous_threshold,
@@ -1763,7 +2005,7 @@ impl Session {
         let peer = self.peer?;
         let max = peer.max_message.min(buf.len());
         match self.terminal {
-            Some(Terminal::FellBack) => return None,
+            Some(Terminal::FellBack | Terminal::Downgraded) => return None,
             Some(Terminal::Reset { rst_pending, error }) => {
                 if !rst_pending || !self.send_credits.allows(MessageClass::Last) {
                     return None;
@@ -1805,6 +2047,18 @@ impl Session {
             if self.send_credits.allows(MessageClass::Control) {
                 let len = self.emit(buf, ctrl::Message::Fin, &[])?;
                 self.fin_sent = true;
+                return Some((len, Some(MessageClass::Control)));
+            }
+            self.stats.credit_stalls += 1;
+        }
+
+        // `Downgrade` ends our SAN stream like `Fin`: after all data, a rendezvous in
+        // progress and a `Fin` already owed (so the peer sees EOF, then the downgrade).
+        let fin_owed = self.shut_write && !self.fin_sent;
+        if self.downgrade_requested && !self.downgrade_sent && stream_done && !fin_owed {
+            if self.send_credits.allows(MessageClass::Control) {
+                let len = self.emit(buf, ctrl::Message::Downgrade, &[])?;
+                self.downgrade_sent = true;
                 return Some((len, Some(MessageClass::Control)));
             }
             self.stats.credit_stalls += 1;
@@ -1894,14 +2148,22 @@ impl Session {
     ///   so updates answering updates die out, while a peer starved at its reserve always
     ///   gets the slots back (with at least `MIN_RECV_SLOTS` slots, a starved peer whose
     ///   data we all read is owed at least two).
+    ///
+    /// And one more: a peer down to its last credit cannot send a control message at all (a
+    /// `RdmaDone` or `SinkAvail` that our own rendezvous may be waiting for): it gets even a
+    /// single lazy credit back, as long as we stay above the reserve ourselves. That
+    /// condition breaks the symmetry an exchange of single-credit updates would need (each
+    /// side would have to be at its last credit and above the reserve at once).
     fn wants_credit_update(&self) -> bool {
         let owed = self.credits_owed();
         if owed == 0 {
             return false;
         }
         let eager = owed.saturating_sub(self.lazy_unreturned);
-        let peer_starved = self.peer_credit_view() <= u64::from(CREDIT_RESERVE);
-        eager >= self.update_threshold || (peer_starved && (eager > 0 || owed >= 2))
+        let peer_view = self.peer_credit_view();
+        let peer_starved = peer_view <= u64::from(CREDIT_RESERVE);
+        let peer_mute = peer_view <= 1 && self.send_credits.get() > CREDIT_RESERVE;
+        eager >= self.update_threshold || (peer_starved && (eager > 0 || owed >= 2)) || peer_mute
     }
 
     /// Emits `message`, piggy-backing every credit owed.

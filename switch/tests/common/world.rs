@@ -67,6 +67,15 @@ struct Side {
     closed: bool,
     reset: Option<ResetCause>,
     state: SessionState,
+    /// Kernel TCP from this side to its peer: the bytes the application wrote after the
+    /// session said `SendError::Downgraded` (the peer reads them after our `Downgrade`).
+    tcp_out: Vec<u8>,
+    /// The session said `RecvError::Downgraded`: the application now reads the peer's
+    /// `tcp_out`.
+    reading_tcp: bool,
+    /// Bytes were written to TCP toward an application that had closed: the kernel answers
+    /// with a RST, so the connection is not clean.
+    tcp_reset: bool,
 }
 
 impl Side {
@@ -105,6 +114,12 @@ pub struct Coverage {
     pub interrupted_receives: u64,
     pub resets: u64,
     pub clean_connections: u64,
+    /// Sessions that ended in `SessionState::Downgraded`.
+    pub downgrades: u64,
+    /// Of those, on connections that were not reset (their byte streams were checked).
+    pub clean_downgrades: u64,
+    /// Application bytes carried over the kernel TCP continuation after a downgrade.
+    pub tcp_bytes: u64,
 }
 
 macro_rules! ensure {
@@ -244,6 +259,9 @@ impl<R: RngCore> World<R> {
                 closed: false,
                 reset: None,
                 state: SessionState::Handshaking,
+                tcp_out: Vec::new(),
+                reading_tcp: false,
+                tcp_reset: false,
             });
         }
     }
@@ -339,12 +357,32 @@ impl<R: RngCore> World<R> {
             }
             r if r < 0.908 => {
                 let abortive = self.rng.gen_bool(0.5);
+                let peer = self.sides[side].peer;
+                let downgraded = self.sides[side].session.state() == SessionState::Downgraded;
+                let unread = !self.sides[peer].tcp_out.is_empty()
+                    || (downgraded && (abortive || self.sides[side].session.recv_queue_len() > 0));
+                if unread {
+                    // Closing kernel TCP with unread bytes (or after a downgrade, with SAN
+                    // bytes unread, which the session no longer resets): the kernel sends a
+                    // RST, so the connection is not clean.
+                    self.sides[side].tcp_reset = true;
+                    self.sides[peer].tcp_reset = true;
+                }
                 self.sides[side].session.close(abortive);
                 self.sides[side].closed = true;
                 self.sides[side].shut_write = true;
                 Ok(())
             }
             r if r < 0.95 => self.fault(side),
+            r if r < 0.955 => {
+                // fork()/exec(): the preload moves the connection back to kernel TCP.
+                match self.sides[side].session.downgrade() {
+                    Ok(()) => {}
+                    Err(switch::error::DowngradeError::Reset) => {}
+                    Err(e) => return Err(format!("side {side}: downgrade refused: {e:?}")),
+                }
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
@@ -364,10 +402,26 @@ impl<R: RngCore> World<R> {
                 ensure!(len > 0 || n == 0, "zero-length send");
                 s.sent += n as u64;
             }
+            Err(SendError::Downgraded) => {
+                self.write_tcp(side, &data);
+            }
             Err(SendError::WouldBlock | SendError::Reset) => {}
             Err(e) => return Err(format!("unexpected send error {e:?}")),
         }
         Ok(())
+    }
+
+    /// The application's write goes to kernel TCP (the session downgraded).
+    fn write_tcp(&mut self, side: usize, data: &[u8]) {
+        let peer = self.sides[side].peer;
+        if self.sides[peer].closed && !data.is_empty() {
+            self.sides[side].tcp_reset = true;
+            self.sides[peer].tcp_reset = true;
+        }
+        let s = &mut self.sides[side];
+        s.tcp_out.extend_from_slice(data);
+        s.sent += data.len() as u64;
+        self.coverage.tcp_bytes += data.len() as u64;
     }
 
     fn send_rendezvous(&mut self, side: usize) -> Check {
@@ -425,6 +479,11 @@ impl<R: RngCore> World<R> {
                 let endpoint = &mut self.endpoints[s.endpoint];
                 endpoint.cache.release(&mut endpoint.domain, handle);
                 self.free(self.sides[side].endpoint, range);
+                if e == SendError::Downgraded {
+                    // The driver's large write goes to kernel TCP instead.
+                    self.write_tcp(side, &data);
+                    return Ok(());
+                }
                 if !matches!(e, SendError::WouldBlock | SendError::Reset) {
                     return Err(format!("unexpected send_rendezvous error {e:?}"));
                 }
@@ -452,6 +511,9 @@ impl<R: RngCore> World<R> {
 
     fn receive_into(&mut self, side: usize, buf: &mut [u8], peek: bool, drain: bool) -> Check {
         let peer = self.sides[side].peer;
+        if self.sides[side].reading_tcp {
+            return self.receive_tcp(side, buf.len());
+        }
         let s = &mut self.sides[side];
         let flags = RecvFlags {
             peek,
@@ -512,8 +574,35 @@ impl<R: RngCore> World<R> {
                     Err(e) => return Err(format!("post_recv refused: {e:?}")),
                 }
             }
+            Err(RecvError::Downgraded) => {
+                ensure!(
+                    s.session.peer_downgraded(),
+                    "side {side}: Downgraded before the peer's Downgrade"
+                );
+                s.reading_tcp = true;
+                return self.receive_tcp(side, buf.len());
+            }
             Err(RecvError::WouldBlock | RecvError::Reset) => {}
             Err(e) => return Err(format!("unexpected recv error {e:?}")),
+        }
+        Ok(())
+    }
+
+    /// After the session's `RecvError::Downgraded`, the application reads kernel TCP: the
+    /// peer's continuation must be exactly the next bytes of its stream.
+    fn receive_tcp(&mut self, side: usize, max: usize) -> Check {
+        let peer = self.sides[side].peer;
+        let n = max.min(self.sides[peer].tcp_out.len());
+        let bytes: Vec<u8> = self.sides[peer].tcp_out.drain(..n).collect();
+        let s = &mut self.sides[side];
+        ensure!(
+            bytes == pattern(peer as u64, s.received, n),
+            "side {side}: TCP continuation at offset {} differs from the stream",
+            s.received
+        );
+        s.received += n as u64;
+        if self.sides[peer].tcp_out.is_empty() && self.sides[peer].shut_write {
+            self.sides[side].eof = true;
         }
         Ok(())
     }
@@ -684,6 +773,12 @@ impl<R: RngCore> World<R> {
                 self.sides[side].reset = Some(cause);
                 self.coverage.resets += 1;
             }
+            Event::PeerDowngraded => {
+                ensure!(
+                    self.sides[side].session.peer_downgraded(),
+                    "side {side}: PeerDowngraded without peer_downgraded()"
+                );
+            }
             Event::Established { .. } | Event::PeerClosed => {}
             _ => {}
         }
@@ -739,9 +834,12 @@ impl<R: RngCore> World<R> {
                 (SessionState::Handshaking, _)
                     | (
                         SessionState::Established,
-                        SessionState::Closed | SessionState::Reset
+                        SessionState::Closed | SessionState::Reset | SessionState::Downgraded
                     )
-                    | (SessionState::Closed, SessionState::Reset)
+                    | (
+                        SessionState::Closed,
+                        SessionState::Reset | SessionState::Downgraded
+                    )
             );
             ensure!(
                 allowed,
@@ -819,6 +917,11 @@ impl<R: RngCore> World<R> {
                 if !s.session.is_quiescent() {
                     done = false;
                 }
+                // Downgraded is quiescent at once, but the application still reads the rest
+                // of the stream from TCP before it closes.
+                if s.session.state() == SessionState::Downgraded && !s.closed {
+                    done = false;
+                }
             }
             let stepped = self.fabric.step();
             self.pump()?;
@@ -858,8 +961,15 @@ impl<R: RngCore> World<R> {
             }
             let s = &self.sides[side];
             let peer = &self.sides[s.peer];
-            let clean = s.reset.is_none() && peer.reset.is_none() && self.live(s.peer);
+            if s.session.state() == SessionState::Downgraded {
+                self.coverage.downgrades += 1;
+            }
+            let clean =
+                s.reset.is_none() && peer.reset.is_none() && !s.tcp_reset && self.live(s.peer);
             if clean {
+                if s.session.state() == SessionState::Downgraded {
+                    self.coverage.clean_downgrades += 1;
+                }
                 self.coverage.clean_connections += 1;
                 self.coverage.bytes_delivered += s.received;
                 ensure!(
@@ -944,6 +1054,9 @@ pub fn run_world<R: RngCore>(
     total.interrupted_receives += c.interrupted_receives;
     total.resets += c.resets;
     total.clean_connections += c.clean_connections;
+    total.downgrades += c.downgrades;
+    total.clean_downgrades += c.clean_downgrades;
+    total.tcp_bytes += c.tcp_bytes;
     Ok(())
 }
 
