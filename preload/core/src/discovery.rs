@@ -293,7 +293,9 @@ fn new_socket(domain: i32, kind: i32, op: &'static str) -> Result<OwnedFd, Disco
         return Err(DiscoveryError::last_os(op));
     }
     // SAFETY: `fd` was just returned by socket() and is owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    Ok(crate::mirror::relocate_internal_fd(unsafe {
+        OwnedFd::from_raw_fd(fd)
+    }))
 }
 
 // ---------------------------------------------------------------------------------------------

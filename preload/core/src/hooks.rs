@@ -139,12 +139,20 @@ macro_rules! sandirect_hook_table {
             Accelerate libc generated "kernel readiness today (ENOSYS where glibc < 2.35 lacks it)"
                 fn epoll_pwait2(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
             // ---- processes ------------------------------------------------------------------------
-            PassThrough libc generated "child state is reset by pthread_atfork handlers (stats identity, SAN sockets downgraded)"
+            Accelerate libc generated "SAN connections are first downgraded to kernel TCP, exactly (a session cannot be shared); unread SAN bytes go to a stash both processes share"
                 fn fork() -> ::libc::pid_t;
             PassThrough libc handwritten "frameless trampoline to the real vfork: no Rust code runs in the child"
                 fn vfork() -> ::libc::pid_t;
-            PassThrough libc generated "only fds survive exec; the new image starts untracked"
+            Accelerate libc generated "surviving SAN sockets are downgraded to kernel TCP first; their stashes go to the new image (SANDIRECT_STASHES)"
                 fn execve(path: *const ::libc::c_char, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "as execve (glibc's execv calls its internal execve, which no preload sees)"
+                fn execv(path: *const ::libc::c_char, argv: *const *const ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "as execve (Rust's Command::exec, Python's os.execvp)"
+                fn execvp(file: *const ::libc::c_char, argv: *const *const ::libc::c_char) -> ::libc::c_int;
+            Accelerate glibc generated "as execve"
+                fn execvpe(file: *const ::libc::c_char, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "as execve"
+                fn fexecve(fd: ::libc::c_int, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
         }
     };
 }

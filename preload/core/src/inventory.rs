@@ -184,6 +184,10 @@ mod tests {
             "fork",
             "vfork",
             "execve",
+            "execv",
+            "execvp",
+            "execvpe",
+            "fexecve",
             "__read_chk",
             "__recv_chk",
             "__recvfrom_chk",
@@ -195,7 +199,7 @@ mod tests {
                 "{required} missing from the hook table"
             );
         }
-        assert_eq!(names.len(), 53);
+        assert_eq!(names.len(), 57);
     }
 
     #[test]

@@ -4,37 +4,43 @@
 //! A [`Mirror`] owns `M`, one end of an `AF_UNIX` stream socketpair; the other end `K` goes to
 //! the peer process (with [`send_fd`]) and is closed here. The epoll/poll/select hooks wait on
 //! `M` in place of the application's fd, so every kernel waiting feature (ET, ONESHOT,
-//! EXCLUSIVE, nested epoll, epoll sets shared across fork) works unchanged. Two flags in a
+//! EXCLUSIVE, nested epoll, epoll sets shared across fork) works unchanged. The words of a
 //! [`MirrorWords`] that both processes map keep `M`'s readiness equal to the session's.
 //!
 //! # Readable (IN): tokens
 //!
-//! `M` is readable while it holds a *token* byte. Invariant: `tokens in M + tokens being
-//! written == readable flag` (0 or 1), except transiently 2 during a lowering (below).
+//! `M` is readable while it holds a *token* byte. The shared `readable` word counts the tokens
+//! written to `M` (or being written) that no lowering has claimed; we keep a local count of
+//! tokens claimed but not yet arrived. Invariant: `tokens in M + tokens being written ==
+//! readable + claimed_unread`.
 //!
-//! * The peer, after pushing data, calls [`raise_readable`]: if the flag is down it CASes it
-//!   0→1 and writes one token to `K`. With the flag up it returns without a system call.
-//! * We, when our receive queue became empty, call [`Mirror::lower_readable`]: with the flag
-//!   up, it first *peeks* that the token has arrived, then puts the flag down, then re-checks
-//!   for data (Dekker with the peer's push: `SeqCst` fences on both sides, so at least one of
-//!   the two sees the other). Data present: it CASes the flag back up and keeps the token (or,
-//!   if a producer won the CAS and sends a new token, consumes only the old one). No data: it
-//!   consumes exactly the one token it peeked; a token sent by a producer after the flag went
-//!   down is a newer edge's and stays.
+//! * The peer, after pushing data, calls [`raise_readable`]: if the count is zero it CASes it
+//!   0→1 and writes one token to `K` (a rising edge). With the count up it returns without a
+//!   system call — unless we asked for an edge per arrival (below).
+//! * We, when our receive queue became empty, call [`Mirror::lower_readable`]: it claims the
+//!   count (swap to 0), then re-checks for data (Dekker with the peer's push: `SeqCst` fences
+//!   on both sides, so at least one of the two sees the other). Data present: it hands the
+//!   claimed count back and leaves the tokens in `M`. No data: it consumes the claimed tokens
+//!   that have arrived; one still being written (the producer is between its count update and
+//!   its write, [`ReadLowering::TokenInFlight`]) is consumed by a later lowering.
 //!
-//! So no wake-up is lost (data pushed after our flag store finds the flag down and raises; data
-//! pushed before it is seen by our re-check) and no newer edge's token is drained. The only
-//! imprecision is spurious readiness: a token still in flight when we lower (the producer is
-//! between its CAS and its write; [`ReadLowering::TokenInFlight`]) arrives after we emptied
-//! the queue, so `M` is readable once with nothing to read. The kernel allows that of any
-//! socket (another thread may have read first), and the next lowering removes it. (A producer
-//! *stopped* between its CAS and its write, e.g. by SIGSTOP, delays the wake-up for its data
-//! until it runs again; a producer killed there closes `K`, which wakes us with HUP.)
+//! So no wake-up is lost (data pushed after our claim finds the count at zero and raises; data
+//! pushed before it is seen by our re-check) and no newer edge loses its token: we consume
+//! only as many tokens as we claimed. The only imprecision is spurious readiness: a claimed
+//! token that arrives after we emptied the queue makes `M` readable once with nothing to read.
+//! The kernel allows that of any socket (another thread may have read first), the hooks drop
+//! such an event after checking the session, and the next lowering removes it. (A producer
+//! *stopped* between its count update and its write, e.g. by SIGSTOP, delays the wake-up for
+//! its data until it runs again; a producer killed there closes `K`, which wakes us with HUP.)
 //!
-//! **Edge-triggered waiters** get one event per rising edge (per token). A TCP socket may
-//! signal again for every segment that arrives while it is already readable; an ET
-//! application must read until `EAGAIN` either way, so it cannot tell the difference, and the
-//! hooks report `EAGAIN` only after a lowering, which re-arms the edge.
+//! **Edge-triggered waiters.** By default the peer writes one token per rising edge, so an
+//! edge-triggered waiter gets one event per rising edge. A TCP socket signals again for every
+//! segment that arrives while it is already readable, and programs can tell the difference (a
+//! reader that stops before `EAGAIN` waits for the next arrival). So while an edge-triggered
+//! epoll registration watches `M`, we set [`Mirror::set_edge_per_arrival`] in our words, and
+//! the peer then writes a token on every raise (up to 64 unclaimed): a
+//! write to `K` while `M` already holds unread bytes wakes epoll again, exactly as an arriving
+//! segment does. The count covers those tokens too, so lowering stays exact.
 //!
 //! **No local raise for IN.** Only `K` writes into `M`'s receive queue, so we cannot make `M`
 //! readable ourselves, and the token protocol never needs to: it never consumes a token before
@@ -118,8 +124,6 @@ pub enum MirrorError {
     /// [`recv_fd`]: the sender's descriptors did not fit our control buffer (the kernel closed
     /// the excess).
     AncillaryTruncated,
-    /// The token we peeked was gone when we consumed it: someone else reads `M`.
-    TokenStolen,
     /// An unexpected system-call failure.
     Os {
         /// What was being done.
@@ -148,7 +152,6 @@ impl fmt::Display for MirrorError {
             ),
             MirrorError::EmptyPayload => f.write_str("passing a descriptor needs a payload byte"),
             MirrorError::AncillaryTruncated => f.write_str("received descriptors were truncated"),
-            MirrorError::TokenStolen => f.write_str("mirror token consumed by someone else"),
             MirrorError::Os { op, errno } => {
                 write!(f, "{op}: {}", std::io::Error::from_raw_os_error(*errno))
             }
@@ -167,27 +170,44 @@ impl std::error::Error for MirrorError {}
 #[repr(C)]
 #[derive(Debug, Default)]
 pub struct MirrorWords {
-    /// 1 while a token is in `M` or being written to it (the current readable edge).
+    /// Tokens written to `M` (or being written) that no lowering has claimed yet: nonzero
+    /// while `M` is raised readable. 1 per rising edge, plus one per further arrival while
+    /// `edge_per_arrival` is set.
     readable: AtomicU32,
     /// 1 while `M` is filled and the peer owes a drain of `K` when space returns.
     write_lowered: AtomicU32,
+    /// Set by the owner of `M` while an edge-triggered epoll registration watches it: the peer
+    /// then writes a token for every arrival, not only for the rising edge.
+    edge_per_arrival: AtomicU32,
 }
 
 // Both processes map these words: their layout is part of the segment format.
-const _: () = assert!(size_of::<MirrorWords>() == 8 && core::mem::align_of::<MirrorWords>() == 4);
+const _: () = assert!(size_of::<MirrorWords>() == 12 && core::mem::align_of::<MirrorWords>() == 4);
+
+/// Most tokens queued in `M` at once in the edge-per-arrival mode. Far below what `K`'s send
+/// buffer holds (each one-byte token costs one skb), so a token write never meets `EAGAIN`;
+/// arrivals beyond it, before the owner reads anything, make no further edge.
+const MAX_QUEUED_TOKENS: u32 = 64;
 
 impl MirrorWords {
-    /// Both flags down: `M` not readable, writable.
+    /// Initial state: `M` not readable, writable, one token per rising edge.
     pub const fn new() -> MirrorWords {
         MirrorWords {
             readable: AtomicU32::new(0),
             write_lowered: AtomicU32::new(0),
+            edge_per_arrival: AtomicU32::new(0),
         }
     }
 
-    /// Whether the readable flag is up (diagnostics).
+    /// Whether `M` is raised readable (unclaimed tokens counted; diagnostics).
     pub fn is_readable_raised(&self) -> bool {
         self.readable.load(Ordering::Relaxed) != 0
+    }
+
+    /// Whether the peer writes a token for every arrival (see
+    /// [`Mirror::set_edge_per_arrival`]).
+    pub fn is_edge_per_arrival(&self) -> bool {
+        self.edge_per_arrival.load(Ordering::Relaxed) != 0
     }
 
     /// Whether writability is lowered and awaiting the peer (diagnostics).
@@ -204,15 +224,15 @@ impl MirrorWords {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ReadLowering {
-    /// The flag was already down: `M` was not readable (no system call made).
+    /// Nothing was counted or owed: `M` was not readable (no system call made).
     NotRaised,
     /// The token is consumed: `M` is no longer readable (unless at end of file); any later
     /// push raises it again.
     Lowered,
     /// Data arrived meanwhile: `M` stays readable. Read again instead of reporting `EAGAIN`.
     StillReadable,
-    /// The current edge's token is still being written by the peer: `M` will turn readable
-    /// shortly (spuriously if the data was already consumed; lower again then).
+    /// Lowered, but a token this lowering claimed is still being written by the peer: `M`
+    /// turns readable shortly, spuriously (the next lowering consumes it).
     TokenInFlight,
     /// `M` is at end of file (peer FIN, [`Mirror::set_read_hup`] or peer death): it stays
     /// readable for good.
@@ -241,7 +261,7 @@ pub enum WriteLowering {
 pub enum Raise {
     /// The flag was already in the raised state: nothing to do (no system call).
     AlreadyRaised,
-    /// This call made the edge (wrote the token / drained `K`).
+    /// This call made an edge (wrote a token / drained `K`).
     Raised,
     /// `M` is closed or shut down for reading: nobody is waiting any more.
     MirrorClosed,
@@ -283,25 +303,6 @@ fn set_sndbuf(fd: BorrowedFd<'_>, request: libc::c_int) -> Result<libc::c_int, M
     Ok(effective)
 }
 
-/// `recv(fd, 1 byte, flags | MSG_DONTWAIT)`: `Ok(true)` a byte, `Ok(false)` end of file.
-fn recv_one(fd: BorrowedFd<'_>, flags: libc::c_int) -> Result<bool, i32> {
-    let mut byte = 0u8;
-    // SAFETY: one writable byte.
-    let n = unsafe {
-        libc::recv(
-            fd.as_raw_fd(),
-            (&mut byte as *mut u8).cast(),
-            1,
-            flags | libc::MSG_DONTWAIT,
-        )
-    };
-    match n {
-        1 => Ok(true),
-        0 => Ok(false),
-        _ => Err(errno::get()),
-    }
-}
-
 /// The filler for lowering writability; larger than any minimal send buffer, so one `send`
 /// usually fills `M` (it returns short when the buffer is full).
 static FILLER: [u8; 16 << 10] = [0; 16 << 10];
@@ -325,6 +326,9 @@ pub struct Mirror<W: Deref<Target = MirrorWords>> {
     sndbuf_is_large: bool,
     write_shut: bool,
     last_fill: usize,
+    /// Tokens a lowering claimed (took off the count) that had not arrived in `M` yet: the
+    /// next lowerings consume them as they arrive.
+    claimed_unread: u32,
 }
 
 impl<W: Deref<Target = MirrorWords>> Mirror<W> {
@@ -345,6 +349,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         }
         // SAFETY: socketpair returned two fresh descriptors owned by nobody else.
         let (m, k) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let (m, k) = (relocate_internal_fd(m), relocate_internal_fd(k));
         let large = set_sndbuf(m.as_fd(), LARGE_SNDBUF_REQUEST)?;
         let small = set_sndbuf(m.as_fd(), SMALL_SNDBUF_REQUEST)?;
         // A fill stops once the queued bytes reach `small`, overshooting by at most one
@@ -360,6 +365,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
             sndbuf_is_large: false,
             write_shut: false,
             last_fill: 0,
+            claimed_unread: 0,
         };
         Ok((mirror, k))
     }
@@ -398,57 +404,75 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
     }
 
     /// Lowers `M`'s readability because our receive queue became empty (see the module docs).
-    /// `data_available` re-reads the receive queue after the flag went down.
+    /// `data_available` re-reads the receive queue after the count went to zero.
     ///
     /// # Errors
-    /// An unexpected `recv` failure, or [`MirrorError::TokenStolen`].
+    /// An unexpected `recv` failure.
     pub fn lower_readable(
         &mut self,
         data_available: impl FnOnce() -> bool,
     ) -> Result<ReadLowering, MirrorError> {
-        if self.words.readable.load(Ordering::Acquire) == 0 {
+        if self.words.readable.load(Ordering::Acquire) == 0 && self.claimed_unread == 0 {
             return Ok(ReadLowering::NotRaised);
         }
-        match recv_one(self.m.as_fd(), libc::MSG_PEEK) {
-            Ok(true) => {}
-            Ok(false) => return Ok(ReadLowering::Hangup),
-            Err(libc::EAGAIN) => return Ok(ReadLowering::TokenInFlight),
-            // `K` closed with filler unread: the peer is gone (the error is reported once).
-            Err(libc::ECONNRESET) => return Ok(ReadLowering::Hangup),
-            Err(errno) => {
-                return Err(MirrorError::Os {
-                    op: "peek mirror token",
-                    errno,
-                })
-            }
-        }
-        self.words.readable.store(0, Ordering::Relaxed);
-        // Pairs with the fence in `raise_readable`: either the producer sees the flag down (and
-        // sends a new token) or we see its data below.
+        // Claim every token counted so far: a producer that raises from now on sees zero and
+        // makes a new edge.
+        let claimed = self.words.readable.swap(0, Ordering::AcqRel);
+        // Pairs with the fence in `raise_readable`: either the producer sees the count at zero
+        // (and sends a new token) or we see its data below.
         fence(Ordering::SeqCst);
-        let outcome = if data_available() {
-            let kept =
-                self.words
-                    .readable
-                    .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed);
-            if kept.is_ok() {
-                // The peeked token stands for the data that is there.
-                return Ok(ReadLowering::StillReadable);
+        if data_available() {
+            // The claimed tokens stand for the data that is there: hand them back, untouched.
+            if claimed > 0 {
+                self.words.readable.fetch_add(claimed, Ordering::AcqRel);
             }
-            // A producer raised a new edge: its token replaces ours.
-            ReadLowering::StillReadable
-        } else {
-            ReadLowering::Lowered
-        };
-        match recv_one(self.m.as_fd(), 0) {
-            Ok(true) => Ok(outcome),
-            Ok(false) | Err(libc::EAGAIN) => Err(MirrorError::TokenStolen),
-            Err(libc::ECONNRESET) => Ok(ReadLowering::Hangup),
-            Err(errno) => Err(MirrorError::Os {
-                op: "consume mirror token",
-                errno,
-            }),
+            return Ok(ReadLowering::StillReadable);
         }
+        self.claimed_unread = self.claimed_unread.saturating_add(claimed);
+        // Consume exactly the claimed tokens that have arrived. Tokens are alike, so one taken
+        // here may be a newer edge's while a claimed one is still in flight; the count stays
+        // right either way (queued + in flight == count + claimed_unread), and the late
+        // token makes `M` readable for that newer edge.
+        let mut sink = [0u8; MAX_QUEUED_TOKENS as usize * 2];
+        while self.claimed_unread > 0 {
+            let want = (self.claimed_unread as usize).min(sink.len());
+            // SAFETY: `sink` is writable for `want` ≤ its length.
+            let n = unsafe {
+                libc::recv(
+                    self.m.as_raw_fd(),
+                    sink.as_mut_ptr().cast(),
+                    want,
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match n {
+                n if n > 0 => self.claimed_unread -= n as u32,
+                0 => return Ok(ReadLowering::Hangup),
+                _ => match errno::get() {
+                    libc::EAGAIN => return Ok(ReadLowering::TokenInFlight),
+                    // `K` closed with filler unread: the peer is gone (the error is reported
+                    // once).
+                    libc::ECONNRESET => return Ok(ReadLowering::Hangup),
+                    errno => {
+                        return Err(MirrorError::Os {
+                            op: "consume mirror tokens",
+                            errno,
+                        })
+                    }
+                },
+            }
+        }
+        Ok(ReadLowering::Lowered)
+    }
+
+    /// Asks the peer for a token on every arrival (`true`: an edge-triggered epoll
+    /// registration watches `M`) or only on the rising edge (`false`). A write to `K` while
+    /// `M` already holds unread tokens is a new edge for epoll, as an arriving segment is for
+    /// a TCP socket.
+    pub fn set_edge_per_arrival(&self, on: bool) {
+        self.words
+            .edge_per_arrival
+            .store(u32::from(on), Ordering::Relaxed);
     }
 
     /// Lowers `M`'s writability because we ran out of credits or send space (see the module
@@ -568,18 +592,29 @@ fn shutdown(fd: BorrowedFd<'_>, how: libc::c_int, op: &'static str) -> Result<()
 // The peer's side
 // ---------------------------------------------------------------------------------------------
 
-/// Raises the other side's `M` readable after we pushed data to it (we hold its `K`). At most
-/// one token per rising edge; no system call while the flag is up.
+/// Raises the other side's `M` readable after we pushed data to it (we hold its `K`). One
+/// token per rising edge, and no system call while `M` is raised; when that side asked for an
+/// edge per arrival ([`Mirror::set_edge_per_arrival`]), a token for every call (up to
+/// 64 unclaimed).
 pub fn raise_readable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     // Pairs with the fence in `Mirror::lower_readable`: the data we pushed before this call is
-    // visible to the consumer's re-check, or we see its flag down.
+    // visible to the consumer's re-check, or we see its count at zero.
     fence(Ordering::SeqCst);
-    if words.readable.load(Ordering::Relaxed) != 0
-        || words
+    let counted = if words.edge_per_arrival.load(Ordering::Relaxed) != 0 {
+        words
             .readable
-            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
-            .is_err()
-    {
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |count| {
+                (count < MAX_QUEUED_TOKENS).then_some(count + 1)
+            })
+            .is_ok()
+    } else {
+        words.readable.load(Ordering::Relaxed) == 0
+            && words
+                .readable
+                .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+    };
+    if !counted {
         return Raise::AlreadyRaised;
     }
     let token = 1u8;
@@ -596,7 +631,7 @@ pub fn raise_readable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
         Raise::Raised
     } else {
         // EPIPE: `M` closed or shut for reading, nobody waits. (EAGAIN cannot happen: at most
-        // two tokens are ever queued.)
+        // MAX_QUEUED_TOKENS tokens plus a few in flight are ever queued.)
         Raise::MirrorClosed
     }
 }
@@ -748,7 +783,7 @@ pub fn recv_fd(
                     // Every descriptor received is ours to own (and close if surplus).
                     let owned = OwnedFd::from_raw_fd(raw);
                     if received.is_none() {
-                        received = Some(owned);
+                        received = Some(relocate_internal_fd(owned));
                     }
                 }
             }
@@ -759,4 +794,44 @@ pub fn recv_fd(
         return Err(MirrorError::AncillaryTruncated);
     }
     Ok((n as usize, received))
+}
+
+/// Moves a descriptor the library keeps for itself above the numbers the application uses
+/// (see [`san_shm::relocate_internal_fd`], shared with the provider's own descriptors).
+pub use san_shm::relocate_internal_fd;
+
+#[cfg(test)]
+mod relocation_tests {
+    use super::*;
+
+    fn eventfd() -> OwnedFd {
+        // SAFETY: plain eventfd(2).
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        assert!(raw >= 0, "eventfd");
+        // SAFETY: fresh descriptor owned by nobody else.
+        unsafe { OwnedFd::from_raw_fd(raw) }
+    }
+
+    #[test]
+    fn internal_descriptors_leave_the_low_numbers_to_the_application() {
+        let floor = san_shm::internal_fd_floor();
+        assert!(
+            floor > 64,
+            "test runs with a soft RLIMIT_NOFILE of at least 130"
+        );
+        let low = eventfd();
+        assert!(low.as_raw_fd() < floor);
+        let moved = relocate_internal_fd(low);
+        assert!(moved.as_raw_fd() >= floor, "moved to {}", moved.as_raw_fd());
+        // SAFETY: F_GETFD on our own descriptor.
+        let flags = unsafe { libc::fcntl(moved.as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(
+            flags & libc::FD_CLOEXEC,
+            libc::FD_CLOEXEC,
+            "stays close-on-exec"
+        );
+        // A descriptor already above the floor stays.
+        let number = moved.as_raw_fd();
+        assert_eq!(relocate_internal_fd(moved).as_raw_fd(), number);
+    }
 }

@@ -101,10 +101,15 @@ fn data_call(
 /// counted and reported as a reset connection rather than unwinding into C.
 #[inline]
 fn san_data_call(entry: FdEntry, san: impl FnOnce(u32) -> Option<ssize_t>) -> Option<ssize_t> {
-    if guard::is_inside() {
-        return None;
-    }
     let index = crate::san::san_index(entry)?;
+    if guard::is_inside() {
+        // Only a signal handler that interrupted one of our own hooks on this thread gets
+        // here (our code never does data calls through the hooks). The SAN state may be
+        // mid-update under a lock this thread holds, and the kernel socket would put the bytes
+        // out of order: the call is interrupted instead, which the handler can retry later.
+        errno::set(libc::EINTR);
+        return Some(-1);
+    }
     let _guard = ReentrancyGuard::enter();
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| san(index))) {
         Ok(result) => result,
@@ -1605,8 +1610,221 @@ pub unsafe fn pselect(
 passthrough_ops! {
     __poll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int;
     __ppoll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: *const libc::timespec, sigmask: *const libc::sigset_t, fdslen: size_t) -> c_int;
-    fork() -> libc::pid_t;
-    execve(path: *const libc::c_char, argv: *const *const libc::c_char, envp: *const *const libc::c_char) -> c_int;
+}
+
+/// `fork(2)`: a SAN session cannot be shared by two processes, so every SAN connection is
+/// first moved back to kernel TCP, live and exactly (`san::before_fork`); both processes then
+/// hold plain TCP sockets (with a shared stash of bytes received but not read yet).
+///
+/// While the socket records are published (shared with `sandirect stat`), the child copies
+/// them into a file of its own in its atfork handler; the parent waits (bounded) until it has,
+/// so a socket the parent closes right after the fork is still the child's.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn fork() -> libc::pid_t {
+    let published = crate::registry::registry().is_published();
+    if (crate::san::live_sockets() == 0 && !published) || guard::is_inside() {
+        // SAFETY: forwarded.
+        return unsafe { real::fork() };
+    }
+    let held = (crate::san::live_sockets() != 0).then(|| {
+        let _guard = ReentrancyGuard::enter();
+        crate::san::before_fork()
+    });
+    let signal = published.then(crate::runtime::ForkSignal::new).flatten();
+    // SAFETY: forwarded.
+    let pid = unsafe { real::fork() };
+    let _errno = errno::Preserved::save();
+    if let Some(signal) = signal {
+        if pid > 0 {
+            signal.wait_for_child();
+        }
+    }
+    // Both processes release the slot locks held across the fork (no thread of the parent
+    // can have been inside one in the child).
+    drop(held);
+    pid
+}
+
+/// Before an exec: surviving SAN sockets are downgraded to kernel TCP and their stashes
+/// prepared for the new image. Returns the `SANDIRECT_STASHES=...` entry when there is one.
+fn prepare_exec() -> Option<std::ffi::CString> {
+    if crate::san::live_sockets() == 0 || guard::is_inside() || crate::runtime::in_vfork_child() {
+        // A vfork child shares the parent's memory but not its descriptors: it must not touch
+        // the parent's SAN state (those sockets simply are not downgraded for the new image).
+        return None;
+    }
+    let _guard = ReentrancyGuard::enter();
+    let survives = |fd: c_int| {
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        flags >= 0 && flags & libc::FD_CLOEXEC == 0
+    };
+    crate::san::downgrade_all(Some(&survives));
+    let stashes = crate::san::stash_env(&survives)?;
+    std::ffi::CString::new(format!("{}={stashes}", crate::san::STASH_ENV)).ok()
+}
+
+/// `envp` without an older `SANDIRECT_STASHES`, plus `ours`; NULL-terminated.
+///
+/// # Safety
+/// `envp` is null or a NULL-terminated array of C strings.
+unsafe fn environment_with(
+    envp: *const *const libc::c_char,
+    ours: &std::ffi::CStr,
+) -> Vec<*const libc::c_char> {
+    let prefix = format!("{}=", crate::san::STASH_ENV);
+    let mut entries: Vec<*const libc::c_char> = Vec::new();
+    if !envp.is_null() {
+        // Bounded by the caller's NULL-terminated array.
+        for position in 0.. {
+            // SAFETY: `envp` is a NULL-terminated array of C strings (the caller's contract).
+            let entry = unsafe { *envp.add(position) };
+            if entry.is_null() {
+                break;
+            }
+            // SAFETY: as above.
+            let bytes = unsafe { std::ffi::CStr::from_ptr(entry) }.to_bytes();
+            if !bytes.starts_with(prefix.as_bytes()) {
+                entries.push(entry);
+            }
+        }
+    }
+    entries.push(ours.as_ptr());
+    entries.push(core::ptr::null());
+    entries
+}
+
+extern "C" {
+    static mut environ: *const *const libc::c_char;
+}
+
+/// The process environment (for the exec calls without an `envp`).
+fn process_environment() -> *const *const libc::c_char {
+    // SAFETY: reading the pointer value of libc's `environ`.
+    unsafe { core::ptr::addr_of!(environ).read() }
+}
+
+/// `execve(2)`: surviving SAN sockets are downgraded to kernel TCP first, and the stashes of
+/// bytes received but not read yet are handed to the new image (`SANDIRECT_STASHES`).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    let Some(ours) = prepare_exec() else {
+        // SAFETY: forwarded.
+        return unsafe { real::execve(path, argv, envp) };
+    };
+    // SAFETY: the caller's environment array.
+    let env = unsafe { environment_with(envp, &ours) };
+    // SAFETY: forwarded with a valid NULL-terminated environment that outlives the call.
+    unsafe { real::execve(path, argv, env.as_ptr()) }
+}
+
+/// `execvpe(3)`: as [`execve`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn execvpe(
+    file: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    let Some(ours) = prepare_exec() else {
+        // SAFETY: forwarded.
+        return unsafe { real::execvpe(file, argv, envp) };
+    };
+    // SAFETY: the caller's environment array.
+    let env = unsafe { environment_with(envp, &ours) };
+    // SAFETY: forwarded with a valid environment that outlives the call.
+    unsafe { real::execvpe(file, argv, env.as_ptr()) }
+}
+
+/// `fexecve(3)`: as [`execve`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn fexecve(
+    fd: c_int,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> c_int {
+    let Some(ours) = prepare_exec() else {
+        // SAFETY: forwarded.
+        return unsafe { real::fexecve(fd, argv, envp) };
+    };
+    // SAFETY: the caller's environment array.
+    let env = unsafe { environment_with(envp, &ours) };
+    // SAFETY: forwarded with a valid environment that outlives the call.
+    unsafe { real::fexecve(fd, argv, env.as_ptr()) }
+}
+
+/// `execv(3)`: as [`execve`] with the process environment (glibc's `execv` calls its internal
+/// `execve`, which an interposer does not see).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    let Some(ours) = prepare_exec() else {
+        // SAFETY: forwarded.
+        return unsafe { real::execv(path, argv) };
+    };
+    // SAFETY: the process environment is a NULL-terminated array.
+    let env = unsafe { environment_with(process_environment(), &ours) };
+    // SAFETY: forwarded with a valid environment that outlives the call.
+    unsafe { real::execve(path, argv, env.as_ptr()) }
+}
+
+/// `execvp(3)`: as [`execvpe`] with the process environment.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
+    let Some(ours) = prepare_exec() else {
+        // SAFETY: forwarded.
+        return unsafe { real::execvp(file, argv) };
+    };
+    // SAFETY: the process environment is a NULL-terminated array.
+    let env = unsafe { environment_with(process_environment(), &ours) };
+    // SAFETY: forwarded with a valid environment that outlives the call.
+    unsafe { real::execvpe(file, argv, env.as_ptr()) }
+}
+
+/// Starts tracking a connected TCP socket inherited across exec (a stash was handed over for
+/// it). `None` if `fd` is not a connected stream socket or tracking is impossible.
+pub fn adopt_inherited_socket(fd: c_int) -> Option<u32> {
+    let mut kind: c_int = 0;
+    let mut len = core::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: SO_TYPE writes one int.
+    let rc = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_TYPE,
+            (&mut kind as *mut c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || kind != libc::SOCK_STREAM {
+        return None;
+    }
+    // SAFETY: F_GETFD only reads the descriptor's flags.
+    let cloexec = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
+    let record = track_new(fd, SocketState::ConnectedTcp, flags::INHERITED, cloexec)?;
+    let (index, _) = record_of(table().lookup(fd))?;
+    let _ = record;
+    Some(index)
 }
 
 fn track_epoll_instance(epfd: c_int, cloexec: bool) {
@@ -1685,6 +1903,15 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
                 }
                 (libc::EPOLL_CTL_DEL, _) => record.unregister_epoll(epfd),
                 _ => {}
+            }
+            if let Some(index) = crate::san::san_index(entry) {
+                crate::san::epoll_registrations_changed(index);
+            }
+            if record.flags() & flags::STASHED != 0 {
+                if let Some((index, _)) = record_of(entry) {
+                    let (events, data) = registered.map_or((0, 0), |e| (e.events, e.u64));
+                    crate::san::stashed_epoll_ctl(index, epfd, op, events, data);
+                }
             }
         });
     }

@@ -65,6 +65,8 @@ pub enum Bypass {
     TooManyEpollSets = 7,
     /// Used with sendfile/splice, which only the kernel path can serve.
     KernelOnlyCall = 8,
+    /// Was on the SAN, moved back to kernel TCP live (before fork or exec).
+    Downgraded = 9,
 }
 
 impl Bypass {
@@ -79,6 +81,7 @@ impl Bypass {
             6 => Self::ConfigInvalid,
             7 => Self::TooManyEpollSets,
             8 => Self::KernelOnlyCall,
+            9 => Self::Downgraded,
             _ => Self::None,
         }
     }
@@ -95,6 +98,7 @@ impl Bypass {
             Self::ConfigInvalid => "config-invalid",
             Self::TooManyEpollSets => "too-many-epoll-sets",
             Self::KernelOnlyCall => "kernel-only-call",
+            Self::Downgraded => "downgraded",
         }
     }
 }
@@ -153,6 +157,9 @@ pub mod flags {
     /// The socket has a SAN object (a pending client or a switched connection): its data
     /// calls go through `crate::san`.
     pub const SAN: u32 = 1 << 8;
+    /// A downgraded socket whose stash (bytes received over the SAN, not read yet) is not
+    /// empty: reads take those first. Set together with `SAN`.
+    pub const STASHED: u32 = 1 << 9;
 }
 
 /// Index into [`SocketRecord::counters`].
@@ -288,6 +295,22 @@ impl SocketRecord {
     /// Current state.
     pub fn state(&self) -> SocketState {
         SocketState::from_raw(self.state.load(Ordering::Acquire))
+    }
+
+    /// Sets the state unless the record was released (`Free`) or is being claimed: a
+    /// transition another thread decides late (the switch of an in-process peer's pending
+    /// client) must not bring a released record back to life. False when refused.
+    pub fn set_state_if_live(&self, state: SocketState) -> bool {
+        self.state
+            .fetch_update(
+                Ordering::AcqRel,
+                Ordering::Acquire,
+                |current| match SocketState::from_raw(current) {
+                    SocketState::Free | SocketState::Claiming => None,
+                    _ => Some(state as u32),
+                },
+            )
+            .is_ok()
     }
 
     /// Sets the state.
@@ -467,6 +490,20 @@ mod tests {
         record.unregister_epoll(11);
         assert_eq!(record.epoll_registrations().count(), EPOLL_SLOTS - 1);
         assert!(record.register_epoll(99, 1, 0));
+    }
+
+    #[test]
+    fn a_released_record_is_not_brought_back_by_a_late_transition() {
+        let record = zeroed();
+        record.set_state(SocketState::ConnectedTcp);
+        assert!(record.set_state_if_live(SocketState::San));
+        assert_eq!(record.state(), SocketState::San);
+        record.set_state(SocketState::Free);
+        assert!(!record.set_state_if_live(SocketState::San));
+        assert_eq!(record.state(), SocketState::Free);
+        record.set_state(SocketState::Claiming);
+        assert!(!record.set_state_if_live(SocketState::ConnectedTcp));
+        assert_eq!(record.state(), SocketState::Claiming);
     }
 
     #[test]

@@ -22,6 +22,7 @@
 //! * **exec**: nothing survives but fds. The new image initialises from scratch and sees
 //!   inherited sockets as not ours (plain passthrough).
 
+use core::ffi::c_int;
 use std::ffi::CStr;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -156,8 +157,15 @@ fn init_guarded(argv0: Option<&CStr>) {
         rules,
         san,
     });
+    note_process_id();
     // SAFETY: registering a plain extern "C" handler.
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    // Bytes a downgraded socket had received before the image that exec'd us: they come
+    // before anything on TCP, whatever our own settings (the variable is ours alone).
+    if let Some(stashes) = std::env::var_os(crate::san::STASH_ENV) {
+        std::env::remove_var(crate::san::STASH_ENV);
+        crate::san::adopt_stashes(&stashes.to_string_lossy());
+    }
 }
 
 /// Reads and parses a rules file; the message names file and line.
@@ -181,10 +189,118 @@ fn program_name(argv0: Option<&CStr>) -> String {
     full.rsplit('/').next().unwrap_or_default().to_owned()
 }
 
+/// The pid of this process as of init or its last `fork` (a `vfork` child, which shares our
+/// memory, sees its parent's).
+static PROCESS_ID: core::sync::atomic::AtomicI32 = core::sync::atomic::AtomicI32::new(0);
+
+/// Records the process id (init and fork child).
+fn note_process_id() {
+    // SAFETY: getpid has no preconditions.
+    PROCESS_ID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
+}
+
+/// True in a `vfork` child: it runs on its parent's memory, whose SAN state it must not touch.
+pub fn in_vfork_child() -> bool {
+    let noted = PROCESS_ID.load(Ordering::Relaxed);
+    // SAFETY: getpid has no preconditions (no cache since glibc 2.25).
+    noted != 0 && noted != unsafe { libc::getpid() }
+}
+
 /// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.
 pub extern "C" fn after_fork_in_child() {
+    note_process_id();
     registry::registry().after_fork_in_child();
     crate::san::after_fork_in_child();
+    if let Some((read, write)) = unpack_pipe(FORK_SIGNAL.swap(NO_PIPE, Ordering::AcqRel)) {
+        // SAFETY: one byte to the pipe our fork hook made; then our copies of it are closed.
+        unsafe {
+            libc::write(write, [1u8].as_ptr().cast(), 1);
+            libc::close(write);
+            libc::close(read);
+        }
+    }
+}
+
+/// The pipe of a fork in progress, both ends in one word (read end low, write end high), so
+/// the child handler takes it with one atomic swap; [`NO_PIPE`] when none.
+static FORK_SIGNAL: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(NO_PIPE);
+const NO_PIPE: u64 = u64::MAX;
+
+fn pack_pipe(read: c_int, write: c_int) -> u64 {
+    u64::from(read as u32) | u64::from(write as u32) << 32
+}
+
+fn unpack_pipe(word: u64) -> Option<(c_int, c_int)> {
+    (word != NO_PIPE).then_some((word as u32 as c_int, (word >> 32) as u32 as c_int))
+}
+
+/// The child's "my records are copied" signal to the parent of a fork (see `ops::fork`).
+pub struct ForkSignal {
+    read: c_int,
+    write: c_int,
+}
+
+impl ForkSignal {
+    /// A pipe whose ends the child's atfork handler takes; `None` if no pipe (or another fork
+    /// of this process is in progress: that one keeps the signal).
+    pub fn new() -> Option<ForkSignal> {
+        let mut ends = [-1; 2];
+        // SAFETY: plain pipe2(2) into our array.
+        if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return None;
+        }
+        // Owns the ends from here on: closed on drop, whatever happens next.
+        let signal = ForkSignal {
+            read: ends[0],
+            write: ends[1],
+        };
+        FORK_SIGNAL
+            .compare_exchange(
+                NO_PIPE,
+                signal.packed(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .ok()
+            .map(|_| signal)
+    }
+
+    fn packed(&self) -> u64 {
+        pack_pipe(self.read, self.write)
+    }
+
+    /// No later fork may signal through this pipe (the parent's copy of the slot).
+    fn disarm(&self) {
+        let _ = FORK_SIGNAL.compare_exchange(
+            self.packed(),
+            NO_PIPE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// Parent: waits (up to a second) until the child copied its records.
+    pub fn wait_for_child(&self) {
+        self.disarm();
+        let mut entry = libc::pollfd {
+            fd: self.read,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        unsafe { real::poll(&mut entry, 1, 1000) };
+    }
+}
+
+impl Drop for ForkSignal {
+    fn drop(&mut self) {
+        self.disarm();
+        // SAFETY: closing our own pipe ends.
+        unsafe {
+            real::close(self.read);
+            real::close(self.write);
+        }
+    }
 }
 
 /// Destructor's work: stop publishing.

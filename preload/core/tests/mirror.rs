@@ -361,6 +361,78 @@ fn edge_triggered_epoll_gives_one_event_per_rising_edge() {
 }
 
 #[test]
+fn edge_per_arrival_gives_an_event_for_every_arrival_while_data_is_unread() {
+    let shared = SharedMap::new();
+    let (mut mirror, k) = Mirror::new(&shared.words).unwrap();
+    mirror.set_edge_per_arrival(true);
+    assert!(shared.words.is_edge_per_arrival());
+    let epfd = epoll_create();
+    let events = (libc::EPOLLIN | libc::EPOLLET) as u32;
+    epoll_ctl(
+        epfd.as_fd(),
+        libc::EPOLL_CTL_ADD,
+        mirror.as_fd().as_raw_fd(),
+        events,
+    );
+    for round in 0..50 {
+        for arrival in 0..3 {
+            assert_eq!(push(&shared, k.as_fd()), Raise::Raised);
+            assert_eq!(
+                epoll_wait(epfd.as_fd(), 0).len(),
+                1,
+                "round {round}, arrival {arrival}: an event although earlier data is unread"
+            );
+            assert!(epoll_wait(epfd.as_fd(), 0).is_empty(), "reported once");
+        }
+        assert_eq!(pop(&shared, &mut mirror, 3), Some(ReadLowering::Lowered));
+        assert!(
+            !readable(mirror.as_fd()),
+            "every token of the round consumed"
+        );
+        assert!(epoll_wait(epfd.as_fd(), 0).is_empty());
+    }
+    // Back to one token per rising edge.
+    mirror.set_edge_per_arrival(false);
+    push(&shared, k.as_fd());
+    assert_eq!(push(&shared, k.as_fd()), Raise::AlreadyRaised);
+    assert_eq!(epoll_wait(epfd.as_fd(), 0).len(), 1);
+    assert_eq!(pop(&shared, &mut mirror, 2), Some(ReadLowering::Lowered));
+    assert!(!readable(mirror.as_fd()));
+}
+
+#[test]
+fn edge_per_arrival_bounds_the_tokens_queued_in_the_mirror() {
+    let shared = SharedMap::new();
+    let (mut mirror, k) = Mirror::new(&shared.words).unwrap();
+    mirror.set_edge_per_arrival(true);
+    let raised = (0..1_000)
+        .filter(|_| push(&shared, k.as_fd()) == Raise::Raised)
+        .count();
+    assert!(
+        (1..1_000).contains(&raised),
+        "{raised} tokens for 1000 unread arrivals"
+    );
+    assert!(readable(mirror.as_fd()));
+    // Data still there: the tokens stay.
+    assert_eq!(
+        mirror.lower_readable(|| true).unwrap(),
+        ReadLowering::StillReadable
+    );
+    assert!(readable(mirror.as_fd()));
+    assert_eq!(
+        pop(&shared, &mut mirror, 1_000),
+        Some(ReadLowering::Lowered)
+    );
+    assert!(!readable(mirror.as_fd()), "all {raised} tokens consumed");
+    assert_eq!(
+        push(&shared, k.as_fd()),
+        Raise::Raised,
+        "a new edge after lowering"
+    );
+    assert!(readable(mirror.as_fd()));
+}
+
+#[test]
 fn oneshot_reports_once_until_rearmed() {
     let shared = SharedMap::new();
     let (mut mirror, k) = Mirror::new(&shared.words).unwrap();
@@ -875,10 +947,23 @@ fn surplus_and_truncated_descriptors_are_closed() {
 
 #[test]
 fn stress_readable_never_loses_a_wakeup() {
+    stress_readable(false);
+}
+
+#[test]
+fn stress_readable_with_an_edge_per_arrival_never_loses_a_wakeup_or_leaks_a_token() {
+    stress_readable(true);
+}
+
+/// Two processes: a producer pushing and raising at random pace, a consumer waiting in epoll
+/// (level-triggered) and popping at random; `edge_per_arrival` makes the producer write a
+/// token on every push.
+fn stress_readable(edge_per_arrival: bool) {
     const PUSHES: u64 = 200_000;
     let shared = SharedMap::new();
     let _forking = forking();
     let (mut mirror, k) = Mirror::new(&shared.words).unwrap();
+    mirror.set_edge_per_arrival(edge_per_arrival);
     let child = fork_child(|| {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         for _ in 0..PUSHES {
@@ -934,9 +1019,18 @@ fn stress_readable_never_loses_a_wakeup() {
         rng.pause();
     }
     assert_eq!(wait_child(child), 0);
+    // Every token written was claimed and consumed: with the queue empty, M holds nothing
+    // (it is readable only because the producer's exit closed K).
+    let last = mirror.lower_readable(|| false).unwrap();
+    assert!(
+        matches!(last, ReadLowering::NotRaised | ReadLowering::Lowered),
+        "{last:?}"
+    );
+    assert_eq!(queued_in(mirror.as_fd()), 0, "a token leaked into M");
+    assert!(!shared.words.is_readable_raised());
     println!(
-        "IN stress: {PUSHES} pushes in {:?}, {wakeups} wake-ups, {checks} quiet checks, \
-         lowerings {lowerings:?}",
+        "IN stress (edge per arrival: {edge_per_arrival}): {PUSHES} pushes in {:?}, \
+         {wakeups} wake-ups, {checks} quiet checks, lowerings {lowerings:?}",
         started.elapsed()
     );
     assert!(checks > 0);

@@ -344,7 +344,52 @@ pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     let fd = i32::try_from(fd).ok().filter(|fd| *fd >= 0)?;
     // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
-    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Some(relocate_internal_fd(pidfd))
+}
+
+/// Highest floor for [`relocate_internal_fd`]: high enough to stay clear of the numbers
+/// applications use for their own descriptors, low enough that the kernel's descriptor table
+/// (sized by the highest open number) stays small.
+const INTERNAL_FD_FLOOR_MAX: u64 = 1024;
+
+/// The lowest number internal descriptors move to: half the soft `RLIMIT_NOFILE`, at most
+/// 1024 (read on each call: programs raise their limit at run time).
+pub fn internal_fd_floor() -> libc::c_int {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one `struct rlimit`.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return 0;
+    }
+    let floor = (limit.rlim_cur / 2).min(INTERNAL_FD_FLOOR_MAX);
+    libc::c_int::try_from(floor).unwrap_or(0)
+}
+
+/// Moves a descriptor kept for a connection's lifetime (this provider's pidfds, and the
+/// interposer's mirror ends, words pages, exchange sockets, doorbells, stashes) above the
+/// numbers the application uses, close-on-exec.
+///
+/// The kernel hands out the lowest free number, so a descriptor of ours left low would shift
+/// every descriptor the host program opens afterwards: programs that size tables by their own
+/// descriptor count (wrk's event loop holds `10 + 3 × connections` entries and fails a
+/// connection whose fd does not fit) would break. When no higher number is free (or the
+/// limit is tiny) the descriptor stays where it is.
+pub fn relocate_internal_fd(fd: OwnedFd) -> OwnedFd {
+    let floor = internal_fd_floor();
+    if fd.as_raw_fd() >= floor {
+        return fd;
+    }
+    // SAFETY: plain fcntl(2) on a descriptor we own; the result is a new descriptor.
+    let moved = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, floor) };
+    if moved < 0 {
+        return fd;
+    }
+    // SAFETY: `moved` was just returned by the kernel and is owned by nobody else; dropping
+    // `fd` closes the low number.
+    unsafe { OwnedFd::from_raw_fd(moved) }
 }
 
 /// True when the process behind `pidfd` has exited (a pidfd polls readable from then on,

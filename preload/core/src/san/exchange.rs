@@ -38,9 +38,10 @@ fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// A descriptor the kernel just returned, moved above the application's numbers.
 fn owned(fd: libc::c_int) -> Option<OwnedFd> {
     // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+    (fd >= 0).then(|| crate::mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// `\0sandirect/<euid>/X/<segment name>`.

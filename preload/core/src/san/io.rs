@@ -9,10 +9,11 @@ use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::socket::{Phase, SanSocket, SinkRefused, WaitFds, REMOTE_SEGMENT_AHEAD};
+use super::downgrade::{self, MARKER_WAIT};
+use super::socket::{Phase, SanSocket, SinkRefused, WaitFds, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
 use super::{lock, orphaned, SanObject, COUNTERS, LIVE};
 use crate::discovery::canonical_addr;
-use crate::record::{flags, Bypass, Counter};
+use crate::record::{flags, Bypass, Counter, DataPath};
 use crate::registry::registry;
 use crate::{errno, real};
 use switch::session::SendTicket;
@@ -131,7 +132,7 @@ fn block(
     if let Some(mirror) = fds.mirror {
         pollfds[count] = libc::pollfd {
             fd: mirror,
-            events: libc::POLLIN,
+            events: fds.mirror_events,
             revents: 0,
         };
         count += 1;
@@ -161,12 +162,47 @@ fn block(
         socket.finish_wait(&fds);
     }
     if interrupted {
+        // The kernel restarts a socket call interrupted by a handler installed with
+        // SA_RESTART unless the socket has a timeout (signal(7)); poll() never restarts, so
+        // decide here. Which signal arrived is unknown: restart only when every installed
+        // handler asked for it.
+        if deadline.is_none() && every_handler_restarts() {
+            return Ok(());
+        }
         return Err(libc::EINTR);
     }
     if deadline.is_some_and(|d| Instant::now() >= d) {
         return Err(libc::EAGAIN);
     }
     Ok(())
+}
+
+/// Whether every signal with a handler has `SA_RESTART` (then an interrupted blocking call is
+/// restarted, whichever signal it was). Only asked after an `EINTR`.
+fn every_handler_restarts() -> bool {
+    // Faults are delivered to the faulting instruction, never to a sleeping poll (and the
+    // Rust runtime installs SIGSEGV/SIGBUS handlers without SA_RESTART).
+    const SYNCHRONOUS: [c_int; 6] = [
+        libc::SIGSEGV,
+        libc::SIGBUS,
+        libc::SIGILL,
+        libc::SIGFPE,
+        libc::SIGTRAP,
+        libc::SIGSYS,
+    ];
+    (1..=libc::SIGRTMAX()).all(|signal| {
+        if SYNCHRONOUS.contains(&signal) {
+            return true;
+        }
+        // SAFETY: plain data, zero is valid.
+        let mut action: libc::sigaction = unsafe { core::mem::zeroed() };
+        // SAFETY: querying (not changing) the disposition into our struct.
+        let rc = unsafe { libc::sigaction(signal, core::ptr::null(), &mut action) };
+        rc != 0
+            || action.sa_sigaction == libc::SIG_DFL
+            || action.sa_sigaction == libc::SIG_IGN
+            || action.sa_flags & libc::SA_RESTART != 0
+    })
 }
 
 /// Both ends of this connection live in this process, and the thread that would drive the
@@ -285,6 +321,7 @@ fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     }
     if let Some(record) = registry().get(index) {
         record.set_flag(flags::SAN, false);
+        record.path.store(DataPath::Tcp as u32, Ordering::Release);
         record
             .bypass
             .store(Bypass::PeerNotCapable as u32, Ordering::Release);
@@ -307,6 +344,7 @@ fn break_connection(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> c_in
     COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
     if let Some(record) = registry().get(index) {
         record.set_flag(flags::SAN, false);
+        record.path.store(DataPath::Tcp as u32, Ordering::Release);
         record
             .bypass
             .store(Bypass::NoProvider as u32, Ordering::Release);
@@ -318,7 +356,11 @@ fn break_connection(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> c_in
 
 /// A pending client whose segment is attached switches now. Returns `Err(errno)` if the
 /// connection broke.
-fn switch_if_attached(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> Result<(), c_int> {
+pub(super) fn switch_if_attached(
+    fd: c_int,
+    index: u32,
+    slot: &mut Option<SanObject>,
+) -> Result<(), c_int> {
     let Some(SanObject::Socket(socket)) = slot.as_mut() else {
         return Ok(());
     };
@@ -329,6 +371,12 @@ fn switch_if_attached(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> Re
         tracing::debug!(fd, name = %socket.name, "SAN client switched");
         COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
         move_epoll_registrations(index, fd, socket);
+        if let Some(record) = registry().get(index) {
+            let edge_triggered = record
+                .epoll_registrations()
+                .any(|(_, events, _)| events & libc::EPOLLET as u32 != 0);
+            socket.set_edge_per_arrival(edge_triggered);
+        }
         Ok(())
     } else {
         Err(break_connection(fd, index, slot))
@@ -338,18 +386,31 @@ fn switch_if_attached(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> Re
 /// A socket that became SAN after the application added it to epoll sets: the sets now watch
 /// the mirror in its place (same events, same data).
 fn move_epoll_registrations(index: u32, fd: c_int, socket: &mut SanSocket) {
-    let (Some(record), Some(mirror)) = (registry().get(index), socket.mirror_fd()) else {
+    let Some(mirror) = socket.mirror_fd() else {
         return;
     };
-    for (epfd, events, data) in record.epoll_registrations() {
+    if repoint_epoll_registrations(index, fd, mirror) {
         socket.watched = true;
+    }
+}
+
+/// Every epoll set that holds socket `index`'s registration under `from` holds it under `to`
+/// instead (same events, same data). True when there was any.
+pub(super) fn repoint_epoll_registrations(index: u32, from: c_int, to: c_int) -> bool {
+    let Some(record) = registry().get(index) else {
+        return false;
+    };
+    let mut any = false;
+    for (epfd, events, data) in record.epoll_registrations() {
+        any = true;
         let mut event = libc::epoll_event { events, u64: data };
         // SAFETY: plain epoll_ctl(2) calls on the application's epoll instance.
         unsafe {
-            real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, fd, core::ptr::null_mut());
-            real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, mirror, &mut event);
+            real::epoll_ctl(epfd, libc::EPOLL_CTL_DEL, from, core::ptr::null_mut());
+            real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, to, &mut event);
         }
     }
+    any
 }
 
 /// `send`/`write`/`writev`/`sendmsg` on a SAN socket. `None`: not (or no longer) a SAN
@@ -357,6 +418,10 @@ fn move_epoll_registrations(index: u32, fd: c_int, socket: &mut SanSocket) {
 pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
     if orphaned(index) {
         return Some(fail(libc::ECONNRESET));
+    }
+    if record_flag(index, flags::STASHED) {
+        // Sending is plain TCP; only reads see the stash.
+        return None;
     }
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
     let nonblocking = send_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
@@ -372,23 +437,15 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
             return Some(if done > 0 { done as isize } else { fail(code) });
         }
+        downgrade::settle(fd, index, &mut slot);
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
             return if done > 0 { Some(done as isize) } else { None };
         };
         let wait = if socket.phase == Phase::Pending {
             // Counted TCP send (nonblocking under the lock, so the count is exact).
-            let mut iov = remaining_iov(bufs, done);
-            // SAFETY: plain data, zero is valid.
-            let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
-            msg.msg_iov = iov.as_mut_ptr();
-            msg.msg_iovlen = iov.len() as _;
-            // SAFETY: `msg` describes the caller's buffers (valid for the call).
-            let n = unsafe { real::sendmsg(fd, &msg, send_flags | libc::MSG_DONTWAIT) };
+            let n = send_on_tcp(fd, index, bufs, done, send_flags);
             if n > 0 {
                 socket.count_tcp_sent(n as u64);
-                if let Some(record) = registry().get(index) {
-                    record.count(Counter::TcpSent, n as u64);
-                }
                 done += n as usize;
                 if done >= total || nonblocking {
                     return Some(done as isize);
@@ -431,9 +488,11 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                             Err(code) => return Some(send_failed(done, code, send_flags)),
                         }
                     }
+                    // The connection is downgrading: the rest goes on TCP.
+                    Err(DOWNGRADED) => continue,
                     // Another thread's rendezvous is in progress: wait for it to end.
                     Err(libc::EAGAIN) => {
-                        let wait = socket.prepare_wait(0);
+                        let wait = socket.prepare_send_wait();
                         drop(slot);
                         if let Err(code) = block(index, fd, wait, deadline) {
                             return Some(if done > 0 { done as isize } else { fail(code) });
@@ -452,6 +511,23 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                     }
                     continue;
                 }
+                Err(DOWNGRADED) => {
+                    // Our stream goes on on TCP (after the session's queued bytes and its
+                    // `Downgrade`): nonblocking under the lock, waiting like a pending client.
+                    let n = send_on_tcp(fd, index, bufs, done, send_flags);
+                    if n > 0 {
+                        done += n as usize;
+                        if done >= total || nonblocking {
+                            return Some(done as isize);
+                        }
+                        continue;
+                    }
+                    let code = errno::get();
+                    if code != libc::EAGAIN || nonblocking {
+                        return Some(if done > 0 { done as isize } else { fail(code) });
+                    }
+                    socket.prepare_wait(libc::POLLOUT)
+                }
                 Err(libc::EAGAIN) => {
                     if done > 0 && nonblocking {
                         return Some(done as isize);
@@ -462,7 +538,7 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                         }
                         continue;
                     }
-                    socket.prepare_wait(0)
+                    socket.prepare_send_wait()
                 }
                 Err(code) => return Some(send_failed(done, code, send_flags)),
             }
@@ -472,6 +548,24 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
             return Some(if done > 0 { done as isize } else { fail(code) });
         }
     }
+}
+
+/// One nonblocking `sendmsg` of the caller's buffers from offset `done` on TCP, counted in
+/// socket `index`'s record.
+fn send_on_tcp(fd: c_int, index: u32, bufs: &[RawBuf], done: usize, send_flags: c_int) -> isize {
+    let mut iov = remaining_iov(bufs, done);
+    // SAFETY: plain data, zero is valid.
+    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` describes the caller's buffers (valid for the call).
+    let n = unsafe { real::sendmsg(fd, &msg, send_flags | libc::MSG_DONTWAIT) };
+    if n > 0 {
+        if let Some(record) = registry().get(index) {
+            record.count(Counter::TcpSent, n as u64);
+        }
+    }
+    n
 }
 
 /// A send failed with `code` after `done` bytes: the count if any, else the error (and
@@ -502,7 +596,10 @@ fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usi
             if let Some(result) = socket.take_send_completion(ticket) {
                 return result;
             }
-            socket.prepare_wait(0)
+            // The completion message raises our writability (every message from the peer
+            // does); unread data, which only the application can consume once this send
+            // returns, must not keep the wait awake.
+            socket.prepare_send_wait()
         };
         let _ = block(index, fd, wait, None);
     }
@@ -648,7 +745,7 @@ fn recv_into(
     Ok(copied)
 }
 
-fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
+pub(super) fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
     for buf in remaining_iov(bufs, done) {
         if data.is_empty() || buf.iov_base.is_null() {
             break;
@@ -661,7 +758,13 @@ fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
 }
 
 /// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking.
-fn recv_tcp(fd: c_int, bufs: &[RawBuf], done: usize, limit: u64, recv_flags: c_int) -> isize {
+pub(super) fn recv_tcp(
+    fd: c_int,
+    bufs: &[RawBuf],
+    done: usize,
+    limit: u64,
+    recv_flags: c_int,
+) -> isize {
     let mut iov = remaining_iov(bufs, done);
     let mut left = usize::try_from(limit).unwrap_or(usize::MAX);
     iov.retain_mut(|v| {
@@ -715,6 +818,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     if orphaned(index) {
         return Some(fail(libc::ECONNRESET));
     }
+    if record_flag(index, flags::STASHED) {
+        return downgrade::recv_stashed(fd, index, bufs, recv_flags);
+    }
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
     let peek = recv_flags & libc::MSG_PEEK != 0;
     let wait_all = recv_flags & libc::MSG_WAITALL != 0 && !peek;
@@ -732,6 +838,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
             return Some(partial(done, code));
+        }
+        if downgrade::settle(fd, index, &mut slot) {
+            return if done > 0 { Some(done as isize) } else { None };
         }
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
             return if done > 0 { Some(done as isize) } else { None };
@@ -772,7 +881,13 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                 return Some(0);
             }
             let backlog = socket.tcp_backlog();
+            // After the peer's `Downgrade` (and the bytes before it) its stream goes on on TCP.
+            let downgraded_read = backlog == Some(0) && socket.reads_on_tcp();
+            if downgraded_read {
+                socket.consume_marker_blocking(fd, MARKER_WAIT);
+            }
             let from_tcp = match backlog {
+                Some(0) if downgraded_read => Some(u64::MAX),
                 Some(0) => None,
                 Some(left) => Some(left),
                 None if socket.tcp_eof() => None,
@@ -797,6 +912,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     if wait_all && done < total {
                         continue;
                     }
+                    return Some(done as isize);
+                }
+                if n == 0 && downgraded_read {
                     return Some(done as isize);
                 }
                 if n == 0 {
@@ -865,6 +983,8 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                         }
                         socket.prepare_wait(0)
                     }
+                    // The peer's `Downgrade` was just taken in: the next turn reads TCP.
+                    Err(DOWNGRADED) => continue,
                     Err(REMOTE_SEGMENT_AHEAD) => {
                         drop(slot);
                         match recv_rendezvous(index, fd, bufs, done, peek) {
@@ -949,13 +1069,25 @@ pub fn poll_fds(
             continue;
         }
         switch_pending(entry.fd, index);
-        let mirror = match lock(index).as_mut() {
-            Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {
+        let mut slot = lock(index);
+        downgrade::settle(entry.fd, index, &mut slot);
+        let mirror = match slot.as_mut() {
+            Some(SanObject::Socket(socket))
+                if socket.phase == Phase::Switched && !socket.epoll_on_tcp =>
+            {
                 socket.watched = true;
                 socket.mirror_fd()
             }
+            // Bytes in the stash: its eventfd (readable) stands in; the socket's own state
+            // is added back afterwards.
+            Some(SanObject::Stashed(stashed))
+                if stashed.stash.remaining() > 0 && entry.events & libc::POLLIN != 0 =>
+            {
+                Some(stashed.stash.ready_fd())
+            }
             _ => None,
         };
+        drop(slot);
         if let Some(mirror) = mirror {
             saved.push((position, entry.fd));
             entry.fd = mirror;
@@ -972,9 +1104,24 @@ fn correct_revents(entry: &mut libc::pollfd) {
         return;
     };
     let mut slot = lock(index);
+    if let Some(SanObject::Stashed(_)) = slot.as_ref() {
+        // The eventfd said "stash readable"; the rest is the socket's own state now.
+        let mut own = libc::pollfd {
+            fd: entry.fd,
+            events: entry.events,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, zero timeout.
+        unsafe { real::poll(&mut own, 1, 0) };
+        entry.revents = own.revents | (entry.revents & libc::POLLIN);
+        return;
+    }
     let Some(SanObject::Socket(socket)) = slot.as_mut() else {
         return;
     };
+    if socket.epoll_on_tcp {
+        return;
+    }
     socket.service();
     let readiness = socket.readiness();
     if entry.revents & libc::POLLIN != 0
@@ -1018,8 +1165,16 @@ pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> us
                 }
             });
             if let Some(index) = found.filter(|&index| !orphaned(index)) {
-                // A pending client is watched on its TCP socket: the kernel's report stands.
-                if let Some(SanObject::Socket(socket)) = lock(index)
+                let mut slot = lock(index);
+                // A pending client is watched on its TCP socket. IN there with the segment
+                // attached is the acceptor's switch marker, not data: switch now (the
+                // registration moves to the mirror, which rises when the acceptor's first
+                // bytes arrive) and judge the event like a switched socket's below. Without
+                // the segment (a plain server's data) the kernel's report stands.
+                if let Some(fd) = registry().get(index).map(|r| r.fd.load(Ordering::Acquire)) {
+                    let _ = switch_if_attached(fd, index, &mut slot);
+                }
+                if let Some(SanObject::Socket(socket)) = slot
                     .as_mut()
                     .filter(|o| matches!(o, SanObject::Socket(s) if s.phase == Phase::Switched))
                 {
@@ -1052,6 +1207,20 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
     // Both ends in this thread: let the other end deliver what it has queued.
     assist_in_process_peer(index);
     let mut slot = lock(index);
+    downgrade::settle(fd, index, &mut slot);
+    if let Some(SanObject::Stashed(stashed)) = slot.as_ref() {
+        let mut tcp_queued: c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        unsafe {
+            real::ioctl(
+                fd,
+                libc::FIONREAD as _,
+                (&mut tcp_queued as *mut c_int) as usize,
+            )
+        };
+        let bytes = stashed.stash.remaining() + usize::try_from(tcp_queued).unwrap_or(0);
+        return Some(c_int::try_from(bytes).unwrap_or(c_int::MAX));
+    }
     let Some(SanObject::Socket(socket)) = slot.as_mut() else {
         return None;
     };

@@ -35,21 +35,34 @@
 //! blocked on one socket share an eventfd that a thread making progress rings.
 //!
 //! # Known limits (documented policy)
-//! * Blocking waits sleep in `poll()`, which is never restarted: a signal handler installed
-//!   with `SA_RESTART` still makes a blocking SAN `recv`/`send` return `EINTR`.
-//! * Hooks on a SAN socket are not async-signal-safe (per-socket mutex): a signal handler that
-//!   does I/O on a SAN socket the interrupted thread is using can deadlock.
-//! * `EPOLLET` reports one edge per readable transition of the mirror, not one per arrival
-//!   while earlier data is still unread (the kernel does the latter for TCP).
-//! * fork: the child's inherited SAN sockets are `after-fork`: their I/O fails with
-//!   `ECONNRESET` (the parent keeps the session; a live downgrade is not implemented).
-//! * exec: a SAN socket inherited across `exec` does not work in the new image (the TCP anchor
-//!   carries no application bytes after the switch). Programs that hand connected sockets to
-//!   an exec'd program must run without `SANDIRECT_SAN`.
+//! * Blocking waits sleep in `poll()`, which the kernel never restarts; after an `EINTR` the
+//!   wait is restarted when *every* installed handler (fault signals aside) has `SA_RESTART`
+//!   and the socket has no `SO_RCVTIMEO`/`SO_SNDTIMEO` — the kernel's rule, except that it
+//!   looks only at the handler of the signal that arrived, which a poll cannot know: with one
+//!   handler without `SA_RESTART` installed, a `SA_RESTART` signal also interrupts.
+//! * Hooks on a SAN socket are not async-signal-safe (per-socket mutex, allocation): a signal
+//!   handler that interrupts one of our own hooks and does I/O on a SAN socket gets `EINTR`
+//!   (the session may be mid-update under this thread's lock, and the kernel socket would put
+//!   the bytes out of order). Interrupting the application anywhere else is fine.
+//! * `EPOLLET`: while an edge-triggered registration watches a SAN socket, the peer writes a
+//!   mirror token for every send that reaches it, so every arrival is a new event even while
+//!   earlier data is unread, as for TCP ([`epoll_registrations_changed`]). Arrivals beyond 64
+//!   unread ones make no further event until the application reads.
+//! * The preload's own descriptors (mirror ends, the words page, exchange sockets, pidfds,
+//!   doorbells) live at or above half the soft `RLIMIT_NOFILE` (at most from 1024 on), so the
+//!   application's descriptor numbers are those it would get without the preload; a program
+//!   that `dup2`s onto those high numbers closes one of ours (that connection then fails).
+//! * fork and exec downgrade every SAN connection to kernel TCP first (`downgrade`,
+//!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. A peer that
+//!   makes no socket call for a second cannot answer: that connection stays with the parent
+//!   (it downgrades when the peer calls) and the child's copy fails with `ECONNRESET`.
+//!   `posix_spawn`, `system` and `execl*` exec through glibc's internal `execve`: a SAN socket
+//!   they pass on without `FD_CLOEXEC` is not downgraded (the new program sees a TCP socket
+//!   that carries nothing after the switch point).
 //! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
 //!
 //! # Rendezvous (large zero-copy sends)
-//! A *blocking* send of at least the negotiated threshold (64 KiB; `SANDIRECT_SAN_RENDEZVOUS=0`
+//! A *blocking* send of at least the negotiated threshold (1 MiB; `SANDIRECT_SAN_RENDEZVOUS=0`
 //! turns it off) registers the application's buffer through the process-wide registration
 //! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
@@ -69,10 +82,12 @@
 //! * Two ends in one process: a thread about to sleep (blocking call, poll, epoll, select)
 //!   first drives the other end, since it may be the only thread that ever would.
 
+mod downgrade;
 mod exchange;
 mod io;
 mod registrations;
 mod socket;
+mod stash;
 
 use core::ffi::c_int;
 use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -80,6 +95,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+pub use downgrade::{adopt_stashes, downgrade_all, stash_env, FORK_BUDGET, STASH_ENV};
 pub use io::{
     assist_all_in_process, correct_epoll_events, poll_fds, readable_bytes, recv_iov,
     select_via_poll, send_iov, service_all, RawBuf,
@@ -89,7 +105,7 @@ use crate::discovery::{
     ConnectionKey, ListenerMarker, NegativeCache, NegativeCacheConfig, PeerKind, SegmentDir,
 };
 use crate::fdtable::FdEntry;
-use crate::record::{flags, Bypass, SocketRecord};
+use crate::record::{flags, Bypass, DataPath, SocketRecord};
 use crate::registry::registry;
 use socket::{SanSocket, SetupError};
 
@@ -100,6 +116,8 @@ enum SanObject {
     Marker(ListenerMarker),
     /// A connected socket on (or about to switch to) the SAN.
     Socket(Box<SanSocket>),
+    /// A downgraded socket whose stash still holds bytes received over the SAN.
+    Stashed(Box<downgrade::Stashed>),
 }
 
 type Slot = Mutex<Option<SanObject>>;
@@ -126,6 +144,8 @@ pub struct SanCounters {
     pub plain_cached: AtomicU64,
     /// Set-ups or switches that failed on a resource and fell back to TCP.
     pub fallbacks: AtomicU64,
+    /// Connections moved back to kernel TCP live (fork, exec, or the peer's).
+    pub downgraded: AtomicU64,
 }
 
 static COUNTERS: SanCounters = SanCounters {
@@ -133,6 +153,7 @@ static COUNTERS: SanCounters = SanCounters {
     peer_plain: AtomicU64::new(0),
     plain_cached: AtomicU64::new(0),
     fallbacks: AtomicU64::new(0),
+    downgraded: AtomicU64::new(0),
 };
 
 /// The process-wide counters.
@@ -417,6 +438,11 @@ pub fn before_connect(
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
             install(index, record, socket);
+            // The connection is on the SAN path from here (its first bytes cross on TCP by
+            // design, as the acceptor's first reads do); the fallbacks set TCP again.
+            record
+                .path
+                .store(DataPath::SanShm as u32, Ordering::Release);
             ClientPlan::Pending
         }
         Err(_) => {
@@ -442,6 +468,7 @@ pub fn after_connect(
                 forget_name(index);
             }
             record.set_flag(flags::SAN, false);
+            record.path.store(DataPath::Tcp as u32, Ordering::Release);
         }
         ClientPlan::PeerPlain if connecting => {
             record
@@ -518,8 +545,37 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
             socket.close(fd, abortive, linger);
         }
         Some(SanObject::Marker(marker)) => drop(marker),
+        Some(SanObject::Stashed(stashed)) => {
+            drop(stashed);
+            LIVE.fetch_sub(1, Ordering::Relaxed);
+        }
         None => {}
     }
+}
+
+/// The held slot locks of [`before_fork`], released in both processes after the fork.
+pub struct ForkLocks(#[allow(dead_code)] Vec<MutexGuard<'static, Option<SanObject>>>);
+
+/// Before `fork()`: downgrades every SAN connection to kernel TCP (exactly; see
+/// `downgrade`), then locks every slot with a SAN object so no other thread is inside one
+/// while the child's copy of memory is taken (the child could never unlock it).
+pub fn before_fork() -> ForkLocks {
+    downgrade::downgrade_all(None);
+    let mut indices = Vec::new();
+    registry().for_each_live(|index, record| {
+        if record.flags() & flags::SAN != 0 {
+            indices.push(index);
+        }
+    });
+    indices.sort_unstable();
+    indices.dedup();
+    // Ascending index order: the only place that holds several slot locks at once.
+    ForkLocks(indices.into_iter().map(lock).collect())
+}
+
+/// A stash holder in an epoll set (see `downgrade::stashed_epoll_ctl`).
+pub fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: u64) {
+    downgrade::stashed_epoll_ctl(index, epfd, op, events, data);
 }
 
 /// `shutdown()` on a SAN socket (after the real shutdown succeeded).
@@ -534,7 +590,8 @@ pub fn on_shutdown(fd: c_int, index: u32, how: c_int) {
 /// Syscall-free and lock-free: runs in the atfork child handler.
 pub fn after_fork_in_child() {
     registry().for_each_live(|_, record| {
-        if record.flags() & flags::SAN != 0 {
+        // A stash holder is plain TCP plus shared memory: it works in both processes.
+        if record.flags() & flags::SAN != 0 && record.flags() & flags::STASHED == 0 {
             record
                 .bypass
                 .store(Bypass::AfterFork as u32, Ordering::Release);
@@ -556,11 +613,29 @@ pub fn mirror_of(fd: c_int, index: u32) -> Option<c_int> {
     }
     io::switch_pending(fd, index);
     match lock(index).as_mut() {
-        Some(SanObject::Socket(socket)) if socket.phase == socket::Phase::Switched => {
+        Some(SanObject::Socket(socket))
+            if socket.phase == socket::Phase::Switched && !socket.epoll_on_tcp =>
+        {
             socket.watched = true;
             socket.mirror_fd()
         }
         _ => None,
+    }
+}
+
+/// The application added, changed or removed an epoll registration of SAN socket `index`:
+/// while one of them is edge-triggered, the peer raises the mirror on every arrival (the
+/// kernel reports a new `EPOLLET` event for every segment that reaches a TCP socket, read or
+/// not), otherwise only on the rising edge (no system call while data stays unread).
+pub fn epoll_registrations_changed(index: u32) {
+    let Some(record) = registry().get(index) else {
+        return;
+    };
+    let edge_triggered = record
+        .epoll_registrations()
+        .any(|(_, events, _)| events & libc::EPOLLET as u32 != 0);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_ref() {
+        socket.set_edge_per_arrival(edge_triggered);
     }
 }
 

@@ -28,6 +28,10 @@ use crate::record::{Counter, DataPath, SocketRecord, SocketState};
 /// head of the stream; the caller receives it with [`SanSocket::start_recv_rendezvous`].
 pub(crate) const REMOTE_SEGMENT_AHEAD: c_int = -1;
 
+/// Not an errno: the SAN part of the stream is over in this direction (a downgrade, see
+/// [`SanSocket::begin_downgrade`]); the rest of it is on kernel TCP.
+pub(crate) const DOWNGRADED: c_int = -2;
+
 /// The one byte the acceptor writes on TCP after attaching: "switch now".
 pub(crate) const SWITCH_MARKER: u8 = 0x5a;
 
@@ -56,12 +60,18 @@ fn connection_config() -> ConnectionConfig {
     }
 }
 
+/// Smallest blocking send that goes by rendezvous over shm. Measured side by side
+/// (`scripts/bench.sh`): inline copies through the rings stream at 2.4-6x kernel TCP for every
+/// size, while a rendezvous per 64-256 KiB send fell to 0.6-1.1x (a round trip per send); from
+/// 1 MiB on it wins (about 3x). Below it, sends are buffered like TCP's (up to the slots).
+const SHM_RENDEZVOUS_THRESHOLD: u32 = 1 << 20;
+
 fn session_config() -> SessionConfig {
     let defaults = SessionConfig::default();
     SessionConfig {
         // `u32::MAX` announces "never": the negotiated threshold is the larger of both sides'.
         rendezvous_threshold: if super::rendezvous_enabled() {
-            defaults.rendezvous_threshold
+            SHM_RENDEZVOUS_THRESHOLD
         } else {
             u32::MAX
         },
@@ -157,8 +167,11 @@ pub(crate) enum SetupError {
 /// What blocking on this socket should watch (computed under the lock, used after it).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WaitFds {
-    /// The mirror end to poll for POLLIN (peer activity), if switched.
+    /// The mirror end to poll, if switched.
     pub mirror: Option<RawFd>,
+    /// What to poll `mirror` for: POLLIN (peer activity) or, for a sender waiting for room,
+    /// POLLOUT (the peer raises it when it returns credits).
+    pub mirror_events: i16,
     /// Also poll the TCP socket for these events (0: not at all).
     pub tcp_events: i16,
     /// `finish_blocking` is owed after the poll.
@@ -223,6 +236,16 @@ pub(crate) struct SanSocket {
     send_completed: Option<(SendTicket, Result<u64, switch::error::SendError>)>,
     /// The outcome of the last zero-copy receive, until its caller collects it.
     recv_completed: Option<(RecvTicket, Result<u64, RecvError>)>,
+    /// This side asked for a downgrade to kernel TCP (fork, exec): our sends go to TCP from
+    /// then on, and the session's `Downgrade` follows whatever it still has queued.
+    downgrade_wanted: bool,
+    /// The session accepted our downgrade (its `Downgrade` follows what it has queued).
+    downgrade_sent: bool,
+    /// Bytes a downgrade drained out of the session but could not hand over (the peer did
+    /// not answer in time): read before anything the session still holds.
+    restored: Vec<u8>,
+    /// After a downgrade the application's epoll sets watch the TCP socket again.
+    pub epoll_on_tcp: bool,
 }
 
 impl core::fmt::Debug for SanSocket {
@@ -286,6 +309,10 @@ impl SanSocket {
             owner: next_owner(),
             send_completed: None,
             recv_completed: None,
+            downgrade_wanted: false,
+            downgrade_sent: false,
+            restored: Vec::new(),
+            epoll_on_tcp: false,
         })
     }
 
@@ -359,6 +386,10 @@ impl SanSocket {
             owner: next_owner(),
             send_completed: None,
             recv_completed: None,
+            downgrade_wanted: false,
+            downgrade_sent: false,
+            restored: Vec::new(),
+            epoll_on_tcp: false,
         };
         socket.service();
         socket.mark_switched();
@@ -366,11 +397,13 @@ impl SanSocket {
     }
 
     fn mark_switched(&self) {
-        self.record.path.store(
-            DataPath::SanShm as u32,
-            core::sync::atomic::Ordering::Release,
-        );
-        self.record.set_state(SocketState::San);
+        // The application may have closed its last fd already (its release is on the way).
+        if self.record.set_state_if_live(SocketState::San) {
+            self.record.path.store(
+                DataPath::SanShm as u32,
+                core::sync::atomic::Ordering::Release,
+            );
+        }
     }
 
     /// Client: true once the acceptor attached (the switch may happen now).
@@ -435,20 +468,15 @@ impl SanSocket {
         Ok(())
     }
 
-    /// Acceptor: writes the switch marker on TCP (once, unless the client already switched):
-    /// a client waiting on its TCP socket wakes, switches and completes the handshake.
+    /// Acceptor: writes the switch marker on TCP (once): a client waiting on its TCP socket
+    /// wakes, switches and completes the handshake.
     pub(crate) fn wake_pending_client(&mut self, tcp: c_int) {
         if !self.marker_owed {
             return;
         }
-        let client_switched = self
-            .session
-            .as_ref()
-            .is_some_and(|s| s.peer_tcp_bytes_sent().is_some());
+        // Written even when the client already switched: the client consumes exactly one
+        // marker byte before it ever reads TCP again (a downgrade), so it must always be there.
         self.marker_owed = false;
-        if client_switched {
-            return;
-        }
         let marker = [SWITCH_MARKER];
         // SAFETY: one readable byte; `tcp` is the application's socket for this call.
         let sent = unsafe {
@@ -491,6 +519,7 @@ impl SanSocket {
             return;
         };
         let progress = drive(session, conn, &mut self.released);
+        let mut answer_downgrade = false;
         if !self.released.is_empty() {
             if let Some(mut registrations) = super::registrations() {
                 registrations.release(&self.released);
@@ -528,6 +557,14 @@ impl SanSocket {
                 Event::RecvComplete { ticket, result } => {
                     self.recv_completed = Some((ticket, result));
                 }
+                Event::PeerDowngraded => {
+                    // The session answers with its own `Downgrade`: it must wake the peer.
+                    tracing::debug!(name = %self.name, "SAN peer downgraded to TCP");
+                    self.data_to_announce = true;
+                    self.downgrade_wanted = true;
+                    self.downgrade_sent = true;
+                    answer_downgrade = true;
+                }
                 _ => {}
             }
         }
@@ -562,6 +599,25 @@ impl SanSocket {
                 }
                 sent |= self.drive_again();
             }
+        }
+        if self.downgrade_wanted {
+            self.early_to_tcp();
+        }
+        if self.downgrade_wanted && self.early.is_empty() && self.deferred_shutdown.is_none() {
+            // Our `Downgrade` goes after the early bytes (they precede every TCP byte we
+            // send from now on); a session still handshaking sends it once established.
+            if let Some(session) = self.session.as_mut() {
+                if !self.downgrade_sent
+                    && session.state() != SessionState::Handshaking
+                    && session.downgrade().is_ok()
+                {
+                    self.downgrade_sent = true;
+                    answer_downgrade = true;
+                }
+            }
+        }
+        if answer_downgrade {
+            sent |= self.drive_again();
         }
         if sent {
             // Credit returns only make the peer writable; data and FIN make it readable
@@ -615,8 +671,135 @@ impl SanSocket {
                 self.early.drain(..n);
                 true
             }
+            Err(SendError::Downgraded) => {
+                self.early_to_tcp();
+                false
+            }
             _ => false,
         }
+    }
+
+    /// Downgrading: bytes the application sent before the handshake finished and that have
+    /// not entered the session are the first bytes of our TCP continuation (the peer reads
+    /// TCP only after our `Downgrade`, which follows everything the session holds).
+    fn early_to_tcp(&mut self) {
+        if self.early.is_empty() {
+            return;
+        }
+        let fd = self.record.fd.load(core::sync::atomic::Ordering::Acquire);
+        let sent = send_all_on_tcp(fd, &self.early);
+        self.early.drain(..sent);
+    }
+
+    /// Begins moving the connection back to kernel TCP (before fork or exec): our sends go
+    /// to TCP from now on, after what the session still has queued and its `Downgrade`; the
+    /// peer answers with its own `Downgrade` and sends on TCP after it. False when this
+    /// connection cannot downgrade (not switched, or a peer without the capability).
+    pub(crate) fn begin_downgrade(&mut self) -> bool {
+        if self.phase != Phase::Switched {
+            return false;
+        }
+        let Some(session) = self.session.as_ref() else {
+            return false;
+        };
+        let state = session.state();
+        let possible = match state {
+            SessionState::Handshaking => true,
+            SessionState::Established | SessionState::Closed => session.can_downgrade(),
+            SessionState::Downgraded => true,
+            _ => false,
+        };
+        if !possible {
+            return false;
+        }
+        self.downgrade_wanted = true;
+        self.data_to_announce = true;
+        self.service();
+        true
+    }
+
+    /// Whether a downgrade was asked for or answered.
+    pub(crate) fn downgrading(&self) -> bool {
+        self.downgrade_wanted
+    }
+
+    /// The SAN part of the peer's stream is over and fully read: reads continue on TCP.
+    pub(crate) fn reads_on_tcp(&self) -> bool {
+        // After the peer's `Downgrade` the session is readable exactly while something it sent
+        // before (inline bytes, a rendezvous segment, a FIN) is still to be read.
+        self.restored.is_empty()
+            && self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.peer_downgraded() && !s.readiness().readable)
+    }
+
+    /// A downgrade drained `bytes` but the peer did not finish it in time: they are read
+    /// first, before what the session still delivers.
+    pub(crate) fn restore_received(&mut self, bytes: &[u8]) {
+        let mut restored = bytes.to_vec();
+        restored.append(&mut self.restored);
+        self.restored = restored;
+    }
+
+    /// The connection is gone (reset, fallen back, or the provider is down).
+    pub(crate) fn is_broken(&self) -> bool {
+        self.session
+            .as_ref()
+            .is_none_or(|s| matches!(s.state(), SessionState::Reset | SessionState::FellBack))
+            || !self.conn.as_ref().is_some_and(ShmConnection::is_up)
+    }
+
+    /// The downgrade is finished both ways and nothing is left to read from the session:
+    /// the socket can become plain TCP (after [`SanSocket::consume_marker_blocking`]).
+    pub(crate) fn downgrade_complete(&self) -> bool {
+        self.early.is_empty()
+            && self.restored.is_empty()
+            && self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.state() == SessionState::Downgraded && s.recv_queue_len() == 0)
+    }
+
+    /// Rejects the rendezvous segment at the head of the stream (a downgrade drains the
+    /// session into a stash: the sender gets a short count and sends the rest on TCP).
+    pub(crate) fn reject_remote_head(&mut self) -> Result<(), c_int> {
+        let Some(session) = self.session.as_mut() else {
+            return Err(libc::ENOTCONN);
+        };
+        match session.reject_remote_segment() {
+            Ok(()) => {
+                self.data_to_announce = true;
+                self.service();
+                Ok(())
+            }
+            Err(RecvError::Reset) => Err(libc::ECONNRESET),
+            Err(_) => Err(libc::EAGAIN),
+        }
+    }
+
+    /// Client: the switch marker precedes everything the acceptor sends on TCP; before the
+    /// socket reads TCP again it must be consumed. Waits for it up to `timeout` (it was
+    /// written at the acceptor's `accept()`, long before any downgrade).
+    pub(crate) fn consume_marker_blocking(&mut self, tcp: c_int, timeout: Duration) {
+        if !self.marker_unread || self.side != Side::Client {
+            self.marker_unread = false;
+            return;
+        }
+        let mut entry = libc::pollfd {
+            fd: tcp,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        unsafe {
+            real::poll(
+                &mut entry,
+                1,
+                timeout.as_millis().min(i32::MAX as u128) as c_int,
+            )
+        };
+        self.consume_marker(tcp);
     }
 
     fn drive_again(&mut self) -> bool {
@@ -673,6 +856,14 @@ impl SanSocket {
 
     /// Copies queued stream bytes out: `Ok(0)` at end of stream.
     pub(crate) fn recv(&mut self, buf: &mut [u8], peek: bool) -> Result<usize, c_int> {
+        if !self.restored.is_empty() {
+            let n = buf.len().min(self.restored.len());
+            buf[..n].copy_from_slice(&self.restored[..n]);
+            if !peek {
+                self.restored.drain(..n);
+            }
+            return Ok(n);
+        }
         let Some(session) = self.session.as_mut() else {
             return Err(libc::ENOTCONN);
         };
@@ -697,6 +888,7 @@ impl SanSocket {
             Err(RecvError::NotConnected) => Err(libc::ENOTCONN),
             Err(RecvError::Interrupted) => Err(libc::EINTR),
             Err(RecvError::RemoteSegment { .. }) => Err(REMOTE_SEGMENT_AHEAD),
+            Err(RecvError::Downgraded) => Err(DOWNGRADED),
             Err(_) => Err(libc::ECONNRESET),
         }
     }
@@ -705,6 +897,14 @@ impl SanSocket {
     pub(crate) fn send(&mut self, data: &[u8], urgent: bool) -> Result<usize, c_int> {
         if self.write_shut {
             return Err(libc::EPIPE);
+        }
+        if self.downgrade_wanted {
+            // Bytes still waiting for the handshake are older than these: they go first.
+            self.early_to_tcp();
+            if !self.early.is_empty() {
+                return Err(libc::EAGAIN);
+            }
+            return Err(DOWNGRADED);
         }
         let Some(session) = self.session.as_mut() else {
             return Err(libc::ENOTCONN);
@@ -739,6 +939,7 @@ impl SanSocket {
             Err(SendError::NoBuffers) => Err(libc::ENOBUFS),
             Err(SendError::NotConnected) => Err(libc::ENOTCONN),
             Err(SendError::TooLong) => Err(libc::EMSGSIZE),
+            Err(SendError::Downgraded) => Err(DOWNGRADED),
             Err(_) => Err(libc::EINVAL),
         }
     }
@@ -753,6 +954,8 @@ impl SanSocket {
         session.state() == SessionState::Established
             && self.early.is_empty()
             && !self.write_shut
+            && !self.downgrade_wanted
+            && !session.peer_downgraded()
             && session
                 .rendezvous_threshold()
                 .is_some_and(|t| t != u32::MAX && len as u64 >= u64::from(t))
@@ -804,6 +1007,7 @@ impl SanSocket {
                     SendError::Reset if self.peer_fin => libc::EPIPE,
                     SendError::Reset => libc::ECONNRESET,
                     SendError::NotConnected => libc::ENOTCONN,
+                    SendError::Downgraded => DOWNGRADED,
                     _ => libc::ENOBUFS,
                 })
             }
@@ -928,8 +1132,16 @@ impl SanSocket {
     /// Bytes a read would return now (FIONREAD): queued SAN bytes, or (acceptor) the client's
     /// TCP bytes not yet read.
     pub(crate) fn readable_bytes(&self, tcp_queued: usize) -> usize {
+        if !self.restored.is_empty() {
+            return self.restored.len();
+        }
+        if self.reads_on_tcp() {
+            return tcp_queued;
+        }
         match self.tcp_backlog() {
-            Some(0) => self.session.as_ref().map_or(0, Session::recv_queue_len),
+            Some(0) => self.session.as_ref().map_or(0, |s| {
+                usize::try_from(s.recv_pending_bytes()).unwrap_or(usize::MAX)
+            }),
             Some(left) => tcp_queued.min(usize::try_from(left).unwrap_or(usize::MAX)),
             None => tcp_queued,
         }
@@ -937,10 +1149,13 @@ impl SanSocket {
 
     /// The session's readiness (all false before the switch).
     pub(crate) fn readiness(&self) -> switch::session::Readiness {
-        self.session
+        let mut readiness = self
+            .session
             .as_ref()
             .map(Session::readiness)
-            .unwrap_or_default()
+            .unwrap_or_default();
+        readiness.readable |= !self.restored.is_empty();
+        readiness
     }
 
     /// After a read: if nothing more is readable, lowers `M` so level-triggered waiters and
@@ -990,12 +1205,22 @@ impl SanSocket {
         self.mirror.as_ref().map(|m| m.as_fd().as_raw_fd())
     }
 
+    /// Whether an edge-triggered epoll registration watches `M`: the peer then raises it for
+    /// every arrival, as a TCP socket signals every arriving segment (see
+    /// [`Mirror::set_edge_per_arrival`]).
+    pub(crate) fn set_edge_per_arrival(&self, on: bool) {
+        if let Some(mirror) = self.mirror.as_ref() {
+            mirror.set_edge_per_arrival(on);
+        }
+    }
+
     /// Prepares a blocking wait: spins briefly while the peer runs, then announces "asleep"
     /// and lowers the mirror. `None`: news arrived, do not block.
     pub(crate) fn prepare_wait(&mut self, tcp_events: i16) -> Option<WaitFds> {
         if self.phase == Phase::Pending {
             return Some(WaitFds {
                 mirror: None,
+                mirror_events: 0,
                 tcp_events,
                 asleep: false,
                 bell: None,
@@ -1006,8 +1231,8 @@ impl SanSocket {
             let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
             if raw >= 0 {
                 // SAFETY: a fresh descriptor owned by nobody else.
-                self.local_bell =
-                    Some(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) });
+                let bell = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+                self.local_bell = Some(crate::mirror::relocate_internal_fd(bell));
             }
         }
         let conn = self.conn.as_ref()?;
@@ -1029,8 +1254,32 @@ impl SanSocket {
         self.waiters += 1;
         Some(WaitFds {
             mirror: Some(mirror.as_fd().as_raw_fd()),
+            mirror_events: libc::POLLIN,
             tcp_events,
             asleep: true,
+            bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
+        })
+    }
+
+    /// Prepares a blocking wait for room to send (no credits): lowers `M`'s writability,
+    /// which the peer raises whenever it transmits (credits travel with every message).
+    /// `None`: room appeared meanwhile, retry at once.
+    ///
+    /// Unlike [`SanSocket::prepare_wait`] this does not watch `M`'s readability: data that
+    /// another thread has yet to read keeps `M` readable, and a sender that woke on it would
+    /// spin, keeping the socket's lock from that very reader (which it needs to make room).
+    pub(crate) fn prepare_send_wait(&mut self) -> Option<WaitFds> {
+        if self.phase == Phase::Pending {
+            return self.prepare_wait(libc::POLLOUT);
+        }
+        if !self.lower_writable() {
+            return None;
+        }
+        Some(WaitFds {
+            mirror: self.mirror_fd(),
+            mirror_events: libc::POLLOUT,
+            tcp_events: 0,
+            asleep: false,
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
         })
     }
@@ -1117,8 +1366,22 @@ impl SanSocket {
                 }
             }
         }
-        if let Some(session) = self.session.as_mut() {
-            session.close(abortive);
+        if abortive || !self.downgrade_wanted {
+            if let Some(session) = self.session.as_mut() {
+                session.close(abortive);
+            }
+        } else {
+            // Downgrading: bytes we sent on TCP follow our `Downgrade`, and the kernel's FIN
+            // ends the stream after them; the session only has to get its `Downgrade` out.
+            while !self.downgrade_sent
+                && start.elapsed() < linger
+                && self.conn.as_ref().is_some_and(ShmConnection::is_up)
+            {
+                self.service();
+                if let Some(conn) = self.conn.as_ref() {
+                    conn.wait(Duration::from_millis(10));
+                }
+            }
         }
         self.data_to_announce = true;
         self.service();
@@ -1134,6 +1397,40 @@ impl SanSocket {
             conn.close();
         }
     }
+}
+
+/// Writes `bytes` on TCP (nonblocking, waiting for room up to a second at a time, at most ten
+/// times); returns how many went out.
+fn send_all_on_tcp(fd: c_int, bytes: &[u8]) -> usize {
+    let mut sent = 0;
+    for _ in 0..10 {
+        while sent < bytes.len() {
+            // SAFETY: the rest of our buffer.
+            let n = unsafe {
+                real::send(
+                    fd,
+                    bytes[sent..].as_ptr().cast(),
+                    bytes.len() - sent,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            sent += n as usize;
+        }
+        if sent == bytes.len() {
+            break;
+        }
+        let mut entry = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        unsafe { real::poll(&mut entry, 1, 1000) };
+    }
+    sent
 }
 
 impl Drop for SanSocket {

@@ -1,0 +1,459 @@
+//! Moving SAN connections back to kernel TCP, live (see `docs/ARCHITECTURE.md`, "fork and
+//! exec"): a session lives in one process's memory and cannot be shared, so before `fork()`
+//! and `exec()` every SAN socket of the process is downgraded — the session's `Downgrade`
+//! marks where each direction of the stream continues on TCP — and what the session had
+//! received but the application not yet read goes into a [`Stash`] shared by every process
+//! that holds the socket afterwards. The peer downgrades when it reads our `Downgrade`
+//! (passively, in its own calls); nothing is lost, duplicated or reordered.
+
+use core::ffi::c_int;
+use core::sync::atomic::Ordering;
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+use super::socket::{Phase, SanSocket, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::stash::Stash;
+use super::{lock, SanObject, COUNTERS, LIVE};
+use crate::real;
+use crate::record::{flags, Bypass, DataPath, SocketState};
+use crate::registry::registry;
+
+/// How long `fork()`/`exec()` wait for all peers to answer the downgrade. A peer answers in
+/// its next socket call (a blocked or polling peer at once); one that does not call within
+/// this time leaves that connection to the parent only (see `Known limits` in `san`).
+pub const FORK_BUDGET: Duration = Duration::from_millis(1000);
+
+/// How long a client waits for the acceptor's switch marker before reading TCP again.
+pub(super) const MARKER_WAIT: Duration = Duration::from_millis(1000);
+
+/// The environment variable carrying stashes across `exec`: `fd:memfd` pairs, comma
+/// separated.
+pub const STASH_ENV: &str = "SANDIRECT_STASHES";
+
+/// A downgraded socket whose stash still holds bytes.
+#[derive(Debug)]
+pub(crate) struct Stashed {
+    pub stash: Stash,
+    /// Epoll sets where the stash's eventfd sits beside the socket: (epfd, events, data).
+    sets: Vec<(c_int, u32, u64)>,
+}
+
+impl Stashed {
+    fn add_to_set(&mut self, epfd: c_int, events: u32, data: u64) {
+        if events & libc::EPOLLIN as u32 == 0 {
+            return;
+        }
+        let keep = libc::EPOLLET | libc::EPOLLONESHOT;
+        let mut event = libc::epoll_event {
+            events: libc::EPOLLIN as u32 | (events & keep as u32),
+            u64: data,
+        };
+        // SAFETY: plain epoll_ctl(2) on the application's epoll instance with our eventfd.
+        let rc = unsafe {
+            real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, self.stash.ready_fd(), &mut event)
+        };
+        if rc == 0 {
+            self.sets.push((epfd, events, data));
+        }
+    }
+
+    fn remove_from_sets(&mut self) {
+        for (epfd, _, _) in core::mem::take(&mut self.sets) {
+            self.remove_from(epfd);
+        }
+    }
+
+    /// Takes the stash's eventfd out of epoll set `epfd`.
+    fn remove_from(&self, epfd: c_int) {
+        // SAFETY: plain epoll_ctl(2).
+        unsafe {
+            real::epoll_ctl(
+                epfd,
+                libc::EPOLL_CTL_DEL,
+                self.stash.ready_fd(),
+                core::ptr::null_mut(),
+            )
+        };
+    }
+}
+
+impl Drop for Stashed {
+    fn drop(&mut self) {
+        self.remove_from_sets();
+    }
+}
+
+/// The socket record says "plain TCP from now on, downgraded".
+fn mark_tcp(index: u32) {
+    if let Some(record) = registry().get(index) {
+        record.set_flag(flags::SAN | flags::STASHED, false);
+        record
+            .bypass
+            .store(Bypass::Downgraded as u32, Ordering::Release);
+        record.path.store(DataPath::Tcp as u32, Ordering::Release);
+        record.set_state_if_live(SocketState::ConnectedTcp);
+    }
+}
+
+/// Epoll sets that watch the mirror of `socket` watch the TCP socket again.
+fn epoll_back_to_tcp(index: u32, fd: c_int, socket: &mut SanSocket) {
+    if socket.epoll_on_tcp {
+        return;
+    }
+    socket.epoll_on_tcp = true;
+    if let Some(mirror) = socket.mirror_fd() {
+        super::io::repoint_epoll_registrations(index, mirror, fd);
+    }
+}
+
+/// A downgrading socket: once the peer's SAN stream is read, epoll watches TCP again; once
+/// the downgrade is complete both ways, the socket becomes plain TCP. True when it did.
+pub(super) fn settle(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> bool {
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return false;
+    };
+    if !socket.downgrading() {
+        return false;
+    }
+    socket.service();
+    if socket.reads_on_tcp() {
+        socket.consume_marker_blocking(fd, MARKER_WAIT);
+        epoll_back_to_tcp(index, fd, socket);
+    }
+    if !socket.downgrade_complete() {
+        return false;
+    }
+    let Some(SanObject::Socket(socket)) = slot.take() else {
+        return false;
+    };
+    tracing::debug!(fd, name = %socket.name, "SAN connection downgraded to TCP");
+    socket.close(Some(fd), false, Duration::ZERO);
+    LIVE.fetch_sub(1, Ordering::Relaxed);
+    super::forget_name(index);
+    mark_tcp(index);
+    COUNTERS.downgraded.fetch_add(1, Ordering::Relaxed);
+    true
+}
+
+/// Turns a socket whose downgrade completed into a stash holder (or plain TCP when nothing
+/// is left to read); `received` are the bytes the session had delivered, in order.
+fn into_stash(fd: c_int, index: u32, slot: &mut Option<SanObject>, received: &[u8]) {
+    let Some(SanObject::Socket(mut socket)) = slot.take() else {
+        return;
+    };
+    epoll_back_to_tcp(index, fd, &mut socket);
+    socket.close(Some(fd), false, Duration::ZERO);
+    super::forget_name(index);
+    COUNTERS.downgraded.fetch_add(1, Ordering::Relaxed);
+    let stash = (!received.is_empty())
+        .then(|| Stash::create(received))
+        .flatten();
+    match stash {
+        Some(stash) => {
+            let mut stashed = Stashed {
+                stash,
+                sets: Vec::new(),
+            };
+            if let Some(record) = registry().get(index) {
+                for (epfd, events, data) in record.epoll_registrations() {
+                    stashed.add_to_set(epfd, events, data);
+                }
+            }
+            *slot = Some(SanObject::Stashed(Box::new(stashed)));
+            mark_tcp(index);
+            if let Some(record) = registry().get(index) {
+                record.set_flag(flags::SAN | flags::STASHED, true);
+            }
+        }
+        None => {
+            if !received.is_empty() {
+                // Could not create the stash: these bytes cannot be delivered exactly.
+                tracing::warn!(fd, bytes = received.len(), "downgrade: stash refused");
+                COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: plain shutdown(2): the stream is broken, say so.
+                unsafe { real::shutdown(fd, libc::SHUT_RDWR) };
+            }
+            LIVE.fetch_sub(1, Ordering::Relaxed);
+            mark_tcp(index);
+        }
+    }
+}
+
+/// One connection being downgraded by `fork`/`exec`.
+struct Draining {
+    index: u32,
+    fd: c_int,
+    /// What the session (and, first, an acceptor's pending TCP bytes) delivered so far.
+    received: Vec<u8>,
+    /// Finished: stashed, plain TCP, or not downgradable.
+    done: bool,
+}
+
+/// Downgrades every SAN connection of this process before `fork()` or `exec()`, waiting up to
+/// [`FORK_BUDGET`] for the peers' answers. Connections whose peer did not answer stay SAN in
+/// this process (the caller decides what the other process gets). `only` limits the work to
+/// these fds (exec: sockets that survive it).
+pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
+    if LIVE.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut draining = Vec::new();
+    registry().for_each_live(|index, record| {
+        if record.flags() & flags::SAN != 0
+            && record.flags() & flags::STASHED == 0
+            && record.bypass() != Bypass::AfterFork
+        {
+            let fd = record.fd.load(Ordering::Acquire);
+            if only.is_none_or(|keep| keep(fd)) {
+                draining.push(Draining {
+                    index,
+                    fd,
+                    received: Vec::new(),
+                    done: false,
+                });
+            }
+        }
+    });
+    tracing::debug!(
+        connections = draining.len(),
+        "downgrading SAN connections (fork/exec)"
+    );
+    if draining.is_empty() {
+        return;
+    }
+    for item in &mut draining {
+        let mut slot = lock(item.index);
+        // A client whose acceptor attached switches first; one still waiting stays as it is.
+        let _ = super::io::switch_if_attached(item.fd, item.index, &mut slot);
+        match slot.as_mut() {
+            Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {
+                if !socket.begin_downgrade() {
+                    tracing::debug!(fd = item.fd, "downgrade impossible: stays in this process");
+                    item.done = true;
+                }
+            }
+            _ => item.done = true,
+        }
+    }
+    let deadline = Instant::now() + FORK_BUDGET;
+    loop {
+        let mut mirrors: Vec<libc::pollfd> = Vec::new();
+        for item in draining.iter_mut().filter(|item| !item.done) {
+            let mut slot = lock(item.index);
+            if drain_step(item, &mut slot) {
+                into_stash(item.fd, item.index, &mut slot, &item.received);
+                item.done = true;
+            } else if let Some(SanObject::Socket(socket)) = slot.as_ref() {
+                if let Some(mirror) = socket.mirror_fd() {
+                    mirrors.push(libc::pollfd {
+                        fd: mirror,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                }
+            } else {
+                item.done = true;
+            }
+        }
+        if draining.iter().all(|item| item.done) || Instant::now() >= deadline {
+            break;
+        }
+        super::io::assist_all_in_process();
+        // SAFETY: `mirrors` is a valid array; short sleeps keep the loop cheap and bounded.
+        unsafe { real::poll(mirrors.as_mut_ptr(), mirrors.len() as libc::nfds_t, 5) };
+    }
+    for item in draining.iter().filter(|item| !item.done) {
+        tracing::debug!(fd = item.fd, "downgrade: peer did not answer in time");
+        // The connection stays SAN in this process and finishes its downgrade later. The
+        // session hands bytes out only once: those drained so far are read first.
+        let mut slot = lock(item.index);
+        if let Some(SanObject::Socket(socket)) = slot.as_mut() {
+            socket.restore_received(&item.received);
+        }
+    }
+}
+
+/// One round of draining: reads what the session delivered (and an acceptor's pre-switch TCP
+/// bytes, which come first) into `received`. True when the downgrade is complete.
+fn drain_step(item: &mut Draining, slot: &mut Option<SanObject>) -> bool {
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return true;
+    };
+    socket.service();
+    // An acceptor still owes the client's pre-switch TCP bytes: they precede the session's.
+    match socket.tcp_backlog() {
+        None => return false,
+        Some(0) => {}
+        Some(left) => {
+            let mut buf = vec![0u8; usize::try_from(left).unwrap_or(usize::MAX).min(1 << 20)];
+            // SAFETY: our own buffer.
+            let n = unsafe {
+                real::recv(
+                    item.fd,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                socket.count_tcp_received(n as u64);
+                item.received.extend_from_slice(&buf[..n as usize]);
+            }
+            return false;
+        }
+    }
+    let mut buf = [0u8; 16 << 10];
+    // Bounded: each turn takes bytes out of the session's finite queue.
+    for _ in 0..4096 {
+        match socket.recv(&mut buf, false) {
+            Ok(0) => break,
+            Ok(n) => item.received.extend_from_slice(&buf[..n]),
+            Err(REMOTE_SEGMENT_AHEAD) => {
+                // The sender gets a short count and sends the rest on TCP, after its
+                // `Downgrade`.
+                if socket.reject_remote_head().is_err() {
+                    break;
+                }
+            }
+            Err(DOWNGRADED) | Err(_) => break,
+        }
+    }
+    if socket.reads_on_tcp() {
+        socket.consume_marker_blocking(item.fd, MARKER_WAIT);
+    }
+    socket.downgrade_complete() || socket.is_broken()
+}
+
+/// `STASH_ENV` for an exec'd image: the stash of every surviving socket, its memfd made
+/// inheritable. `None` when there is none.
+pub fn stash_env(survives: &dyn Fn(c_int) -> bool) -> Option<String> {
+    let mut pairs = Vec::new();
+    registry().for_each_live(|index, record| {
+        tracing::debug!(
+            index,
+            flags = record.flags(),
+            fd = record.fd.load(Ordering::Acquire),
+            "exec: record"
+        );
+        if record.flags() & flags::STASHED != 0 {
+            let fd = record.fd.load(Ordering::Acquire);
+            if survives(fd) {
+                pairs.push((index, fd));
+            }
+        }
+    });
+    let mut out = String::new();
+    for (index, fd) in pairs {
+        if let Some(SanObject::Stashed(stashed)) = lock(index).as_ref() {
+            if stashed.stash.remaining() == 0 {
+                continue;
+            }
+            let memfd: RawFd = stashed.stash.memfd();
+            // SAFETY: clearing close-on-exec on our own memfd so the new image gets it.
+            unsafe { libc::fcntl(memfd, libc::F_SETFD, 0) };
+            if !out.is_empty() {
+                out.push(',');
+            }
+            out.push_str(&format!("{fd}:{memfd}"));
+        }
+    }
+    tracing::debug!(stashes = out, "exec: handing over stashes");
+    (!out.is_empty()).then_some(out)
+}
+
+/// In a new image: adopts the stashes an exec'ing image handed over (bad entries are
+/// ignored: the socket is then plain TCP, as it would be without us).
+pub fn adopt_stashes(value: &str) {
+    tracing::debug!(value, "stashes handed over by exec");
+    for pair in value.split(',').take(4096) {
+        let Some((fd, memfd)) = pair.split_once(':') else {
+            continue;
+        };
+        let (Ok(fd), Ok(memfd)) = (fd.parse::<c_int>(), memfd.parse::<c_int>()) else {
+            continue;
+        };
+        if fd < 0 || memfd < 0 || fd == memfd {
+            continue;
+        }
+        // SAFETY: fcntl(F_GETFD) only checks that the descriptor is open.
+        if unsafe { libc::fcntl(memfd, libc::F_GETFD) } < 0 {
+            continue;
+        }
+        // SAFETY: the exec'ing image handed this descriptor to us; nobody else owns it.
+        let memfd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(memfd) };
+        let Some(stash) = Stash::adopt(memfd) else {
+            continue;
+        };
+        let Some(index) = crate::ops::adopt_inherited_socket(fd) else {
+            continue;
+        };
+        *lock(index) = Some(SanObject::Stashed(Box::new(Stashed {
+            stash,
+            sets: Vec::new(),
+        })));
+        LIVE.fetch_add(1, Ordering::Relaxed);
+        mark_tcp(index);
+        if let Some(record) = registry().get(index) {
+            record.set_flag(flags::SAN | flags::STASHED, true);
+        }
+    }
+}
+
+/// `recv` family on a stash holder: the stash first, then (`MSG_WAITALL`) TCP. `None`: the
+/// stash is empty, make the real call.
+pub(super) fn recv_stashed(
+    fd: c_int,
+    index: u32,
+    bufs: &[super::RawBuf],
+    recv_flags: c_int,
+) -> Option<isize> {
+    let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+    let peek = recv_flags & libc::MSG_PEEK != 0;
+    let mut slot = lock(index);
+    let Some(SanObject::Stashed(stashed)) = slot.as_mut() else {
+        return None;
+    };
+    let mut done = 0usize;
+    stashed.stash.read(total, peek, |bytes| {
+        super::io::scatter(bufs, done, bytes);
+        done += bytes.len();
+    });
+    if !peek && stashed.stash.remaining() == 0 {
+        release_stash(index, &mut slot);
+    }
+    drop(slot);
+    if done == 0 {
+        return if total == 0 { Some(0) } else { None };
+    }
+    if recv_flags & libc::MSG_WAITALL != 0 && !peek && done < total {
+        let n = super::io::recv_tcp(fd, bufs, done, u64::MAX, recv_flags);
+        if n > 0 {
+            done += n as usize;
+        }
+    }
+    Some(done as isize)
+}
+
+/// The stash is empty (or its socket is gone): the socket is plain TCP.
+pub(super) fn release_stash(index: u32, slot: &mut Option<SanObject>) {
+    if let Some(SanObject::Stashed(stashed)) = slot.take() {
+        drop(stashed);
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+        mark_tcp(index);
+    }
+}
+
+/// A stash holder added to (or changed in) an epoll set: the stash's eventfd goes beside it.
+pub(super) fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: u64) {
+    let mut slot = lock(index);
+    let Some(SanObject::Stashed(stashed)) = slot.as_mut() else {
+        return;
+    };
+    if let Some(position) = stashed.sets.iter().position(|&(e, _, _)| e == epfd) {
+        stashed.sets.swap_remove(position);
+        stashed.remove_from(epfd);
+    }
+    if op != libc::EPOLL_CTL_DEL && stashed.stash.remaining() > 0 {
+        stashed.add_to_set(epfd, events, data);
+    }
+}
