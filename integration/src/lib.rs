@@ -50,6 +50,37 @@ pub fn outcome(rc: isize) -> String {
     }
 }
 
+/// Waits for `child` (stdout and stderr piped) up to `timeout` and returns its stdout. A
+/// failed exit or a hang is a test failure that shows everything the child printed (a hang
+/// kills it first).
+pub fn finish_child(
+    mut child: std::process::Child,
+    what: &str,
+    timeout: std::time::Duration,
+) -> String {
+    use std::io::Read;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            let mut out = String::new();
+            if let Some(mut stdout) = child.stdout.take() {
+                stdout.read_to_string(&mut out).expect("read stdout");
+            }
+            let mut err = String::new();
+            if let Some(mut stderr) = child.stderr.take() {
+                stderr.read_to_string(&mut err).expect("read stderr");
+            }
+            assert!(status.success(), "{what} failed ({status}):\n{out}\n{err}");
+            return out;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{what} hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// The workspace's target directory (honours `CARGO_TARGET_DIR`).
 pub fn target_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {

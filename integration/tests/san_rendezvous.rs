@@ -263,6 +263,9 @@ fn peek_and_wait_all_on_a_rendezvous_segment() {
     let (server, client) = run("peek", &transfer);
     assert_delivered(&server, &transfer);
     assert_eq!(server.get("peek"), "same", "{server:?}");
+    // FIONREAD counts the announced rendezvous segment, not only the inline prefix: the
+    // whole first 1 MiB send is readable without waiting for the peer.
+    assert!(server.number("fionread") >= 1 << 20, "{server:?}");
     assert_eq!(client.number("rendezvous_sent"), 4 << 20, "{client:?}");
     // MSG_WAITALL fills each buffer across segment boundaries: 3 reads for 4 MiB.
     assert_eq!(server.number("reads"), 3, "{server:?}");
@@ -353,9 +356,14 @@ fn serve() {
     let fd = stream.as_raw_fd();
     let mut received = Vec::with_capacity(bytes);
     let mut peek = "off";
+    let mut fionread = 0;
     if std::env::var("RNDV_PEEK").as_deref() == Ok("1") {
         let mut peeked = vec![0u8; 4096];
         let n = recv(fd, &mut peeked, libc::MSG_PEEK);
+        let mut pending: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        unsafe { libc::ioctl(fd, libc::FIONREAD, &mut pending) };
+        fionread = pending;
         let mut read = vec![0u8; n];
         stream.read_exact(&mut read).unwrap();
         peek = if n > 0 && peeked[..n] == read[..] {
@@ -381,7 +389,7 @@ fn serve() {
     }
     let (_, _, rendezvous_received) = own_counters();
     println!(
-        "server ok bytes={} checksum={:016x} rendezvous_received={rendezvous_received} reads={reads} peek={peek}",
+        "server ok bytes={} checksum={:016x} rendezvous_received={rendezvous_received} reads={reads} peek={peek} fionread={fionread}",
         received.len(),
         checksum(&received)
     );

@@ -179,6 +179,12 @@ fn main() {
                 "published after churn: {} live, {listeners} listener",
                 live.len()
             );
+            for c in live.iter().filter(|c| c.state != SocketState::Listener) {
+                println!(
+                    "  left: fd {} refs {} {:?} flags {:#x} {:?} {:?} {:?}->{:?}",
+                    c.fd, c.fd_refs, c.state, c.flags, c.path, c.bypass, c.local, c.peer
+                );
+            }
         }
     }
     if failures != 0 {

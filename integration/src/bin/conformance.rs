@@ -919,6 +919,48 @@ fn eintr() -> CaseResult {
     ))
 }
 
+static RESTART_SIGNALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_usr2(_: c_int) {
+    RESTART_SIGNALLED.store(true, Ordering::SeqCst);
+}
+
+/// A handler installed with SA_RESTART: a blocking recv interrupted by it is restarted and
+/// returns the data that arrives later (no EINTR).
+fn eintr_restart() -> CaseResult {
+    let (client, server) = pair()?;
+    // SAFETY: installing a handler with SA_RESTART (every other handler of this program is
+    // restored to the default first: the restart rule is per signal).
+    unsafe {
+        libc::signal(libc::SIGUSR1, libc::SIG_DFL);
+        let mut action: libc::sigaction = zeroed();
+        action.sa_sigaction = on_usr2 as *const () as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigaction(libc::SIGUSR2, &action, null_mut());
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let target = unsafe { libc::pthread_self() };
+    let writer = client.raw();
+    let helper = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: the target thread outlives this helper (joined below).
+        unsafe { libc::pthread_kill(target, libc::SIGUSR2) };
+        std::thread::sleep(Duration::from_millis(100));
+        // SAFETY: the client socket outlives this helper (joined below).
+        unsafe { libc::send(writer, b"restart!".as_ptr().cast(), 8, 0) };
+    });
+    let mut buf = [0u8; 8];
+    // SAFETY: valid buffer; blocks across the signal until the data.
+    let recv = outcome(unsafe { libc::recv(server.raw(), buf.as_mut_ptr().cast(), 8, 0) });
+    helper.join().map_err(|_| "helper panicked")?;
+    Ok(format!(
+        "recv={recv} data={} handler-ran={}",
+        String::from_utf8_lossy(&buf),
+        RESTART_SIGNALLED.load(Ordering::SeqCst)
+    ))
+}
+
 fn recv_flags() -> CaseResult {
     let (client, server) = pair()?;
     write_all(client.raw(), b"abcdef")?;
@@ -1266,6 +1308,7 @@ const CASES: &[Case] = &[
     ("epoll-two-sets-and-nested", epoll_two_sets_and_nested),
     ("poll-and-select", poll_and_select),
     ("eintr", eintr),
+    ("eintr-restart", eintr_restart),
     ("recv-flags", recv_flags),
     ("ipv6-and-v4-mapped", ipv6_and_mapped),
     ("high-fd", high_fd),

@@ -1,0 +1,284 @@
+//! fork and exec with connections on the SAN (run under the preload with `SANDIRECT_SAN=1`):
+//! the switch is exact, and so must be the way back to kernel TCP when a process forks or
+//! execs with SAN sockets open.
+//!
+//! ```text
+//! san_fork server MODE       prints "port N", serves one client, prints "server ok ..."
+//! san_fork client PORT MODE  prints "client ok ... bypass=B san_bytes=S"
+//! ```
+//! MODE:
+//! * `handoff` — the server forks after the client's request arrived (unread), closes its
+//!   copy; the child reads the request and serves the rest of the conversation.
+//! * `keep` — the server forks a child that only holds the socket for a while (redis
+//!   BGSAVE); the parent goes on serving.
+//! * `exec` — like `handoff`, but the child execs this program (`exec-child FD`) with the
+//!   socket inherited, and the new image serves.
+//! * `spawn` — the server runs /bin/true by posix_spawn and by vfork + execve with the socket
+//!   inheritable; /bin/true ignores it: the connection must stay on the SAN.
+//! * `idle-peer` — the client makes no socket call while the server forks (a child that
+//!   leaves at once): fork waits a bounded time, the parent keeps serving.
+//!
+//! Conversation: client sends R0 (1 KiB), server answers A0 (1 KiB) — by then both ends are on
+//! the SAN — client sends R1 (200 KiB in 20 KiB writes, inline), server (after the fork, in the child for handoff/exec)
+//! checks R1, sends A1 (1 MiB), client checks A1 and sends R2 (1 MiB), server checks R2 and sends
+//! "done". Every message is a seeded pattern: a lost, duplicated or reordered byte fails.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
+use std::time::Duration;
+
+use preload_core::record::{Counter, DataPath};
+
+const R0: usize = 1 << 10;
+const A0: usize = 1 << 10;
+const R1: usize = 200 << 10;
+const A1: usize = 1 << 20;
+const R2: usize = 1 << 20;
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+fn expect(stream: &mut TcpStream, seed: u64, len: usize, what: &str) {
+    let mut got = vec![0u8; len];
+    stream
+        .read_exact(&mut got)
+        .unwrap_or_else(|e| fail(&format!("{what}: read: {e}")));
+    if got != pattern(seed, len) {
+        let at = got
+            .iter()
+            .zip(pattern(seed, len))
+            .position(|(a, b)| *a != b)
+            .unwrap_or(0);
+        fail(&format!("{what}: bytes differ from offset {at}"));
+    }
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("san_fork {}: {message}", std::process::id());
+    std::process::exit(1);
+}
+
+/// The published record of this process's connection with `port` at either end.
+fn published(port: u16) -> String {
+    let Some(dir) = preload_core::stats::default_dir() else {
+        return "bypass=unpublished san_bytes=0".into();
+    };
+    let Ok(Ok(connections)) =
+        preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
+    else {
+        return "bypass=unpublished san_bytes=0".into();
+    };
+    connections
+        .iter()
+        .find(|c| {
+            c.peer.is_some()
+                && (c.local.is_some_and(|a| a.port() == port)
+                    || c.peer.is_some_and(|a| a.port() == port))
+        })
+        .map_or_else(
+            || "bypass=none san_bytes=0".into(),
+            |c| {
+                let san = c.counter(Counter::SanInlineSent)
+                    + c.counter(Counter::SanInlineReceived)
+                    + c.counter(Counter::SanRendezvousSent)
+                    + c.counter(Counter::SanRendezvousReceived);
+                let path = if c.path == DataPath::Tcp {
+                    "tcp"
+                } else {
+                    "san"
+                };
+                format!("path={path} bypass={} san_bytes={san}", c.bypass.label())
+            },
+        )
+}
+
+/// The part of the conversation after the fork (or exec).
+fn serve_rest(mut stream: TcpStream) {
+    expect(&mut stream, 1, R1, "R1");
+    stream.write_all(&pattern(2, A1)).unwrap();
+    expect(&mut stream, 3, R2, "R2");
+    stream.write_all(b"done").unwrap();
+    // Wait for the client's close so our last bytes are surely delivered.
+    let mut rest = Vec::new();
+    let _ = stream.read_to_end(&mut rest);
+    if !rest.is_empty() {
+        fail("bytes after the end of the conversation");
+    }
+}
+
+fn wait_child(pid: libc::pid_t) -> i32 {
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        128 + libc::WTERMSIG(status)
+    }
+}
+
+fn server(mode: &str) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    println!("port {port}");
+    std::io::stdout().flush().unwrap();
+    let (mut stream, _) = listener.accept().unwrap();
+    expect(&mut stream, 0, R0, "R0");
+    stream.write_all(&pattern(10, A0)).unwrap();
+    // Let R1 arrive (in the session, unread) before forking.
+    let mut byte = [0u8; 1];
+    stream.peek(&mut byte).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let before = published(port);
+    match mode {
+        "handoff" | "exec" => {
+            // SAFETY: fork; the child only uses the socket and exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                if mode == "exec" {
+                    let fd = stream.into_raw_fd();
+                    // SAFETY: clearing close-on-exec on our socket so the new image gets it.
+                    unsafe { libc::fcntl(fd, libc::F_SETFD, 0) };
+                    let program = std::env::current_exe().unwrap();
+                    let error = std::os::unix::process::CommandExt::exec(
+                        std::process::Command::new(program).args(["exec-child", &fd.to_string()]),
+                    );
+                    fail(&format!("exec: {error}"));
+                }
+                serve_rest(stream);
+                std::process::exit(0);
+            }
+            drop(stream);
+            let status = wait_child(pid);
+            if status != 0 {
+                fail(&format!("child exited with {status}"));
+            }
+            println!("server ok mode={mode} before_fork=[{before}]");
+        }
+        "keep" => {
+            // SAFETY: fork; the child only sleeps holding the socket, then leaves.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: leave without touching anything of the parent's.
+                unsafe { libc::_exit(0) };
+            }
+            serve_rest(stream);
+            let status = wait_child(pid);
+            if status != 0 {
+                fail(&format!("child exited with {status}"));
+            }
+            println!(
+                "server ok mode={mode} before_fork=[{before}] after=[{}]",
+                published(port)
+            );
+        }
+        "idle-peer" => {
+            // The client makes no socket call for 1.5 s: it cannot answer the downgrade, so
+            // fork waits its bounded budget and the parent keeps the connection.
+            let started = std::time::Instant::now();
+            // SAFETY: fork; the child leaves at once.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: leave without touching anything of the parent's.
+                unsafe { libc::_exit(0) };
+            }
+            let fork_ms = started.elapsed().as_millis();
+            serve_rest(stream);
+            let status = wait_child(pid);
+            if status != 0 {
+                fail(&format!("child exited with {status}"));
+            }
+            println!("server ok mode={mode} before_fork=[{before}] fork_ms={fork_ms}");
+        }
+        "spawn" => {
+            // Children that exec at once without inheriting the socket (close-on-exec): by
+            // posix_spawn (Rust's Command) and by vfork + execve, whose child runs our execve
+            // hook on the parent's memory. Neither may disturb the parent's SAN connection.
+            // The socket is made inheritable, so the execve hook in the vfork child sees it.
+            // SAFETY: clearing close-on-exec on our own socket.
+            unsafe { libc::fcntl(stream.as_raw_fd(), libc::F_SETFD, 0) };
+            let status = std::process::Command::new("/bin/true")
+                .status()
+                .unwrap_or_else(|e| fail(&format!("spawn: {e}")));
+            if !status.success() {
+                fail("spawned /bin/true failed");
+            }
+            let path = c"/bin/true";
+            let argv = [path.as_ptr(), core::ptr::null()];
+            let envp = [core::ptr::null::<libc::c_char>()];
+            // SAFETY: the vfork child only calls execve and _exit.
+            let pid = unsafe {
+                #[allow(deprecated)]
+                let pid = libc::vfork();
+                if pid == 0 {
+                    libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr());
+                    libc::_exit(127);
+                }
+                pid
+            };
+            if wait_child(pid) != 0 {
+                fail("vfork + execve of /bin/true failed");
+            }
+            serve_rest(stream);
+            println!(
+                "server ok mode={mode} before_fork=[{before}] after=[{}]",
+                published(port)
+            );
+        }
+        other => fail(&format!("unknown mode {other}")),
+    }
+}
+
+fn client(port: u16, mode: &str) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.write_all(&pattern(0, R0)).unwrap();
+    expect(&mut stream, 10, A0, "A0");
+    // In pieces below the rendezvous threshold: they go inline and wait, unread, in the
+    // server's session when it forks (the stash must carry them).
+    for piece in pattern(1, R1).chunks(20 << 10) {
+        stream.write_all(piece).unwrap();
+    }
+    if mode == "idle-peer" {
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    expect(&mut stream, 2, A1, "A1");
+    stream.write_all(&pattern(3, R2)).unwrap();
+    let mut done = [0u8; 4];
+    stream.read_exact(&mut done).unwrap();
+    if &done != b"done" {
+        fail("no done");
+    }
+    let report = published(port);
+    drop(stream);
+    println!("client ok mode={mode} {report}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("server") => server(args.get(2).map_or("handoff", String::as_str)),
+        Some("client") => {
+            let port = args.get(2).and_then(|p| p.parse().ok()).unwrap_or(0);
+            client(port, args.get(3).map_or("handoff", String::as_str));
+        }
+        Some("exec-child") => {
+            let fd: i32 = args.get(2).and_then(|f| f.parse().ok()).unwrap_or(-1);
+            // SAFETY: the exec'ing image handed us this connected socket.
+            let stream = unsafe { TcpStream::from_raw_fd(fd) };
+            let _ = stream.as_raw_fd();
+            serve_rest(stream);
+        }
+        _ => fail("usage: san_fork server MODE | client PORT MODE"),
+    }
+}
