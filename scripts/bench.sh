@@ -15,9 +15,8 @@
 # and only a failure to build or to start the benchmark makes this script exit non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The `sandirect` variant measures the intra-host SAN path, which is opt-in for applications
-# (SANDIRECT_SAN=0 here measures the hooks over TCP instead).
-export SANDIRECT_SAN="${SANDIRECT_SAN:-1}"
+# The `sandirect` variant measures the intra-host SAN path, the default (SANDIRECT_SAN=0 here
+# measures the hooks over TCP instead).
 if [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
 
 quick=0

@@ -31,15 +31,16 @@ use preload_core::discovery::ConnectionKey;
 use preload_core::record::{DataPath, SocketState};
 use preload_core::stats::{self, ConnectionInfo};
 
-/// The environment variable that switches the SAN expectation on (`SANDIRECT_EXPECT_SAN=1`).
-pub const EXPECT_SAN_VARIABLE: &str = "SANDIRECT_EXPECT_SAN";
+/// The interposer's switch for the SAN path, passed through to the programs under test:
+/// `SANDIRECT_SAN=0` runs the whole application suite over the interposer's TCP path.
+pub const SAN_VARIABLE: &str = "SANDIRECT_SAN";
 
-/// The path a connection between two preloaded processes must take: `SAN-shm` when
-/// `SANDIRECT_EXPECT_SAN=1`, kernel TCP otherwise (until the SAN data path is wired in).
+/// The path a connection between two preloaded processes must take: `SAN-shm` (the
+/// default), kernel TCP when the suite runs with `SANDIRECT_SAN=0`.
 pub fn expected_path_when_both_preloaded() -> DataPath {
-    match std::env::var(EXPECT_SAN_VARIABLE).as_deref() {
-        Ok("1") => DataPath::SanShm,
-        _ => DataPath::Tcp,
+    match std::env::var(SAN_VARIABLE).as_deref() {
+        Ok("0") => DataPath::Tcp,
+        _ => DataPath::SanShm,
     }
 }
 
@@ -786,9 +787,9 @@ pub fn assert_paths(
     const SHOWN: usize = 12;
     assert!(
         wrong.is_empty(),
-        "every connection must take {} ({EXPECT_SAN_VARIABLE}={:?}); {} of {} did not, e.g.:\n{}",
+        "every connection must take {} ({SAN_VARIABLE}={:?}); {} of {} did not, e.g.:\n{}",
         expected.label(),
-        std::env::var(EXPECT_SAN_VARIABLE).unwrap_or_default(),
+        std::env::var(SAN_VARIABLE).unwrap_or_default(),
         wrong.len(),
         relevant.len(),
         wrong[..wrong.len().min(SHOWN)].join("\n")

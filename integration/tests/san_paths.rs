@@ -1,6 +1,6 @@
 //! The SAN path end to end: unmodified programs (`san_echo`, blocking `std::net`) under the
-//! preload with `SANDIRECT_SAN=1` switch to the intra-host SAN exactly, and stay on TCP when
-//! either side is not preloaded.
+//! preload (the SAN path is the default) switch to the intra-host SAN exactly, and stay on TCP
+//! when either side is not preloaded.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -62,9 +62,8 @@ fn command(program: &str, preload: bool, dirs: &Dirs) -> Command {
         .env("SANDIRECT_STAT_DIR", &dirs.stat)
         .env("SANDIRECT_SHM_DIR", &dirs.shm);
     if preload {
-        command
-            .env("LD_PRELOAD", library())
-            .env("SANDIRECT_SAN", "1");
+        // The SAN path is the default: nothing but the preload is set.
+        command.env("LD_PRELOAD", library());
     }
     command
 }
@@ -132,6 +131,20 @@ fn two_preloaded_processes_move_mibs_over_the_san_with_checksums() {
         Vec::<String>::new(),
         "segments must be unlinked"
     );
+}
+
+#[test]
+fn a_client_that_writes_megabytes_before_reading_the_echo_does_not_deadlock() {
+    // Loopback TCP buffers ~10 MB of this (send plus receive buffers, both ways); a 256 KiB
+    // SAN send buffer deadlocked it at 2 MB.
+    let dirs = Dirs::new("write-then-read");
+    let bytes = 3_000_000;
+    for preload in [false, true] {
+        let (server, client) = two_processes("write-then-read", bytes, preload, preload, &dirs);
+        let path = if preload { "san-shm" } else { "tcp" };
+        expect(&server, "server", bytes, path);
+        expect(&client, "client", bytes, path);
+    }
 }
 
 #[test]
@@ -230,10 +243,10 @@ fn san_connections_leave_the_application_its_descriptor_numbers() {
 }
 
 #[test]
-fn without_the_opt_in_everything_stays_on_tcp() {
-    let dirs = Dirs::new("default-off");
+fn san_off_keeps_everything_on_tcp() {
+    let dirs = Dirs::new("san-off");
     let mut server = command(SAN_ECHO, true, &dirs);
-    server.env_remove("SANDIRECT_SAN");
+    server.env("SANDIRECT_SAN", "0");
     let child = server
         .args(["inprocess", "client-first", "100000"])
         .stdout(Stdio::piped())

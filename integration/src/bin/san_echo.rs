@@ -15,6 +15,10 @@
 //! * `early`: as `client-first`, but the server sleeps 200 ms before `accept()`, so the client's
 //!   first bytes are written before the acceptor exists (they travel over TCP while pending).
 //!
+//! * `write-then-read`: as `client-first`, but the client writes all BYTES in one blocking
+//!   `write_all` before it reads anything (one thread), counting on the connection's buffers
+//!   to hold what the echo sends back meanwhile, as loopback TCP does for ~10 MB.
+//!
 //! * `sink` (server) / `flood` (client): the client writes until an error, the server reads
 //!   until end-of-file or an error; each prints `<side> stopped: <how>` (for peer-death tests:
 //!   kill one side and time the other's exit).
@@ -151,6 +155,13 @@ fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
         }
     }
     let data = pattern(bytes);
+    if protocol == "write-then-read" {
+        stream.write_all(&data)?;
+        stream.shutdown(Shutdown::Write)?;
+        let mut echo = Vec::with_capacity(bytes);
+        stream.read_to_end(&mut echo)?;
+        return check_echo(echo, bytes, local_port);
+    }
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
         for chunk in data.chunks(24_000) {
@@ -163,6 +174,10 @@ fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
     sender
         .join()
         .map_err(|_| std::io::Error::other("sender panicked"))??;
+    check_echo(echo, bytes, local_port)
+}
+
+fn check_echo(echo: Vec<u8>, bytes: usize, local_port: u16) -> std::io::Result<String> {
     let path = published_path(local_port);
     let expected = pattern(bytes);
     if echo != expected {

@@ -66,8 +66,8 @@ pub struct Settings {
     pub program: String,
     /// Rules already filtered for this program; `None` when the file was invalid.
     pub rules: Option<Config>,
-    /// `SANDIRECT_SAN=1`: connections between preloaded processes switch to the intra-host
-    /// SAN (opt-in while the SAN path matures).
+    /// Connections between preloaded processes switch to the intra-host SAN (the default;
+    /// `SANDIRECT_SAN=0` turns it off).
     pub san: bool,
 }
 
@@ -86,7 +86,7 @@ pub fn tracking_enabled() -> bool {
 }
 
 /// The path decision for a new connection: `Bypass::None` means "upgrade when the peer is
-/// capable" and is only returned with the SAN path enabled (`SANDIRECT_SAN=1`); otherwise
+/// capable" and is only returned with the SAN path enabled (not `SANDIRECT_SAN=0`); otherwise
 /// every outcome is a TCP reason (`NoProvider` when the rules would allow the SAN).
 pub fn decide(role: Role, endpoint: Option<SocketAddr>) -> Bypass {
     let Some(settings) = settings() else {
@@ -150,7 +150,9 @@ fn init_guarded(argv0: Option<&CStr>) {
         },
     };
     tracing::debug!(?mode, program, rules = ?rules.as_ref().map(|r| r.rules.len()), "sandirect initialised");
-    let san = std::env::var("SANDIRECT_SAN").is_ok_and(|value| value == "1");
+    // On unless turned off: `SANDIRECT_SAN=0` keeps every connection on kernel TCP (the
+    // interposer still tracks and counts them).
+    let san = std::env::var("SANDIRECT_SAN").map_or(true, |value| value != "0");
     let _ = SETTINGS.set(Settings {
         mode,
         program,

@@ -2084,8 +2084,12 @@ impl Session {
             return None;
         }
         if !self.tx_buffer.is_empty() {
+            // The first contiguous run only: when the ring wraps, one message is shorter
+            // instead of rotating the whole buffer (megabytes) for every message.
             let mut n = self
                 .tx_buffer
+                .as_slices()
+                .0
                 .len()
                 .min(max.saturating_sub(ctrl::HEADER_LEN));
             // A message ends at an urgent byte, so the URG flag marks its last byte.
@@ -2100,9 +2104,8 @@ impl Session {
             if n == 0 {
                 return None;
             }
-            // One contiguous run (a no-op unless the ring wrapped) so the payload is a slice.
             let credits = self.credits_to_return();
-            let data = self.tx_buffer.make_contiguous();
+            let data = self.tx_buffer.as_slices().0;
             let repr = ctrl::Repr {
                 credits,
                 message: ctrl::Message::Data { urgent },

@@ -1060,11 +1060,17 @@ pub fn poll_fds(
     if LIVE.load(Ordering::Relaxed) == 0 {
         return saved;
     }
-    assist_all_in_process();
+    // A set without SAN sockets is not ours to drive: no allocation, no lock (the in-process
+    // assist matters only to a wait that depends on a SAN socket).
+    let mut assisted = false;
     for (position, entry) in fds.iter_mut().enumerate() {
         let Some(index) = super::san_index(crate::fdtable::table().lookup(entry.fd)) else {
             continue;
         };
+        if !assisted {
+            assisted = true;
+            assist_all_in_process();
+        }
         if orphaned(index) {
             continue;
         }
@@ -1260,8 +1266,15 @@ pub unsafe fn select_via_poll(
     // SAFETY: per the contract, each set is null or valid.
     let is_set =
         |set: *mut libc::fd_set, fd: c_int| !set.is_null() && unsafe { libc::FD_ISSET(fd, set) };
+    // A set without SAN sockets goes to the kernel untouched: no allocation, no lock.
+    let any_san = (0..nfds).any(|fd| {
+        (is_set(readfds, fd) || is_set(writefds, fd) || is_set(exceptfds, fd))
+            && super::san_index(crate::fdtable::table().lookup(fd)).is_some()
+    });
+    if !any_san {
+        return None;
+    }
     let mut pollfds = Vec::new();
-    let mut any_san = false;
     for fd in 0..nfds {
         let mut events = 0;
         if is_set(readfds, fd) {
@@ -1274,16 +1287,12 @@ pub unsafe fn select_via_poll(
             events |= libc::POLLPRI;
         }
         if events != 0 {
-            any_san |= super::san_index(crate::fdtable::table().lookup(fd)).is_some();
             pollfds.push(libc::pollfd {
                 fd,
                 events,
                 revents: 0,
             });
         }
-    }
-    if !any_san {
-        return None;
     }
     let saved = poll_fds(&mut pollfds, None);
     // SAFETY: valid pollfds; timeout and sigmask per the contract.

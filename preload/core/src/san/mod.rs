@@ -3,7 +3,7 @@
 //! "Discovery and the exact switch-over point").
 //!
 //! # Enabling
-//! Opt-in: `SANDIRECT_SAN=1` (read at init). Without it every socket stays on kernel TCP and
+//! On by default; `SANDIRECT_SAN=0` (read at init) keeps every socket on kernel TCP and
 //! nothing here runs. `SANDIRECT_SHM_DIR` overrides the segment directory.
 //!
 //! # Life of a SAN socket
@@ -62,7 +62,8 @@
 //! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
 //!
 //! # Rendezvous (large zero-copy sends)
-//! A *blocking* send of at least the negotiated threshold (1 MiB; `SANDIRECT_SAN_RENDEZVOUS=0`
+//! A *blocking* send of at least the negotiated threshold (4 MiB, the send buffer: smaller
+//! sends are buffered as TCP would buffer them; `SANDIRECT_SAN_RENDEZVOUS=0`
 //! turns it off) registers the application's buffer through the process-wide registration
 //! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
@@ -247,7 +248,7 @@ fn registrations() -> Option<std::sync::MutexGuard<'static, registrations::Regis
     provider().map(|p| p.registrations.lock())
 }
 
-/// Whether `SANDIRECT_SAN=1` enabled the SAN path.
+/// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
 pub fn enabled() -> bool {
     crate::runtime::settings().is_some_and(|s| s.san)
 }

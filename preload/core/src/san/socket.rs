@@ -60,11 +60,20 @@ fn connection_config() -> ConnectionConfig {
     }
 }
 
-/// Smallest blocking send that goes by rendezvous over shm. Measured side by side
-/// (`scripts/bench.sh`): inline copies through the rings stream at 2.4-6x kernel TCP for every
-/// size, while a rendezvous per 64-256 KiB send fell to 0.6-1.1x (a round trip per send); from
-/// 1 MiB on it wins (about 3x). Below it, sends are buffered like TCP's (up to the slots).
-const SHM_RENDEZVOUS_THRESHOLD: u32 = 1 << 20;
+/// Inline bytes a SAN socket buffers on the sending side: the kernel's largest autotuned
+/// send buffer (`tcp_wmem` max, 4 MiB). Programs count on TCP absorbing megabytes before the
+/// peer reads: a client that writes a whole 3 MB request before reading an echoing server's
+/// answer works on loopback TCP (≈10 MB fit) and deadlocked with a 256 KiB buffer. The ring
+/// grows only as far as it is filled.
+const SAN_SEND_BUFFER: usize = 4 << 20;
+
+/// Smallest blocking send that goes by rendezvous over shm: the send buffer. A rendezvous
+/// returns only when the receiver took the bytes, so below it a send is buffered as TCP
+/// would buffer it (two peers that each write a few megabytes before reading must not wait
+/// for each other). Measured side by side (`scripts/bench.sh`): inline copies through the
+/// rings stream at 2.4-6x kernel TCP for every size; a rendezvous per 64-256 KiB send fell
+/// to 0.6-1.1x (a round trip per send); from 1 MiB on it is about 3x.
+const SHM_RENDEZVOUS_THRESHOLD: u32 = SAN_SEND_BUFFER as u32;
 
 fn session_config() -> SessionConfig {
     let defaults = SessionConfig::default();
@@ -75,6 +84,7 @@ fn session_config() -> SessionConfig {
         } else {
             u32::MAX
         },
+        send_buffer: SAN_SEND_BUFFER,
         ..defaults
     }
 }
