@@ -623,7 +623,7 @@ fn recv_rendezvous(
         staging.resize(want, 0u8);
         &mut staging
     } else {
-        let Some(first) = remaining_iov(bufs, done).into_iter().next() else {
+        let Some(first) = remaining_pieces(bufs, done).next() else {
             return Ok(Some(0));
         };
         if first.iov_base.is_null() {
@@ -673,22 +673,26 @@ fn recv_rendezvous(
     Ok(Some(received))
 }
 
-/// The part of `bufs` after the first `done` bytes, as iovecs.
-fn remaining_iov(bufs: &[RawBuf], mut done: usize) -> Vec<libc::iovec> {
-    let mut out = Vec::with_capacity(bufs.len());
-    for buf in bufs {
+/// The part of `bufs` after the first `done` bytes, as iovecs (for system calls).
+fn remaining_iov(bufs: &[RawBuf], done: usize) -> Vec<libc::iovec> {
+    remaining_pieces(bufs, done).collect()
+}
+
+/// The part of `bufs` after the first `done` bytes, one iovec per buffer, without
+/// allocating (the data calls' copies walk it).
+fn remaining_pieces(bufs: &[RawBuf], mut done: usize) -> impl Iterator<Item = libc::iovec> + '_ {
+    bufs.iter().filter_map(move |buf| {
         if done >= buf.len {
             done -= buf.len;
-            continue;
+            return None;
         }
-        out.push(libc::iovec {
-            // SAFETY: `done < len`, so the offset stays inside the caller's buffer.
-            iov_base: unsafe { buf.ptr.add(done) }.cast(),
-            iov_len: buf.len - done,
-        });
-        done = 0;
-    }
-    out
+        let skip = core::mem::take(&mut done);
+        Some(libc::iovec {
+            // SAFETY: `skip < len`, so the offset stays inside the caller's buffer.
+            iov_base: unsafe { buf.ptr.add(skip) }.cast(),
+            iov_len: buf.len - skip,
+        })
+    })
 }
 
 /// The next contiguous piece of `bufs` after `done` bytes.
@@ -724,7 +728,7 @@ fn recv_into(
         return Ok(n);
     }
     let mut copied = 0;
-    for buf in remaining_iov(bufs, done) {
+    for buf in remaining_pieces(bufs, done) {
         if buf.iov_base.is_null() {
             break;
         }
@@ -746,7 +750,7 @@ fn recv_into(
 }
 
 pub(super) fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
-    for buf in remaining_iov(bufs, done) {
+    for buf in remaining_pieces(bufs, done) {
         if data.is_empty() || buf.iov_base.is_null() {
             break;
         }

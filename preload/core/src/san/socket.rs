@@ -14,7 +14,7 @@ use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegme
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
 use switch::session::{
-    drive, Event, MrHandleId, RecvFlags, RecvTicket, Role, SendFlags, SendTicket, Session,
+    Event, MrHandleId, Pump, RecvFlags, RecvTicket, Role, SendFlags, SendTicket, Session,
     SessionConfig, SessionState, Shutdown,
 };
 
@@ -240,6 +240,8 @@ pub(crate) struct SanSocket {
     /// the mirror token, took in credits or data) rings it so the others re-check.
     local_bell: Option<OwnedFd>,
     released: Vec<MrHandleId>,
+    /// The driver's scratch buffers, kept so that a data call allocates nothing for them.
+    pump: Pump,
     /// This socket's owner id in the registration cache.
     owner: OwnerId,
     /// The outcome of the last rendezvous send, until its caller collects it.
@@ -316,6 +318,7 @@ impl SanSocket {
             watched: false,
             local_bell: None,
             released: Vec::new(),
+            pump: Pump::new(),
             owner: next_owner(),
             send_completed: None,
             recv_completed: None,
@@ -393,6 +396,7 @@ impl SanSocket {
             watched: false,
             local_bell: None,
             released: Vec::new(),
+            pump: Pump::new(),
             owner: next_owner(),
             send_completed: None,
             recv_completed: None,
@@ -528,7 +532,7 @@ impl SanSocket {
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return;
         };
-        let progress = drive(session, conn, &mut self.released);
+        let progress = self.pump.drive(session, conn, &mut self.released);
         let mut answer_downgrade = false;
         if !self.released.is_empty() {
             if let Some(mut registrations) = super::registrations() {
@@ -816,7 +820,7 @@ impl SanSocket {
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return false;
         };
-        let progress = drive(session, conn, &mut self.released);
+        let progress = self.pump.drive(session, conn, &mut self.released);
         if !self.released.is_empty() {
             if let Some(mut registrations) = super::registrations() {
                 registrations.release(&self.released);
