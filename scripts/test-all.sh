@@ -37,4 +37,7 @@ fi
 # The verbs provider's device tests need an RDMA device: they run inside a nested QEMU guest
 # with soft-RoCE (rxe) and then soft-iWARP (siw), which the harness sets up by itself.
 stage "verbs over rxe and siw (nested VM)" bash integration/softroce/test-verbs.sh rxe siw
+# Descriptor numbers above 65536 need a hard RLIMIT_NOFILE that CI's container cannot raise
+# (no CAP_SYS_RESOURCE); root in the same guest can.
+stage "descriptors above 65536 (nested VM)" bash integration/softroce/test-high-fds.sh
 echo "=== all stages passed"

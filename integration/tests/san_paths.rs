@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 const SAN_ECHO: &str = env!("CARGO_BIN_EXE_san_echo");
 const SAN_EPOLL: &str = env!("CARGO_BIN_EXE_san_epoll");
 const SAN_FDS: &str = env!("CARGO_BIN_EXE_san_fds");
+const HIGH_FDS: &str = env!("CARGO_BIN_EXE_high_fds");
 
 /// `libsandirect.so`, built once per test run (same profile as this test).
 fn library() -> &'static Path {
@@ -145,6 +146,39 @@ fn a_client_that_writes_megabytes_before_reading_the_echo_does_not_deadlock() {
         expect(&server, "server", bytes, path);
         expect(&client, "client", bytes, path);
     }
+}
+
+#[test]
+fn sockets_with_high_numbers_and_a_dup2_copy_work_over_the_san() {
+    // Numbers from 15000 on (CI's hard RLIMIT_NOFILE is 20000; numbers above 65536 run in the
+    // nested VM: integration/softroce/test-high-fds.sh). The dup2 copy replaces its closed
+    // original in the published record.
+    let dirs = Dirs::new("high-fds");
+    let mut outputs = Vec::new();
+    for preload in [false, true] {
+        let child = command(HIGH_FDS, preload, &dirs)
+            .args(["15000", "4"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        outputs.push(finish(child, "high_fds"));
+    }
+    let without_paths = |output: &str| -> Vec<String> {
+        output
+            .lines()
+            .filter(|l| !l.starts_with("paths:"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert!(outputs[0].contains("dup2: ok"), "{}", outputs[0]);
+    assert_eq!(without_paths(&outputs[0]), without_paths(&outputs[1]));
+    let san_paths = ["san-shm"; 8].join(" ");
+    assert!(
+        outputs[1].contains(&format!("paths: {san_paths}\n")),
+        "{}",
+        outputs[1]
+    );
 }
 
 #[test]

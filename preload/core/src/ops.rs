@@ -220,6 +220,8 @@ fn release_entry(fd: c_int, entry: FdEntry) {
     if let Some(index) = entry.socket_index() {
         if registry().release(index) {
             crate::san::on_released(index, None);
+        } else {
+            repoint_record_fd(index, fd);
         }
     } else if entry.is_epoll() {
         // The epoll instance died with its last fd; registrations naming it are stale.
@@ -234,9 +236,34 @@ fn release_closing(fd: c_int, entry: FdEntry) {
         Some(index) => {
             if registry().release(index) {
                 crate::san::on_released(index, Some(fd));
+            } else {
+                repoint_record_fd(index, fd);
             }
         }
         None => release_entry(fd, entry),
+    }
+}
+
+/// After `closed` was closed while copies of its socket stay open: if the record named
+/// `closed` (published to `sandirect stat`, used by the SAN path to act on the socket), it
+/// names a remaining copy from now on. Scans the table, so only on this rare close.
+fn repoint_record_fd(index: u32, closed: c_int) {
+    let Some(record) = registry().get(index) else {
+        return;
+    };
+    if record.fd.load(Ordering::Acquire) != closed {
+        return;
+    }
+    let mut remaining = None;
+    table().for_each_in(0, c_int::MAX, |fd, entry| {
+        if remaining.is_none() && entry.socket_index() == Some(index) {
+            remaining = Some(fd);
+        }
+    });
+    if let Some(fd) = remaining {
+        let _ = record
+            .fd
+            .compare_exchange(closed, fd, Ordering::AcqRel, Ordering::Acquire);
     }
 }
 
