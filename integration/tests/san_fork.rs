@@ -113,6 +113,24 @@ fn an_execd_image_reads_the_unread_san_bytes_then_tcp() {
     assert_downgraded_after_san(&client);
 }
 
+/// As `exec`, by `vfork` whose child `dup2`s the socket (close-on-exec) onto fd 50 and execs:
+/// the vfork child leaves the parent's state alone, the parent downgraded first, and the
+/// stash is found by the socket's identity and handed to the new image.
+#[test]
+fn a_vfork_child_passes_a_dup2_copy_with_the_unread_san_bytes_to_its_image() {
+    let (server, client) = conversation("vfork-exec");
+    assert_server_was_on_san(&server);
+    assert_downgraded_after_san(&client);
+}
+
+/// As `exec`, by `posix_spawn` with a `dup2` file action onto the child's stdin.
+#[test]
+fn a_posix_spawn_child_gets_the_socket_with_the_unread_san_bytes_on_stdin() {
+    let (server, client) = conversation("spawn-exec");
+    assert_server_was_on_san(&server);
+    assert_downgraded_after_san(&client);
+}
+
 /// A peer that makes no socket call cannot answer the downgrade: fork waits at most its
 /// budget (1 s) and the parent's connection stays exact (it downgrades when the peer calls).
 #[test]
@@ -128,14 +146,12 @@ fn fork_with_an_idle_peer_is_bounded_and_the_parent_stays_exact() {
     assert!(client.contains("client ok"), "{client}");
 }
 
-/// Spawning programs (posix_spawn, vfork + execve) with a SAN connection open leaves it on the
-/// SAN: those children never hold it, and a vfork child must not touch the parent's state.
+/// Spawning a program that does not receive the socket (posix_spawn, close-on-exec) leaves
+/// the connection on the SAN; a vfork downgrades it first (the child could pass it on), and
+/// the conversation stays exact.
 #[test]
-fn spawning_children_that_do_not_inherit_the_socket_keeps_it_on_the_san() {
+fn spawning_keeps_the_san_unless_the_child_may_receive_the_socket() {
     let (server, client) = conversation("spawn");
-    let line = client
-        .lines()
-        .find(|l| l.starts_with("client ok"))
-        .expect("client ok");
-    assert!(line.contains("path=san bypass=-"), "{line}\n{server}");
+    assert!(server.contains("after_spawn=[path=san "), "{server}");
+    assert_downgraded_after_san(&client);
 }

@@ -181,6 +181,72 @@ fn sockets_with_high_numbers_and_a_dup2_copy_work_over_the_san() {
     );
 }
 
+/// A Python server that runs subprocesses while it holds a SAN connection (CPython spawns
+/// with vfork): one that does not get the socket, one that gets it as stdin and must read the
+/// request bytes that had already arrived over the SAN, and one that writes its answer
+/// through it as stdout. Before the vfork child's hook calls were made inert, its
+/// `close_range` released the parent's sockets and the connection was reset.
+const SUBPROCESS_PY: &str = r#"
+import socket, subprocess, sys, time
+if sys.argv[1] == "server":
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    conn.sendall(conn.recv(10).upper())
+    time.sleep(0.2)  # the request arrives over the SAN and waits, unread
+    subprocess.run(["/bin/true"], check=True)  # downgrades: the request goes to a stash
+    request = subprocess.run(["head", "-c", "8"], stdin=conn.fileno(), check=True,
+                             capture_output=True).stdout
+    subprocess.run(["/bin/sh", "-c", "printf from-child"], stdout=conn.fileno(), check=True)
+    conn.sendall(b"|" + request)
+    conn.close()
+else:
+    conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    conn.sendall(b"hi")
+    assert conn.recv(10) == b"HI"
+    conn.sendall(b"REQUEST1")
+    reply = b""
+    while True:
+        data = conn.recv(100)
+        if not data:
+            break
+        reply += data
+    print("client got", reply.decode())
+"#;
+
+#[test]
+fn python_subprocesses_of_a_server_holding_a_san_connection() {
+    let dirs = Dirs::new("python-subprocess");
+    let script = dirs.stat.parent().unwrap().join("spawning_server.py");
+    std::fs::write(&script, SUBPROCESS_PY).unwrap();
+    let mut server = command("python3", true, &dirs)
+        .arg(&script)
+        .arg("server")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = BufReader::new(server.stdout.take().unwrap());
+    let mut port = String::new();
+    reader.read_line(&mut port).unwrap();
+    let client = command("python3", true, &dirs)
+        .arg(&script)
+        .args(["client", port.trim()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client_report = finish(client, "client");
+    server.stdout = Some(reader.into_inner());
+    finish(server, "server");
+    assert!(
+        client_report.contains("client got from-child|REQUEST1"),
+        "{client_report}"
+    );
+}
+
 #[test]
 fn server_speaks_first_over_the_san() {
     let dirs = Dirs::new("server-first");

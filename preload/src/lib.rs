@@ -26,6 +26,15 @@ macro_rules! export_hook {
         /// Exactly the C function's contract.
         #[no_mangle]
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> $ret {
+            // The exec calls still hand the stashes of the sockets a vfork child passes on
+            // to the new image (reading the parent's state only).
+            if preload_core::guard::in_vfork_child()
+                && !matches!(stringify!($name), "execve" | "execv" | "execvp" | "execvpe" | "fexecve")
+            {
+                // The parent's state is not the child's to touch: the kernel call alone.
+                // SAFETY: forwarded contract of the C caller.
+                return unsafe { preload_core::real::$name($($arg),*) };
+            }
             // SAFETY: forwarded contract of the C caller.
             unsafe { preload_core::ops::$name($($arg),*) }
         }
@@ -52,10 +61,17 @@ pub unsafe extern "C" fn vfork() -> libc::pid_t {
         "mov rax, qword ptr [rip + {slot}]",
         "cmp rax, 1",
         "jbe 2f",
+        // The parent's preparation, as an ordinary call: at entry rsp is 8 mod 16 (our return
+        // address), so 8 more bytes align the stack for it; the frame is gone before the jump.
+        "sub rsp, 8",
+        "call {before}",
+        "add rsp, 8",
+        "mov rax, qword ptr [rip + {slot}]",
         "jmp rax",
         "2:",
         "jmp {fallback}",
         slot = sym preload_core::real::slot::vfork,
+        before = sym before_vfork,
         fallback = sym vfork_before_init,
     )
 }
@@ -73,10 +89,17 @@ pub unsafe extern "C" fn vfork() -> libc::pid_t {
         "ldr x16, [x16, :lo12:{slot}]",
         "cmp x16, #1",
         "b.ls 2f",
+        // The parent's preparation, as an ordinary call (the link register saved around it).
+        "stp x29, x30, [sp, #-16]!",
+        "bl {before}",
+        "ldp x29, x30, [sp], #16",
+        "adrp x16, {slot}",
+        "ldr x16, [x16, :lo12:{slot}]",
         "br x16",
         "2:",
         "b {fallback}",
         slot = sym preload_core::real::slot::vfork,
+        before = sym before_vfork,
         fallback = sym vfork_before_init,
     )
 }
@@ -89,6 +112,13 @@ pub unsafe extern "C" fn vfork() -> libc::pid_t {
 #[no_mangle]
 pub unsafe extern "C" fn vfork() -> libc::pid_t {
     vfork_before_init()
+}
+
+/// Runs in the parent just before the real `vfork` (an ordinary call from the trampoline):
+/// marks the thread (see `preload_core::guard::note_vfork`) and downgrades the SAN
+/// connections the child could inherit.
+extern "C" fn before_vfork() {
+    preload_core::ops::before_vfork();
 }
 
 extern "C" fn vfork_before_init() -> libc::pid_t {

@@ -13,8 +13,14 @@
 //!   BGSAVE); the parent goes on serving.
 //! * `exec` — like `handoff`, but the child execs this program (`exec-child FD`) with the
 //!   socket inherited, and the new image serves.
-//! * `spawn` — the server runs /bin/true by posix_spawn and by vfork + execve with the socket
-//!   inheritable; /bin/true ignores it: the connection must stay on the SAN.
+//! * `spawn` — the server runs /bin/true by posix_spawn (the socket not passed on: the
+//!   connection stays on the SAN), then by vfork + execve (every SAN connection is
+//!   downgraded first: a vfork child may pass any socket on).
+//! * `vfork-exec` — like `exec`, but by `vfork`: the child (libc calls only) `dup2`s the
+//!   socket onto fd 50 (the original keeps close-on-exec, as CPython's subprocess does with
+//!   `stdin=sock`) and execs `exec-child 50`.
+//! * `spawn-exec` — like `exec`, but by `posix_spawn` with a `dup2` file action onto fd 0
+//!   (what Rust's `Command::stdin(socket)` does): the new image serves from its stdin.
 //! * `idle-peer` — the client makes no socket call while the server forks (a child that
 //!   leaves at once): fork waits a bounded time, the parent keeps serving.
 //!
@@ -165,6 +171,72 @@ fn server(mode: &str) {
             }
             println!("server ok mode={mode} before_fork=[{before}]");
         }
+        "vfork-exec" | "spawn-exec" => {
+            let program = std::ffi::CString::new(
+                std::env::current_exe()
+                    .unwrap()
+                    .into_os_string()
+                    .into_encoded_bytes(),
+            )
+            .unwrap();
+            let target = if mode == "vfork-exec" { 50 } else { 0 };
+            let target_arg = std::ffi::CString::new(target.to_string()).unwrap();
+            let argv = [
+                program.as_ptr(),
+                c"exec-child".as_ptr(),
+                target_arg.as_ptr(),
+                core::ptr::null(),
+            ];
+            extern "C" {
+                static environ: *const *const libc::c_char;
+            }
+            let fd = stream.as_raw_fd();
+            let pid = if mode == "vfork-exec" {
+                // SAFETY: the vfork child only calls dup2, execve and _exit, on memory prepared
+                // before the vfork.
+                unsafe {
+                    #[allow(deprecated)]
+                    let pid = libc::vfork();
+                    if pid == 0 {
+                        libc::dup2(fd, target);
+                        libc::execve(program.as_ptr(), argv.as_ptr(), environ);
+                        libc::_exit(127);
+                    }
+                    pid
+                }
+            } else {
+                let mut pid = 0;
+                // SAFETY: file actions initialised, used and destroyed here; argv and environ
+                // are NULL-terminated arrays of C strings.
+                unsafe {
+                    let mut actions: libc::posix_spawn_file_actions_t = core::mem::zeroed();
+                    libc::posix_spawn_file_actions_init(&mut actions);
+                    libc::posix_spawn_file_actions_adddup2(&mut actions, fd, target);
+                    let rc = libc::posix_spawn(
+                        &mut pid,
+                        program.as_ptr(),
+                        &actions,
+                        core::ptr::null(),
+                        argv.as_ptr().cast(),
+                        environ.cast(),
+                    );
+                    libc::posix_spawn_file_actions_destroy(&mut actions);
+                    if rc != 0 {
+                        fail(&format!("posix_spawn: {rc}"));
+                    }
+                }
+                pid
+            };
+            if pid < 0 {
+                fail("vfork failed");
+            }
+            drop(stream);
+            let status = wait_child(pid);
+            if status != 0 {
+                fail(&format!("child exited with {status}"));
+            }
+            println!("server ok mode={mode} before_fork=[{before}]");
+        }
         "keep" => {
             // SAFETY: fork; the child only sleeps holding the socket, then leaves.
             let pid = unsafe { libc::fork() };
@@ -202,18 +274,17 @@ fn server(mode: &str) {
             println!("server ok mode={mode} before_fork=[{before}] fork_ms={fork_ms}");
         }
         "spawn" => {
-            // Children that exec at once without inheriting the socket (close-on-exec): by
-            // posix_spawn (Rust's Command) and by vfork + execve, whose child runs our execve
-            // hook on the parent's memory. Neither may disturb the parent's SAN connection.
-            // The socket is made inheritable, so the execve hook in the vfork child sees it.
-            // SAFETY: clearing close-on-exec on our own socket.
-            unsafe { libc::fcntl(stream.as_raw_fd(), libc::F_SETFD, 0) };
+            // posix_spawn (Rust's Command) of a program that does not receive the socket
+            // (close-on-exec, no file action names it): the connection stays on the SAN.
             let status = std::process::Command::new("/bin/true")
                 .status()
                 .unwrap_or_else(|e| fail(&format!("spawn: {e}")));
             if !status.success() {
                 fail("spawned /bin/true failed");
             }
+            let after_spawn = published(port);
+            // vfork + execve: the child could pass any socket on, so every SAN connection is
+            // downgraded first (exactly), and the child's hook calls leave our state alone.
             let path = c"/bin/true";
             let argv = [path.as_ptr(), core::ptr::null()];
             let envp = [core::ptr::null::<libc::c_char>()];
@@ -232,7 +303,7 @@ fn server(mode: &str) {
             }
             serve_rest(stream);
             println!(
-                "server ok mode={mode} before_fork=[{before}] after=[{}]",
+                "server ok mode={mode} before_fork=[{before}] after_spawn=[{after_spawn}] after=[{}]",
                 published(port)
             );
         }

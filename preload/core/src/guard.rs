@@ -13,6 +13,41 @@ use core::cell::Cell;
 
 thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
+    /// The process id of a thread that is calling `vfork` (set by the `vfork` trampoline
+    /// just before the real call), else 0.
+    static VFORK_PARENT: Cell<libc::pid_t> = const { Cell::new(0) };
+}
+
+/// Called on the thread about to `vfork` (from the trampoline, in the parent).
+///
+/// A `vfork` child runs on its parent's memory *and on the calling thread's TLS* until it
+/// execs or exits, while its descriptor table is its own copy. Every hook it calls must act
+/// like the kernel call alone: our fd table, socket records and SAN state are the parent's,
+/// and a child's `close_range` (CPython closes every inherited descriptor this way before
+/// its exec) would otherwise release the parent's sockets.
+pub fn note_vfork() {
+    // SAFETY: getpid has no preconditions.
+    let pid = unsafe { libc::getpid() };
+    VFORK_PARENT.with(|parent| parent.set(pid));
+}
+
+/// True in a `vfork` child (between `vfork` and its exec or exit). Costs one TLS load
+/// unless this thread called `vfork`; then a `getpid` until the parent's next hook call
+/// sees its own pid and clears the mark (the child never writes it: the parent would see it).
+#[inline(always)]
+pub fn in_vfork_child() -> bool {
+    let parent = VFORK_PARENT.with(Cell::get);
+    parent != 0 && vfork_child_slow(parent)
+}
+
+#[cold]
+fn vfork_child_slow(parent: libc::pid_t) -> bool {
+    // SAFETY: getpid has no preconditions (glibc caches no pid since 2.25).
+    if unsafe { libc::getpid() } != parent {
+        return true;
+    }
+    VFORK_PARENT.with(|mark| mark.set(0));
+    false
 }
 
 /// Marks the current thread as running the library's own code until dropped. Nestable.

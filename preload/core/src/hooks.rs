@@ -141,7 +141,7 @@ macro_rules! sandirect_hook_table {
             // ---- processes ------------------------------------------------------------------------
             Accelerate libc generated "SAN connections are first downgraded to kernel TCP, exactly (a session cannot be shared); unread SAN bytes go to a stash both processes share"
                 fn fork() -> ::libc::pid_t;
-            PassThrough libc handwritten "frameless trampoline to the real vfork: no Rust code runs in the child"
+            Accelerate libc handwritten "every SAN connection is downgraded to kernel TCP first (the child may pass any socket on); a trampoline then jumps to the real vfork: no Rust code of ours runs in the child, and the child's hook calls act like the kernel calls alone"
                 fn vfork() -> ::libc::pid_t;
             Accelerate libc generated "surviving SAN sockets are downgraded to kernel TCP first; their stashes go to the new image (SANDIRECT_STASHES)"
                 fn execve(path: *const ::libc::c_char, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
@@ -151,6 +151,10 @@ macro_rules! sandirect_hook_table {
                 fn execvp(file: *const ::libc::c_char, argv: *const *const ::libc::c_char) -> ::libc::c_int;
             Accelerate glibc generated "as execve"
                 fn execvpe(file: *const ::libc::c_char, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "SAN sockets the child receives (no close-on-exec, or a dup2 file action's source) are downgraded first; their stashes go to the new image"
+                fn posix_spawn(pid: *mut ::libc::pid_t, path: *const ::libc::c_char, file_actions: *const ::libc::posix_spawn_file_actions_t, attrp: *const ::libc::posix_spawnattr_t, argv: *const *mut ::libc::c_char, envp: *const *mut ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "as posix_spawn"
+                fn posix_spawnp(pid: *mut ::libc::pid_t, file: *const ::libc::c_char, file_actions: *const ::libc::posix_spawn_file_actions_t, attrp: *const ::libc::posix_spawnattr_t, argv: *const *mut ::libc::c_char, envp: *const *mut ::libc::c_char) -> ::libc::c_int;
             Accelerate libc generated "as execve"
                 fn fexecve(fd: ::libc::c_int, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
         }

@@ -188,6 +188,8 @@ mod tests {
             "execvp",
             "execvpe",
             "fexecve",
+            "posix_spawn",
+            "posix_spawnp",
             "__read_chk",
             "__recv_chk",
             "__recvfrom_chk",
@@ -199,7 +201,7 @@ mod tests {
                 "{required} missing from the hook table"
             );
         }
-        assert_eq!(names.len(), 57);
+        assert_eq!(names.len(), 59);
     }
 
     #[test]

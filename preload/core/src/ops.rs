@@ -1675,23 +1675,259 @@ pub unsafe fn fork() -> libc::pid_t {
     pid
 }
 
+/// Before a `vfork` (the exported trampoline calls it in the parent, then jumps to the real
+/// `vfork`): every SAN connection is downgraded to kernel TCP first, then the thread is marked
+/// so that the child's hook calls act like the kernel calls alone
+/// ([`guard::in_vfork_child`]). All of them, not only those without close-on-exec: between
+/// `vfork` and exec the child may make any socket inheritable (CPython's subprocess `dup2`s
+/// onto 0-2 and clears close-on-exec there) for a program that will use it, and a SAN session
+/// cannot go with it; the child cannot downgrade for its parent.
+pub fn before_vfork() {
+    if crate::san::live_sockets() != 0 && !guard::is_inside() {
+        bookkeeping(|| crate::san::downgrade_all(None));
+    }
+    // Last: our own calls above would clear the mark (they run in the parent).
+    guard::note_vfork();
+}
+
+/// The SAN socket indices with a descriptor that survives an exec here (open, without
+/// close-on-exec, as our table tracks them).
+fn inherited_indices() -> Vec<u32> {
+    let mut indices = Vec::new();
+    table().for_each_in(0, c_int::MAX, |_, entry| {
+        if let Some(index) = entry.socket_index() {
+            if !entry.cloexec() && !indices.contains(&index) {
+                indices.push(index);
+            }
+        }
+    });
+    indices
+}
+
 /// Before an exec: surviving SAN sockets are downgraded to kernel TCP and their stashes
 /// prepared for the new image. Returns the `SANDIRECT_STASHES=...` entry when there is one.
 fn prepare_exec() -> Option<std::ffi::CString> {
-    if crate::san::live_sockets() == 0 || guard::is_inside() || crate::runtime::in_vfork_child() {
-        // A vfork child shares the parent's memory but not its descriptors: it must not touch
-        // the parent's SAN state (those sockets simply are not downgraded for the new image).
+    tracing::debug!(
+        live = crate::san::live_sockets(),
+        inside = guard::is_inside(),
+        vfork_child = guard::in_vfork_child(),
+        "exec: preparing"
+    );
+    if crate::san::live_sockets() == 0 || guard::is_inside() {
         return None;
     }
-    let _guard = ReentrancyGuard::enter();
-    let survives = |fd: c_int| {
-        // SAFETY: F_GETFD only reads the descriptor's flags.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        flags >= 0 && flags & libc::FD_CLOEXEC == 0
-    };
-    crate::san::downgrade_all(Some(&survives));
-    let stashes = crate::san::stash_env(&survives)?;
+    let stashes = if guard::in_vfork_child() || crate::runtime::in_vfork_child() {
+        // The parent downgraded every SAN connection before the vfork; only the copies this
+        // child passes on are to be found (by identity: the table is the parent's). No
+        // reentrancy guard: this thread's TLS is the parent's, and a successful exec would
+        // never restore it.
+        crate::san::stash_env()
+    } else {
+        let _guard = ReentrancyGuard::enter();
+        let inherited = inherited_indices();
+        let survives = |fd: c_int| {
+            table()
+                .lookup(fd)
+                .socket_index()
+                .is_some_and(|index| inherited.contains(&index))
+        };
+        crate::san::downgrade_all(Some(&survives));
+        crate::san::stash_env()
+    }?;
     std::ffi::CString::new(format!("{}={stashes}", crate::san::STASH_ENV)).ok()
+}
+
+/// What a `posix_spawn` child receives of our sockets, read from glibc's file actions.
+enum SpawnInherits {
+    /// The file actions could not be read (an unknown action): assume every socket.
+    Everything,
+    /// `(source fd, fd in the child)` of every `dup2` action, besides the descriptors
+    /// without close-on-exec, which the child inherits as they are.
+    Dup2s(Vec<(c_int, c_int)>),
+}
+
+/// glibc's `struct __spawn_action` (posix/spawn_int.h, stable since glibc 2.x; newer tags
+/// are appended): a tag and a pointer-aligned union (at offset 8) whose `dup2_action` is
+/// `{ int fd; int newfd; }`.
+#[repr(C)]
+struct SpawnAction {
+    tag: c_int,
+    _union_alignment: c_int,
+    first: c_int,
+    second: c_int,
+    rest: [u8; 16],
+}
+
+/// glibc's `posix_spawn_file_actions_t`.
+#[repr(C)]
+struct SpawnFileActions {
+    allocated: c_int,
+    used: c_int,
+    actions: *const SpawnAction,
+}
+
+const SPAWN_DO_DUP2: c_int = 1;
+/// Highest action tag glibc 2.36 knows (`spawn_do_tcsetpgrp`).
+const SPAWN_LAST_KNOWN_TAG: c_int = 6;
+
+/// Reads the `dup2` actions of `file_actions`.
+///
+/// # Safety
+/// `file_actions` is null or points to an initialised `posix_spawn_file_actions_t` (the
+/// caller's contract with `posix_spawn`).
+unsafe fn spawn_inherits(file_actions: *const libc::posix_spawn_file_actions_t) -> SpawnInherits {
+    if file_actions.is_null() {
+        return SpawnInherits::Dup2s(Vec::new());
+    }
+    const _: () = assert!(
+        core::mem::size_of::<SpawnAction>() == 32
+            && core::mem::size_of::<SpawnFileActions>()
+                <= core::mem::size_of::<libc::posix_spawn_file_actions_t>()
+    );
+    // SAFETY: the public type is at least as large as glibc's internal layout (checked
+    // above) and initialised by posix_spawn_file_actions_init.
+    let actions = unsafe { &*file_actions.cast::<SpawnFileActions>() };
+    if actions.used < 0 || actions.used > actions.allocated || actions.used > 65_536 {
+        return SpawnInherits::Everything;
+    }
+    if actions.used > 0 && actions.actions.is_null() {
+        return SpawnInherits::Everything;
+    }
+    let mut dup2s = Vec::new();
+    for position in 0..actions.used as usize {
+        // SAFETY: glibc keeps `used` initialised actions in the array.
+        let action = unsafe { &*actions.actions.add(position) };
+        match action.tag {
+            SPAWN_DO_DUP2 => dup2s.push((action.first, action.second)),
+            tag if (0..=SPAWN_LAST_KNOWN_TAG).contains(&tag) => {}
+            _ => return SpawnInherits::Everything,
+        }
+    }
+    SpawnInherits::Dup2s(dup2s)
+}
+
+/// Around a `posix_spawn`: the SAN sockets the child may receive (without close-on-exec,
+/// or the source of a `dup2` file action) are downgraded first, and the stashes of those
+/// among them holding bytes are handed to the child's image (`SANDIRECT_STASHES`, their
+/// memfds inheritable for the duration of the call: glibc returns after the child's exec).
+///
+/// # Safety
+/// As `posix_spawn`'s contract for `file_actions` and `envp`.
+unsafe fn spawn_with(
+    file_actions: *const libc::posix_spawn_file_actions_t,
+    envp: *const *mut libc::c_char,
+    call: impl FnOnce(*const *mut libc::c_char) -> c_int,
+) -> c_int {
+    if crate::san::live_sockets() == 0 || guard::is_inside() {
+        return call(envp);
+    }
+    let prepared = {
+        let _errno = errno::Preserved::save();
+        let _guard = ReentrancyGuard::enter();
+        // SAFETY: the caller's file actions.
+        let inherits = unsafe { spawn_inherits(file_actions) };
+        let mut passed = inherited_indices();
+        let dup2s = match &inherits {
+            SpawnInherits::Everything => None,
+            SpawnInherits::Dup2s(dup2s) => Some(dup2s.as_slice()),
+        };
+        for &(source, _) in dup2s.unwrap_or_default() {
+            if let Some(index) = table().lookup(source).socket_index() {
+                passed.push(index);
+            }
+        }
+        let survives = |fd: c_int| {
+            dup2s.is_none()
+                || table()
+                    .lookup(fd)
+                    .socket_index()
+                    .is_some_and(|index| passed.contains(&index))
+        };
+        crate::san::downgrade_all(Some(&survives));
+        // The child's descriptors holding a stashed socket: inherited as they are, or dup2
+        // targets of a stashed source.
+        let mut entries = Vec::new();
+        table().for_each_in(0, c_int::MAX, |fd, entry| {
+            if !entry.cloexec() {
+                if let Some((memfd, inode)) = crate::san::stash_of(fd) {
+                    entries.push((fd, memfd, inode));
+                }
+            }
+        });
+        for &(source, target) in dup2s.unwrap_or_default() {
+            if let Some((memfd, inode)) = crate::san::stash_of(source) {
+                entries.retain(|&(fd, _, _)| fd != target);
+                entries.push((target, memfd, inode));
+            }
+        }
+        crate::san::pass_on(&entries, false)
+            .and_then(|value| {
+                std::ffi::CString::new(format!("{}={value}", crate::san::STASH_ENV)).ok()
+            })
+            .map(|ours| {
+                let mut memfds: Vec<c_int> = entries.iter().map(|&(_, memfd, _)| memfd).collect();
+                memfds.dedup();
+                (ours, memfds)
+            })
+    };
+    let Some((ours, memfds)) = prepared else {
+        return call(envp);
+    };
+    for &memfd in &memfds {
+        // SAFETY: our own memfd, inheritable only for this call.
+        unsafe { libc::fcntl(memfd, libc::F_SETFD, 0) };
+    }
+    // SAFETY: the caller's environment array.
+    let env = unsafe { environment_with(envp.cast(), &ours) };
+    let rc = call(env.as_ptr().cast());
+    let _errno = errno::Preserved::save();
+    for &memfd in &memfds {
+        // SAFETY: as above.
+        unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    rc
+}
+
+/// `posix_spawn(3)`: see [`spawn_with`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn posix_spawn(
+    pid: *mut libc::pid_t,
+    path: *const libc::c_char,
+    file_actions: *const libc::posix_spawn_file_actions_t,
+    attrp: *const libc::posix_spawnattr_t,
+    argv: *const *mut libc::c_char,
+    envp: *const *mut libc::c_char,
+) -> c_int {
+    // SAFETY: forwarded contract of the caller.
+    unsafe {
+        spawn_with(file_actions, envp, |env| {
+            real::posix_spawn(pid, path, file_actions, attrp, argv, env)
+        })
+    }
+}
+
+/// `posix_spawnp(3)`: see [`spawn_with`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn posix_spawnp(
+    pid: *mut libc::pid_t,
+    file: *const libc::c_char,
+    file_actions: *const libc::posix_spawn_file_actions_t,
+    attrp: *const libc::posix_spawnattr_t,
+    argv: *const *mut libc::c_char,
+    envp: *const *mut libc::c_char,
+) -> c_int {
+    // SAFETY: forwarded contract of the caller.
+    unsafe {
+        spawn_with(file_actions, envp, |env| {
+            real::posix_spawnp(pid, file, file_actions, attrp, argv, env)
+        })
+    }
 }
 
 /// `envp` without an older `SANDIRECT_STASHES`, plus `ours`; NULL-terminated.

@@ -26,8 +26,8 @@ pub const FORK_BUDGET: Duration = Duration::from_millis(1000);
 /// How long a client waits for the acceptor's switch marker before reading TCP again.
 pub(super) const MARKER_WAIT: Duration = Duration::from_millis(1000);
 
-/// The environment variable carrying stashes across `exec`: `fd:memfd` pairs, comma
-/// separated.
+/// The environment variable carrying stashes across `exec`: `fd:memfd:inode` entries, comma
+/// separated (the socket's inode lets the new image check that `fd` is that very socket).
 pub const STASH_ENV: &str = "SANDIRECT_STASHES";
 
 /// A downgraded socket whose stash still holds bytes.
@@ -36,6 +36,66 @@ pub(crate) struct Stashed {
     pub stash: Stash,
     /// Epoll sets where the stash's eventfd sits beside the socket: (epfd, events, data).
     sets: Vec<(c_int, u32, u64)>,
+    /// The socket's inode: finds its copies in a child's descriptor table (`dup2` onto 0-2
+    /// in a `vfork` child, file actions of `posix_spawn`), whatever our table says.
+    socket_inode: Option<u64>,
+    /// The stash memfd's inode: tells whether the number still names it in a child that
+    /// closed or reused it (CPython closes every descriptor above 2 before its exec).
+    memfd_inode: Option<u64>,
+}
+
+impl Stashed {
+    fn new(stash: Stash, socket_inode: Option<u64>) -> Stashed {
+        let memfd_inode = file_inode(stash.memfd()).map(|(_, inode)| inode);
+        Stashed {
+            stash,
+            sets: Vec::new(),
+            socket_inode,
+            memfd_inode,
+        }
+    }
+}
+
+/// (file type bits, inode) of what is open on `fd`.
+fn file_inode(fd: c_int) -> Option<(libc::mode_t, u64)> {
+    // SAFETY: an all-zero `struct stat` is valid; fstat writes one.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: fstat(2) writes one `struct stat`.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return None;
+    }
+    Some((st.st_mode & libc::S_IFMT, st.st_ino))
+}
+
+/// The inode of the socket open on `fd` (`None`: not open, or not a socket).
+pub(crate) fn socket_inode(fd: c_int) -> Option<u64> {
+    file_inode(fd)
+        .filter(|&(kind, _)| kind == libc::S_IFSOCK)
+        .map(|(_, inode)| inode)
+}
+
+/// A descriptor of the stash memfd `memfd` (inode `inode`) for the image about to be
+/// exec'd: the number itself while it still names that memfd, else a fresh one opened
+/// through the parent's `/proc/PID/fd` entry (a `vfork` or fork child that closed its copy:
+/// the parent, suspended or alive, still holds it). `None`: not reachable.
+fn usable_memfd(memfd: RawFd, inode: u64) -> Option<RawFd> {
+    if file_inode(memfd).is_some_and(|(_, found)| found == inode) {
+        return Some(memfd);
+    }
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    let path = std::ffi::CString::new(format!("/proc/{parent}/fd/{memfd}")).ok()?;
+    // SAFETY: open(2) of a NUL-terminated path; the descriptor is checked, then handed on.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    if file_inode(fd).is_some_and(|(_, found)| found == inode) {
+        return Some(fd);
+    }
+    // SAFETY: closing the descriptor we just opened.
+    unsafe { libc::close(fd) };
+    None
 }
 
 impl Stashed {
@@ -150,10 +210,7 @@ fn into_stash(fd: c_int, index: u32, slot: &mut Option<SanObject>, received: &[u
         .flatten();
     match stash {
         Some(stash) => {
-            let mut stashed = Stashed {
-                stash,
-                sets: Vec::new(),
-            };
+            let mut stashed = Stashed::new(stash, socket_inode(fd));
             if let Some(record) = registry().get(index) {
                 for (epfd, events, data) in record.epoll_registrations() {
                     stashed.add_to_set(epfd, events, data);
@@ -324,73 +381,159 @@ fn drain_step(item: &mut Draining, slot: &mut Option<SanObject>) -> bool {
     socket.downgrade_complete() || socket.is_broken()
 }
 
-/// `STASH_ENV` for an exec'd image: the stash of every surviving socket, its memfd made
-/// inheritable. `None` when there is none.
-pub fn stash_env(survives: &dyn Fn(c_int) -> bool) -> Option<String> {
-    let mut pairs = Vec::new();
+/// The stashes holding bytes: (socket inode, memfd, memfd inode).
+fn stashes_with_bytes() -> Vec<(u64, RawFd, u64)> {
+    let mut candidates = Vec::new();
     registry().for_each_live(|index, record| {
-        tracing::debug!(
-            index,
-            flags = record.flags(),
-            fd = record.fd.load(Ordering::Acquire),
-            "exec: record"
-        );
         if record.flags() & flags::STASHED != 0 {
-            let fd = record.fd.load(Ordering::Acquire);
-            if survives(fd) {
-                pairs.push((index, fd));
-            }
+            candidates.push(index);
         }
     });
-    let mut out = String::new();
-    for (index, fd) in pairs {
+    let mut stashes = Vec::new();
+    for index in candidates {
         if let Some(SanObject::Stashed(stashed)) = lock(index).as_ref() {
-            if stashed.stash.remaining() == 0 {
-                continue;
+            if let (Some(inode), Some(memfd_inode), true) = (
+                stashed.socket_inode,
+                stashed.memfd_inode,
+                stashed.stash.remaining() > 0,
+            ) {
+                stashes.push((inode, stashed.stash.memfd(), memfd_inode));
             }
-            let memfd: RawFd = stashed.stash.memfd();
+        }
+    }
+    stashes
+}
+
+/// `STASH_ENV` for the image about to be exec'd by this process: every descriptor it passes
+/// on (open, without close-on-exec) that is a socket whose stash still holds bytes, found by
+/// the socket's identity, so copies count (a `vfork` child's `dup2` onto 0-2 is not in our
+/// table: the table is its parent's). Their memfds are made inheritable. `None`: none.
+///
+/// Safe in a `vfork` child: it reads the parent's state, takes and releases slot locks, and
+/// changes only the child's descriptor flags.
+pub fn stash_env() -> Option<String> {
+    let stashes = stashes_with_bytes();
+    if stashes.is_empty() {
+        return None;
+    }
+    // Descriptors the application may hand on: up to the highest we ever tracked, and at
+    // least the first 1024 (a child's dup2 targets).
+    let last = crate::fdtable::table().high_water().clamp(1023, 1 << 20);
+    let mut entries = Vec::new();
+    for fd in 0..=last {
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let fd_flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if fd_flags < 0 || fd_flags & libc::FD_CLOEXEC != 0 {
+            continue;
+        }
+        let Some(inode) = socket_inode(fd) else {
+            continue;
+        };
+        for &(stashed_inode, memfd, memfd_inode) in &stashes {
+            if stashed_inode == inode && fd != memfd {
+                entries.push((fd, memfd, memfd_inode));
+            }
+        }
+    }
+    // The memfd numbers are the parent's in a child: reach each one (once) from here.
+    let mut reached: Vec<(RawFd, Option<RawFd>)> = Vec::new();
+    let mut handed = Vec::new();
+    for (fd, memfd, memfd_inode) in entries {
+        let usable = match reached.iter().find(|(number, _)| *number == memfd) {
+            Some(&(_, usable)) => usable,
+            None => {
+                let usable = usable_memfd(memfd, memfd_inode);
+                reached.push((memfd, usable));
+                usable
+            }
+        };
+        match (usable, socket_inode(fd)) {
+            (Some(usable), Some(inode)) => handed.push((fd, usable, inode)),
+            _ => tracing::warn!(fd, "exec: a stash could not be handed over"),
+        }
+    }
+    pass_on(&handed, true)
+}
+
+/// `STASH_ENV` for `entries` (fd in the new image, memfd, socket inode); with `inheritable`
+/// the memfds lose close-on-exec here (an exec); otherwise the caller arranges it.
+pub(crate) fn pass_on(entries: &[(c_int, RawFd, u64)], inheritable: bool) -> Option<String> {
+    let mut out = String::new();
+    for &(fd, memfd, inode) in entries {
+        if inheritable {
             // SAFETY: clearing close-on-exec on our own memfd so the new image gets it.
             unsafe { libc::fcntl(memfd, libc::F_SETFD, 0) };
-            if !out.is_empty() {
-                out.push(',');
-            }
-            out.push_str(&format!("{fd}:{memfd}"));
         }
+        if !out.is_empty() {
+            out.push(',');
+        }
+        out.push_str(&format!("{fd}:{memfd}:{inode}"));
     }
     tracing::debug!(stashes = out, "exec: handing over stashes");
     (!out.is_empty()).then_some(out)
 }
 
-/// In a new image: adopts the stashes an exec'ing image handed over (bad entries are
-/// ignored: the socket is then plain TCP, as it would be without us).
+/// The stash memfd and socket inode of the stashed socket on `fd`, if it holds bytes.
+pub(crate) fn stash_of(fd: c_int) -> Option<(RawFd, u64)> {
+    let index = super::san_index(crate::fdtable::table().lookup(fd))?;
+    match lock(index).as_ref() {
+        Some(SanObject::Stashed(stashed)) if stashed.stash.remaining() > 0 => {
+            Some((stashed.stash.memfd(), stashed.socket_inode?))
+        }
+        _ => None,
+    }
+}
+
+/// In a new image: adopts the stashes an exec'ing image handed over. Bad entries are
+/// ignored (the socket is then plain TCP, as it would be without us): malformed text, a
+/// descriptor that is not open, or not the socket the inode names. Several entries may
+/// share a memfd (copies of one socket): each adopts its own duplicate of it.
 pub fn adopt_stashes(value: &str) {
     tracing::debug!(value, "stashes handed over by exec");
-    for pair in value.split(',').take(4096) {
-        let Some((fd, memfd)) = pair.split_once(':') else {
+    let mut adopted: Vec<c_int> = Vec::new();
+    for entry in value.split(',').take(4096) {
+        let mut fields = entry.split(':');
+        let (Some(Ok(fd)), Some(Ok(memfd)), Some(Ok(inode)), None) = (
+            fields.next().map(str::parse::<c_int>),
+            fields.next().map(str::parse::<c_int>),
+            fields.next().map(str::parse::<u64>),
+            fields.next(),
+        ) else {
             continue;
         };
-        let (Ok(fd), Ok(memfd)) = (fd.parse::<c_int>(), memfd.parse::<c_int>()) else {
-            continue;
-        };
-        if fd < 0 || memfd < 0 || fd == memfd {
+        if fd < 0 || memfd < 0 || fd == memfd || socket_inode(fd) != Some(inode) {
             continue;
         }
         // SAFETY: fcntl(F_GETFD) only checks that the descriptor is open.
         if unsafe { libc::fcntl(memfd, libc::F_GETFD) } < 0 {
             continue;
         }
-        // SAFETY: the exec'ing image handed this descriptor to us; nobody else owns it.
-        let memfd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(memfd) };
-        let Some(stash) = Stash::adopt(memfd) else {
+        let owned = if adopted.contains(&memfd) {
+            // SAFETY: duplicating an open descriptor; the copy is ours alone.
+            let copy = unsafe { libc::fcntl(memfd, libc::F_DUPFD_CLOEXEC, 0) };
+            if copy < 0 {
+                continue;
+            }
+            copy
+        } else {
+            adopted.push(memfd);
+            // SAFETY: setting close-on-exec on the descriptor handed to us.
+            unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            memfd
+        };
+        // SAFETY: the exec'ing image handed this descriptor to us (or we just duplicated
+        // it); nobody else owns it.
+        let owned = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(owned) };
+        let Some(stash) = Stash::adopt(owned) else {
             continue;
         };
         let Some(index) = crate::ops::adopt_inherited_socket(fd) else {
             continue;
         };
-        *lock(index) = Some(SanObject::Stashed(Box::new(Stashed {
+        *lock(index) = Some(SanObject::Stashed(Box::new(Stashed::new(
             stash,
-            sets: Vec::new(),
-        })));
+            Some(inode),
+        ))));
         LIVE.fetch_add(1, Ordering::Relaxed);
         mark_tcp(index);
         if let Some(record) = registry().get(index) {

@@ -56,9 +56,11 @@
 //!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. A peer that
 //!   makes no socket call for a second cannot answer: that connection stays with the parent
 //!   (it downgrades when the peer calls) and the child's copy fails with `ECONNRESET`.
-//!   `posix_spawn`, `system` and `execl*` exec through glibc's internal `execve`: a SAN socket
-//!   they pass on without `FD_CLOEXEC` is not downgraded (the new program sees a TCP socket
-//!   that carries nothing after the switch point).
+//!   `vfork` downgrades every SAN connection first (the child may pass any socket on) and
+//!   its child's hook calls are the kernel calls alone; `posix_spawn` downgrades those the
+//!   child receives. `system`, `popen` and `execl*` exec through glibc's internal `execve`:
+//!   a SAN socket they pass on without `FD_CLOEXEC` is not downgraded (the new program sees
+//!   a TCP socket that carries nothing after the switch point).
 //! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
 //!
 //! # Rendezvous (large zero-copy sends)
@@ -97,6 +99,7 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 pub use downgrade::{adopt_stashes, downgrade_all, stash_env, FORK_BUDGET, STASH_ENV};
+pub(crate) use downgrade::{pass_on, stash_of};
 pub use io::{
     assist_all_in_process, correct_epoll_events, poll_fds, readable_bytes, recv_iov,
     select_via_poll, send_iov, service_all, RawBuf,
