@@ -247,6 +247,79 @@ fn python_subprocesses_of_a_server_holding_a_san_connection() {
     );
 }
 
+/// An edge-triggered nonblocking server (nginx's way) whose client dies mid-conversation:
+/// the one hang-up event must lead to EOF or ECONNRESET at once. The provider checks its
+/// peer's liveness only every 100 ms, so the event came in while the session still believed
+/// the peer alive, the read said EAGAIN, and no second edge ever came (nginx workers hung
+/// in graceful shutdown).
+const EDGE_DEATH_PY: &str = r#"
+import errno, os, select, signal, socket, sys, time
+if sys.argv[1] == "server":
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    conn.setblocking(False)
+    ep = select.epoll()
+    ep.register(conn.fileno(), select.EPOLLIN | select.EPOLLET | select.EPOLLRDHUP)
+    received = 0
+    while True:
+        if not ep.poll(3.0):
+            print("hung after", received, "bytes", flush=True)
+            sys.exit(1)
+        while True:
+            try:
+                data = conn.recv(4096)
+            except BlockingIOError:
+                break
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                print("peer gone after", received, "bytes", flush=True)
+                sys.exit(0)
+            received += len(data)
+else:
+    conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    for _ in range(30):
+        conn.sendall(b"x" * 100)
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+"#;
+
+#[test]
+fn an_edge_triggered_server_sees_its_killed_client_go() {
+    let dirs = Dirs::new("edge-death");
+    let script = dirs.stat.parent().unwrap().join("edge_death.py");
+    std::fs::write(&script, EDGE_DEATH_PY).unwrap();
+    for round in 0..3 {
+        let mut server = command("python3", true, &dirs)
+            .arg(&script)
+            .arg("server")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = BufReader::new(server.stdout.take().unwrap());
+        let mut port = String::new();
+        reader.read_line(&mut port).unwrap();
+        let client = command("python3", true, &dirs)
+            .arg(&script)
+            .args(["client", port.trim()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let _ = client.wait_with_output();
+        server.stdout = Some(reader.into_inner());
+        let report = finish(server, "server");
+        assert!(
+            report.contains("peer gone after 3000 bytes"),
+            "round {round}: {report}"
+        );
+    }
+}
+
 #[test]
 fn server_speaks_first_over_the_san() {
     let dirs = Dirs::new("server-first");

@@ -239,6 +239,8 @@ pub struct ShmConnection {
     cma_permitted: bool,
     self_cma: bool,
     last_liveness_check: Instant,
+    /// Set by [`ShmConnection::check_liveness_soon`].
+    liveness_due: bool,
     peer_gone: AtomicBool,
     /// Our bell as of the start of the last `poll_completions`: `wait` reports anything the
     /// peer published since then, even if it landed before `wait` was called.
@@ -310,6 +312,7 @@ impl ShmConnection {
             cma_permitted: false,
             self_cma: true,
             last_liveness_check: Instant::now(),
+            liveness_due: false,
             peer_gone: AtomicBool::new(false),
             bell_seen: AtomicU32::new(0),
             counters: Counters::default(),
@@ -860,7 +863,16 @@ impl ShmConnection {
         true
     }
 
-    /// Checks the peer's closed word and (at most every `liveness_interval`) its liveness.
+    /// Makes the next `poll_completions` check the peer's liveness whatever the interval: the
+    /// caller saw a sign of its death (the kernel reported hang-up on a descriptor the peer
+    /// held). Without it, a nonblocking caller that polls right after the death learns of it
+    /// only once the interval passed, and an edge-triggered waiter gets no second event.
+    pub fn check_liveness_soon(&mut self) {
+        self.liveness_due = true;
+    }
+
+    /// Checks the peer's closed word and (at most every `liveness_interval`, or when asked
+    /// by [`ShmConnection::check_liveness_soon`]) its liveness.
     fn check_peer(&mut self) {
         if self.peer.is_none() {
             return;
@@ -879,9 +891,10 @@ impl ShmConnection {
         }
         let now = Instant::now();
         let due = now.duration_since(self.last_liveness_check) >= self.config.liveness_interval;
-        if !(due || self.peer_gone.load(Ordering::Relaxed)) {
+        if !(due || self.liveness_due || self.peer_gone.load(Ordering::Relaxed)) {
             return;
         }
+        self.liveness_due = false;
         self.last_liveness_check = now;
         if self.peer_dead() {
             self.process_inbound();

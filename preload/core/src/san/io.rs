@@ -1132,6 +1132,9 @@ fn correct_revents(entry: &mut libc::pollfd) {
     if socket.epoll_on_tcp {
         return;
     }
+    if entry.revents & libc::POLLHUP != 0 {
+        socket.mirror_hung_up();
+    }
     socket.service();
     let readiness = socket.readiness();
     if entry.revents & libc::POLLIN != 0
@@ -1188,6 +1191,9 @@ pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> us
                     .as_mut()
                     .filter(|o| matches!(o, SanObject::Socket(s) if s.phase == Phase::Switched))
                 {
+                    if event.events & libc::EPOLLHUP as u32 != 0 {
+                        socket.mirror_hung_up();
+                    }
                     socket.service();
                     let readiness = socket.readiness();
                     if !readiness.readable && !socket.tcp_bytes_pending() && socket.lower_readable()

@@ -526,6 +526,15 @@ impl SanSocket {
         self.marker_unread = false;
     }
 
+    /// The kernel reported hang-up on our mirror end: the peer's end was closed (its process
+    /// died, or it closed the socket). The next [`SanSocket::service`] checks its liveness
+    /// instead of waiting for the provider's interval.
+    pub(crate) fn mirror_hung_up(&mut self) {
+        if let Some(conn) = self.conn.as_mut() {
+            conn.check_liveness_soon();
+        }
+    }
+
     /// Pumps the session over the connection, handles its events, raises the peer's mirror
     /// after transmitting, and (acceptor) picks up the client's mirror end once it is queued.
     pub(crate) fn service(&mut self) {
