@@ -137,11 +137,26 @@ fn two_preloaded_processes_move_mibs_over_the_san_with_checksums() {
 #[test]
 fn a_client_that_writes_megabytes_before_reading_the_echo_does_not_deadlock() {
     // Loopback TCP buffers ~10 MB of this (send plus receive buffers, both ways); a 256 KiB
-    // SAN send buffer deadlocked it at 2 MB.
+    // SAN send buffer deadlocked it at 2 MB, a 4 MiB one at 6 MB (the blocked client now
+    // absorbs the echo into its receive buffer).
     let dirs = Dirs::new("write-then-read");
-    let bytes = 3_000_000;
+    let bytes = 8_000_000;
     for preload in [false, true] {
         let (server, client) = two_processes("write-then-read", bytes, preload, preload, &dirs);
+        let path = if preload { "san-shm" } else { "tcp" };
+        expect(&server, "server", bytes, path);
+        expect(&client, "client", bytes, path);
+    }
+}
+
+#[test]
+fn both_ends_writing_megabytes_before_reading_do_not_deadlock() {
+    // 3 MB each way, each side in one blocking write before it reads: loopback TCP lets it
+    // through (at 5 MB it deadlocks too); a 256 KiB SAN send buffer did not.
+    let dirs = Dirs::new("exchange");
+    let bytes = 3_000_000;
+    for preload in [false, true] {
+        let (server, client) = two_processes("exchange", bytes, preload, preload, &dirs);
         let path = if preload { "san-shm" } else { "tcp" };
         expect(&server, "server", bytes, path);
         expect(&client, "client", bytes, path);

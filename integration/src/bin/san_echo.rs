@@ -19,6 +19,11 @@
 //!   `write_all` before it reads anything (one thread), counting on the connection's buffers
 //!   to hold what the echo sends back meanwhile, as loopback TCP does for ~10 MB.
 //!
+//! * `exchange`: the client sends an 8-byte length N and then, in one blocking `write_all`,
+//!   N bytes; the server, having read the length, writes N bytes of its own in one
+//!   `write_all` before reading the client's: both write before either reads, as far as the
+//!   connection's buffers let them (on loopback TCP several MB).
+//!
 //! * `sink` (server) / `flood` (client): the client writes until an error, the server reads
 //!   until end-of-file or an error; each prints `<side> stopped: <how>` (for peer-death tests:
 //!   kill one side and time the other's exit).
@@ -120,6 +125,20 @@ fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
     if protocol == "server-first" {
         stream.write_all(BANNER)?;
     }
+    if protocol == "exchange" {
+        let mut header = [0u8; 8];
+        stream.read_exact(&mut header)?;
+        let bytes = u64::from_le_bytes(header) as usize;
+        stream.write_all(&pattern(bytes).iter().map(|b| !b).collect::<Vec<u8>>())?;
+        let mut received = vec![0u8; bytes];
+        stream.read_exact(&mut received)?;
+        let path = published_path(peer.port());
+        return Ok(format!(
+            "server ok bytes={} checksum={:016x} path={path}",
+            received.len(),
+            checksum(&received)
+        ));
+    }
     let mut received = Vec::new();
     let mut buf = vec![0u8; 64 << 10];
     loop {
@@ -155,6 +174,14 @@ fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
         }
     }
     let data = pattern(bytes);
+    if protocol == "exchange" {
+        stream.write_all(&(bytes as u64).to_le_bytes())?;
+        stream.write_all(&data)?;
+        let mut theirs = vec![0u8; bytes];
+        stream.read_exact(&mut theirs)?;
+        let inverted: Vec<u8> = theirs.iter().map(|b| !b).collect();
+        return check_echo(inverted, bytes, local_port);
+    }
     if protocol == "write-then-read" {
         stream.write_all(&data)?;
         stream.shutdown(Shutdown::Write)?;

@@ -146,9 +146,11 @@ fn block(
         count += 1;
     }
     let now = Instant::now();
-    let slice = deadline.map_or(WAIT_SLICE, |d| {
-        d.saturating_duration_since(now).min(WAIT_SLICE)
-    });
+    let slice = deadline
+        .map_or(WAIT_SLICE, |d| {
+            d.saturating_duration_since(now).min(WAIT_SLICE)
+        })
+        .min(fds.cap.unwrap_or(WAIT_SLICE));
     // SAFETY: `count` valid pollfds.
     let rc = unsafe {
         real::poll(
@@ -432,6 +434,8 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
     let mut done = 0usize;
     // Set when the receiver turned a rendezvous of this call down: the rest goes inline.
     let mut inline_only = false;
+    // Since when this call waits with the peer's data unread (`absorb_if_stalled`).
+    let mut stalled_since = None;
     loop {
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
@@ -538,7 +542,12 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                         }
                         continue;
                     }
-                    socket.prepare_send_wait()
+                    if socket.absorb_if_stalled(&mut stalled_since, None) {
+                        continue;
+                    }
+                    let mut wait = socket.prepare_send_wait();
+                    socket.absorb_if_stalled(&mut stalled_since, wait.as_mut());
+                    wait
                 }
                 Err(code) => return Some(send_failed(done, code, send_flags)),
             }
@@ -585,6 +594,7 @@ fn send_failed(done: usize, code: c_int, send_flags: c_int) -> isize {
 /// it delivered, or the errno. Neither signals nor `SO_SNDTIMEO` end the wait: until the
 /// session reports completion the peer may still be reading the application's buffer.
 fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usize, c_int> {
+    let mut stalled_since = None;
     loop {
         let wait = {
             let mut slot = lock(index);
@@ -598,8 +608,13 @@ fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usi
             }
             // The completion message raises our writability (every message from the peer
             // does); unread data, which only the application can consume once this send
-            // returns, must not keep the wait awake.
-            socket.prepare_send_wait()
+            // returns, must not keep the wait awake (but a stalled peer's is absorbed).
+            if socket.absorb_if_stalled(&mut stalled_since, None) {
+                continue;
+            }
+            let mut wait = socket.prepare_send_wait();
+            socket.absorb_if_stalled(&mut stalled_since, wait.as_mut());
+            wait
         };
         let _ = block(index, fd, wait, None);
     }

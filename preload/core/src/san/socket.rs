@@ -7,7 +7,7 @@ use core::ffi::c_int;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use san_api::Access;
 use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
@@ -59,6 +59,17 @@ fn connection_config() -> ConnectionConfig {
         ..ConnectionConfig::default()
     }
 }
+
+/// Most bytes a SAN socket takes out of its session ahead of the application while the
+/// application is blocked sending (see [`SanSocket::absorb_if_stalled`]): the kernel's
+/// largest autotuned receive buffer (`tcp_rmem` max, 6 MiB).
+pub(crate) const ABSORB_LIMIT: usize = 6 << 20;
+/// How long a blocked sender waits with the peer's data unread before absorbing it.
+const STALL_BEFORE_ABSORB: Duration = Duration::from_millis(10);
+/// How long before a rendezvous at the head is turned down to absorb what follows.
+const STALL_BEFORE_REJECT: Duration = Duration::from_millis(50);
+/// The longest sleep of a blocked sender while the peer's data waits unread.
+const STALL_POLL: Duration = Duration::from_millis(5);
 
 /// Inline bytes a SAN socket buffers on the sending side: the kernel's largest autotuned
 /// send buffer (`tcp_wmem` max, 4 MiB). Programs count on TCP absorbing megabytes before the
@@ -188,6 +199,9 @@ pub(crate) struct WaitFds {
     pub asleep: bool,
     /// The socket's local bell: rung when one thread makes progress others may wait for.
     pub bell: Option<RawFd>,
+    /// Sleep at most this long (a sender absorbing a stalled peer's data, see
+    /// [`SanSocket::absorb_if_stalled`]).
+    pub cap: Option<Duration>,
 }
 
 /// A SAN socket.
@@ -253,8 +267,10 @@ pub(crate) struct SanSocket {
     downgrade_wanted: bool,
     /// The session accepted our downgrade (its `Downgrade` follows what it has queued).
     downgrade_sent: bool,
-    /// Bytes a downgrade drained out of the session but could not hand over (the peer did
-    /// not answer in time): read before anything the session still holds.
+    /// Bytes taken out of the session ahead of the application, read before anything the
+    /// session still holds: what a downgrade drained but could not hand over (the peer did
+    /// not answer in time), and what a sender blocked on a stalled peer absorbed
+    /// ([`SanSocket::absorb_if_stalled`]), as a kernel receive buffer holds it.
     restored: Vec<u8>,
     /// After a downgrade the application's epoll sets watch the TCP socket again.
     pub epoll_on_tcp: bool,
@@ -757,6 +773,63 @@ impl SanSocket {
                 .is_some_and(|s| s.peer_downgraded() && !s.readiness().readable)
     }
 
+    /// While the application is blocked sending and the peer's data waits unread: after
+    /// [`STALL_BEFORE_ABSORB`] of this, takes the peer's bytes out of the session into
+    /// `restored` (up to [`ABSORB_LIMIT`]), so that the credits go back and a peer blocked
+    /// sending to us moves on. This is the kernel's receive buffer, which lets two programs
+    /// that each write megabytes before reading (an echo client writing a whole request)
+    /// through, as loopback TCP does; after [`STALL_BEFORE_REJECT`] a rendezvous at the head
+    /// is turned down (its sender sends the rest inline, which is absorbed). `stalled_since`
+    /// belongs to the caller's blocking call. Returns whether bytes moved; sets `cap` on
+    /// `wait` while a stall lasts, so the absorption keeps pace with the peer.
+    pub(crate) fn absorb_if_stalled(
+        &mut self,
+        stalled_since: &mut Option<Instant>,
+        wait: Option<&mut WaitFds>,
+    ) -> bool {
+        let pending = self.session.as_ref().map_or(0, |s| s.recv_pending_bytes());
+        if pending == 0 || self.restored.len() >= ABSORB_LIMIT {
+            return false;
+        }
+        let since = *stalled_since.get_or_insert_with(Instant::now);
+        if let Some(wait) = wait {
+            wait.cap = Some(STALL_POLL);
+        }
+        let stalled = since.elapsed();
+        if stalled < STALL_BEFORE_ABSORB {
+            return false;
+        }
+        let reject_rendezvous = stalled >= STALL_BEFORE_REJECT;
+        let mut moved = false;
+        let mut buf = [0u8; 16 << 10];
+        while self.restored.len() < ABSORB_LIMIT {
+            let room = (ABSORB_LIMIT - self.restored.len()).min(buf.len());
+            let Some(session) = self.session.as_mut() else {
+                break;
+            };
+            match session.recv(&mut buf[..room], RecvFlags::default()) {
+                Ok(0) => break,
+                Ok(n) => {
+                    self.restored.extend_from_slice(&buf[..n]);
+                    self.record.count(Counter::SanInlineReceived, n as u64);
+                    moved = true;
+                }
+                Err(RecvError::RemoteSegment { .. }) if reject_rendezvous => {
+                    if self.reject_remote_head().is_err() {
+                        break;
+                    }
+                    moved = true;
+                }
+                Err(_) => break,
+            }
+        }
+        if moved {
+            self.data_to_announce = true;
+            self.service();
+        }
+        moved
+    }
+
     /// A downgrade drained `bytes` but the peer did not finish it in time: they are read
     /// first, before what the session still delivers.
     pub(crate) fn restore_received(&mut self, bytes: &[u8]) {
@@ -1247,6 +1320,7 @@ impl SanSocket {
                 tcp_events,
                 asleep: false,
                 bell: None,
+                cap: None,
             });
         }
         if self.local_bell.is_none() {
@@ -1281,6 +1355,7 @@ impl SanSocket {
             tcp_events,
             asleep: true,
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
+            cap: None,
         })
     }
 
@@ -1304,6 +1379,7 @@ impl SanSocket {
             tcp_events: 0,
             asleep: false,
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
+            cap: None,
         })
     }
 
