@@ -1229,7 +1229,11 @@ impl SanSocket {
     /// TCP bytes not yet read.
     pub(crate) fn readable_bytes(&self, tcp_queued: usize) -> usize {
         if !self.restored.is_empty() {
-            return self.restored.len();
+            // Absorbed bytes come first; what the session still holds follows them.
+            let session = self.session.as_ref().map_or(0, |s| {
+                usize::try_from(s.recv_pending_bytes()).unwrap_or(usize::MAX)
+            });
+            return self.restored.len().saturating_add(session);
         }
         if self.reads_on_tcp() {
             return tcp_queued;
