@@ -62,7 +62,7 @@ fn symbols_lists_the_whole_table() {
     let names = sandirect(&["symbols", "--names"], &[]);
     assert!(names.status.success());
     let names = text(&names.stdout);
-    assert_eq!(names.lines().count(), 59);
+    assert_eq!(names.lines().count(), 61);
     for required in [
         "socket",
         "close_range",

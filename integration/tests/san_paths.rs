@@ -202,7 +202,7 @@ fn sockets_with_high_numbers_and_a_dup2_copy_work_over_the_san() {
 /// through it as stdout. Before the vfork child's hook calls were made inert, its
 /// `close_range` released the parent's sockets and the connection was reset.
 const SUBPROCESS_PY: &str = r#"
-import socket, subprocess, sys, time
+import os, socket, subprocess, sys, time
 if sys.argv[1] == "server":
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -217,6 +217,13 @@ if sys.argv[1] == "server":
     subprocess.run(["/bin/sh", "-c", "printf from-child"], stdout=conn.fileno(), check=True)
     conn.sendall(b"|" + request)
     conn.close()
+    # A second connection, still on the SAN, written to by a shell that system() runs.
+    second, _ = listener.accept()
+    second.sendall(second.recv(10).upper())
+    os.set_inheritable(second.fileno(), True)
+    os.system("printf from-system >&%d" % second.fileno())
+    second.sendall(b"|end")
+    second.close()
 else:
     conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
     conn.sendall(b"hi")
@@ -229,6 +236,15 @@ else:
             break
         reply += data
     print("client got", reply.decode())
+    second = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    second.sendall(b"again")
+    reply = b""
+    while True:
+        data = second.recv(100)
+        if not data:
+            break
+        reply += data
+    print("second got", reply.decode())
 "#;
 
 #[test]
@@ -258,6 +274,10 @@ fn python_subprocesses_of_a_server_holding_a_san_connection() {
     finish(server, "server");
     assert!(
         client_report.contains("client got from-child|REQUEST1"),
+        "{client_report}"
+    );
+    assert!(
+        client_report.contains("second got AGAINfrom-system|end"),
         "{client_report}"
     );
 }

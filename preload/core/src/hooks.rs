@@ -155,6 +155,10 @@ macro_rules! sandirect_hook_table {
                 fn posix_spawn(pid: *mut ::libc::pid_t, path: *const ::libc::c_char, file_actions: *const ::libc::posix_spawn_file_actions_t, attrp: *const ::libc::posix_spawnattr_t, argv: *const *mut ::libc::c_char, envp: *const *mut ::libc::c_char) -> ::libc::c_int;
             Accelerate libc generated "as posix_spawn"
                 fn posix_spawnp(pid: *mut ::libc::pid_t, file: *const ::libc::c_char, file_actions: *const ::libc::posix_spawn_file_actions_t, attrp: *const ::libc::posix_spawnattr_t, argv: *const *mut ::libc::c_char, envp: *const *mut ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "SAN sockets without close-on-exec (the shell inherits them) are downgraded to kernel TCP first; stashed bytes stay with this process"
+                fn system(command: *const ::libc::c_char) -> ::libc::c_int;
+            Accelerate libc generated "as system"
+                fn popen(command: *const ::libc::c_char, mode: *const ::libc::c_char) -> *mut ::libc::FILE;
             Accelerate libc generated "as execve"
                 fn fexecve(fd: ::libc::c_int, argv: *const *const ::libc::c_char, envp: *const *const ::libc::c_char) -> ::libc::c_int;
         }

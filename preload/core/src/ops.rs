@@ -907,6 +907,17 @@ pub unsafe fn ioctl(fd: c_int, request: c_ulong, arg: usize) -> c_int {
     }
     // SAFETY: forwarded.
     let rc = unsafe { real::ioctl(fd, request, arg) };
+    if rc == 0
+        && (request == libc::FIOCLEX as c_ulong || request == libc::FIONCLEX as c_ulong)
+        && !entry.is_none()
+        && !guard::is_inside()
+    {
+        // CPython's os.set_inheritable and others flip close-on-exec this way.
+        let cloexec = request == libc::FIOCLEX as c_ulong;
+        bookkeeping(|| {
+            table().update(fd, entry, entry.with_cloexec(cloexec));
+        });
+    }
     if rc == 0 && request == libc::FIONBIO && !entry.is_none() && arg != 0 && !guard::is_inside() {
         // SAFETY: FIONBIO takes an int pointer, and the kernel just read it successfully.
         let on = unsafe { (arg as *const c_int).read_unaligned() } != 0;
@@ -1690,13 +1701,16 @@ pub fn before_vfork() {
     guard::note_vfork();
 }
 
-/// The SAN socket indices with a descriptor that survives an exec here (open, without
-/// close-on-exec, as our table tracks them).
+/// The socket indices with a descriptor that survives an exec here: open and without
+/// close-on-exec, as the kernel says (the flag may have changed behind our table's back:
+/// a raw system call, an interposed call we do not see).
 fn inherited_indices() -> Vec<u32> {
     let mut indices = Vec::new();
-    table().for_each_in(0, c_int::MAX, |_, entry| {
+    table().for_each_in(0, c_int::MAX, |fd, entry| {
         if let Some(index) = entry.socket_index() {
-            if !entry.cloexec() && !indices.contains(&index) {
+            // SAFETY: F_GETFD only reads the descriptor's flags.
+            let fd_flags = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+            if fd_flags >= 0 && fd_flags & libc::FD_CLOEXEC == 0 && !indices.contains(&index) {
                 indices.push(index);
             }
         }
@@ -1848,7 +1862,9 @@ unsafe fn spawn_with(
         // targets of a stashed source.
         let mut entries = Vec::new();
         table().for_each_in(0, c_int::MAX, |fd, entry| {
-            if !entry.cloexec() {
+            // SAFETY: F_GETFD only reads the descriptor's flags.
+            let fd_flags = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+            if entry.socket_index().is_some() && fd_flags >= 0 && fd_flags & libc::FD_CLOEXEC == 0 {
                 if let Some((memfd, inode)) = crate::san::stash_of(fd) {
                     entries.push((fd, memfd, inode));
                 }
@@ -1886,6 +1902,51 @@ unsafe fn spawn_with(
         unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
     }
     rc
+}
+
+/// Before `system`/`popen`, which spawn through glibc's internal `posix_spawn` (no preload
+/// sees it): the SAN sockets the shell inherits (without close-on-exec) are downgraded to
+/// kernel TCP. Their stashes cannot travel (no environment of our own to pass): bytes a
+/// stash holds stay readable in this process only.
+fn before_shell() {
+    if crate::san::live_sockets() == 0 || guard::is_inside() {
+        return;
+    }
+    bookkeeping(|| {
+        let inherited = inherited_indices();
+        if inherited.is_empty() {
+            return;
+        }
+        let survives = |fd: c_int| {
+            table()
+                .lookup(fd)
+                .socket_index()
+                .is_some_and(|index| inherited.contains(&index))
+        };
+        crate::san::downgrade_all(Some(&survives));
+    });
+}
+
+/// `system(3)`: see [`before_shell`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn system(command: *const libc::c_char) -> c_int {
+    before_shell();
+    // SAFETY: forwarded.
+    unsafe { real::system(command) }
+}
+
+/// `popen(3)`: see [`before_shell`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn popen(command: *const libc::c_char, mode: *const libc::c_char) -> *mut libc::FILE {
+    before_shell();
+    // SAFETY: forwarded.
+    unsafe { real::popen(command, mode) }
 }
 
 /// `posix_spawn(3)`: see [`spawn_with`].

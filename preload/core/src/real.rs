@@ -130,7 +130,7 @@ pub fn all_slots() -> &'static [&'static Slot] {
 
 /// Return types of hooked functions: what "failed" looks like.
 pub trait HookReturn: Copy {
-    /// The failure value (`-1`).
+    /// The failure value (`-1`, or null for a pointer).
     const FAILED: Self;
 }
 impl HookReturn for i32 {
@@ -138,6 +138,10 @@ impl HookReturn for i32 {
 }
 impl HookReturn for isize {
     const FAILED: Self = -1;
+}
+/// `popen`: a null stream.
+impl HookReturn for *mut libc::FILE {
+    const FAILED: Self = core::ptr::null_mut();
 }
 
 #[cold]

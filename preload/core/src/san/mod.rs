@@ -58,9 +58,10 @@
 //!   (it downgrades when the peer calls) and the child's copy fails with `ECONNRESET`.
 //!   `vfork` downgrades every SAN connection first (the child may pass any socket on) and
 //!   its child's hook calls are the kernel calls alone; `posix_spawn` downgrades those the
-//!   child receives. `system`, `popen` and `execl*` exec through glibc's internal `execve`:
-//!   a SAN socket they pass on without `FD_CLOEXEC` is not downgraded (the new program sees
-//!   a TCP socket that carries nothing after the switch point).
+//!   child receives, `system`/`popen` those without `FD_CLOEXEC` (their stashes stay
+//!   here). `execl*` exec through glibc's internal `execve`: a SAN socket they pass on
+//!   without `FD_CLOEXEC` is not downgraded (the new program sees a TCP socket that carries
+//!   nothing after the switch point).
 //! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
 //!
 //! # Rendezvous (large zero-copy sends)
