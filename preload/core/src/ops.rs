@@ -1927,7 +1927,7 @@ fn before_shell() {
     });
 }
 
-/// `system(3)`: see [`before_shell`].
+/// `system(3)`: the SAN sockets the shell inherits are downgraded first (`before_shell`).
 ///
 /// # Safety
 /// As the C function.
@@ -1938,7 +1938,7 @@ pub unsafe fn system(command: *const libc::c_char) -> c_int {
     unsafe { real::system(command) }
 }
 
-/// `popen(3)`: see [`before_shell`].
+/// `popen(3)`: as `system`.
 ///
 /// # Safety
 /// As the C function.
@@ -1949,7 +1949,8 @@ pub unsafe fn popen(command: *const libc::c_char, mode: *const libc::c_char) -> 
     unsafe { real::popen(command, mode) }
 }
 
-/// `posix_spawn(3)`: see [`spawn_with`].
+/// `posix_spawn(3)`: the SAN sockets the child receives are downgraded first, their stashes
+/// handed on (`spawn_with`).
 ///
 /// # Safety
 /// As the C function.
@@ -1970,7 +1971,7 @@ pub unsafe fn posix_spawn(
     }
 }
 
-/// `posix_spawnp(3)`: see [`spawn_with`].
+/// `posix_spawnp(3)`: as `posix_spawn`.
 ///
 /// # Safety
 /// As the C function.
