@@ -355,6 +355,96 @@ fn an_edge_triggered_server_sees_its_killed_client_go() {
     }
 }
 
+/// An edge-triggered nonblocking server (nginx's way) whose client leaves before it ever
+/// switched: it connects and then closes (wrk's connect-and-close probe) or dies, while its
+/// TCP end stays open a little longer (here: held by a forked child; in nginx's test: the
+/// client preempted between ending its SAN side and closing its TCP socket). The acceptor's
+/// session ends before the client's `Hello`, so the client's bytes and end come on TCP alone;
+/// the read after the mirror's hang-up said EAGAIN, and the mirror never rose again for the
+/// TCP end (nginx workers hung in graceful shutdown until `client_header_timeout`).
+const EDGE_PENDING_GONE_PY: &str = r#"
+import os, select, signal, socket, sys, time
+if sys.argv[1] == "server":
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    if sys.argv[2] == "blocking":
+        # A blocking reader must sleep until the TCP end comes, not spin.
+        cpu = time.process_time()
+        try:
+            while conn.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+        cpu = time.process_time() - cpu
+        print("peer gone" if cpu < 0.5 else "spun", "cpu", round(cpu, 3), flush=True)
+        sys.exit(0)
+    conn.setblocking(False)
+    ep = select.epoll()
+    ep.register(conn.fileno(), select.EPOLLIN | select.EPOLLET | select.EPOLLRDHUP)
+    eagain = 0
+    while True:
+        if not ep.poll(4.0):
+            print("hung after", eagain, "EAGAIN", flush=True)
+            sys.exit(1)
+        while True:
+            try:
+                data = conn.recv(4096)
+            except BlockingIOError:
+                eagain += 1
+                break
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                print("peer gone", flush=True)
+                sys.exit(0)
+else:
+    s = socket.socket()
+    if os.fork() == 0:
+        # Holds the TCP socket open past the server's EAGAIN, then ends it.
+        time.sleep(2.0)
+        os._exit(0)
+    s.connect(("127.0.0.1", int(sys.argv[2])))
+    # No socket call: the client stays pending while the acceptor attaches.
+    time.sleep(0.5)
+    if sys.argv[3] == "close":
+        s.close()
+        sys.exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+"#;
+
+#[test]
+fn an_edge_triggered_server_sees_a_client_that_never_switched_go() {
+    let dirs = Dirs::new("edge-pending-gone");
+    let script = dirs.stat.parent().unwrap().join("edge_pending_gone.py");
+    std::fs::write(&script, EDGE_PENDING_GONE_PY).unwrap();
+    for (waits, how) in [("epoll", "close"), ("epoll", "kill"), ("blocking", "close")] {
+        let mut server = command("python3", true, &dirs)
+            .arg(&script)
+            .args(["server", waits])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = BufReader::new(server.stdout.take().unwrap());
+        let mut port = String::new();
+        reader.read_line(&mut port).unwrap();
+        let client = command("python3", true, &dirs)
+            .arg(&script)
+            .args(["client", port.trim(), how])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let _ = client.wait_with_output();
+        server.stdout = Some(reader.into_inner());
+        let report = finish(server, "server");
+        assert!(report.contains("peer gone"), "{waits}, {how}: {report}");
+    }
+}
+
 #[test]
 fn server_speaks_first_over_the_san() {
     let dirs = Dirs::new("server-first");

@@ -320,7 +320,24 @@ fn install_logging(level: Option<&str>) {
         .with_max_level(parsed)
         .with_ansi(false)
         .with_writer(|| RawStderr)
+        .with_timer(WallClockAndPid)
         .try_init();
+}
+
+/// Log time stamps: wall-clock seconds (comparable across processes) and the pid, read at each
+/// event (forked workers share a log: nginx's workers all write into one error log).
+struct WallClockAndPid;
+
+impl tracing_subscriber::fmt::time::FormatTime for WallClockAndPid {
+    fn format_time(
+        &self,
+        w: &mut tracing_subscriber::fmt::format::Writer<'_>,
+    ) -> core::fmt::Result {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        write!(w, "{:.6} pid={}", now.as_secs_f64(), std::process::id())
+    }
 }
 
 /// stderr through a single `write(2)` per chunk: no lock (std's stderr lock could be left held

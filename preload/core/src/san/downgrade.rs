@@ -155,8 +155,9 @@ fn mark_tcp(index: u32) {
     }
 }
 
-/// Epoll sets that watch the mirror of `socket` watch the TCP socket again.
-fn epoll_back_to_tcp(index: u32, fd: c_int, socket: &mut SanSocket) {
+/// Epoll sets that watch the mirror of `socket` watch the TCP socket again (and `poll`/`select`
+/// wait on it too).
+pub(super) fn epoll_back_to_tcp(index: u32, fd: c_int, socket: &mut SanSocket) {
     if socket.epoll_on_tcp {
         return;
     }

@@ -954,14 +954,30 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                 if code != libc::EAGAIN {
                     return Some(partial(done, code));
                 }
+                let tcp_only = backlog != Some(0) && socket.is_broken();
+                if tcp_only {
+                    // The session ended while the client's TCP bytes were still due (it
+                    // closed or died while pending, before its Hello): the rest of them, and
+                    // the end of its stream, come on TCP alone, and the mirror, which fired
+                    // its last edge (hang-up) already, cannot report them. Waiters watch TCP
+                    // from now on (an edge-triggered one saw EAGAIN and waits for an edge).
+                    if !socket.epoll_on_tcp {
+                        tracing::debug!(fd, name = %socket.name, "session gone before the client's TCP bytes: waiting on TCP");
+                    }
+                    downgrade::epoll_back_to_tcp(index, fd, socket);
+                }
                 if done > 0 && !wait_all {
                     return Some(done as isize);
                 }
                 if nonblocking {
                     return Some(partial(done, libc::EAGAIN));
                 }
-                // The client's Hello (SAN) or its pending bytes (TCP) will wake us.
-                socket.prepare_wait(libc::POLLIN)
+                if tcp_only {
+                    Some(SanSocket::tcp_wait(libc::POLLIN))
+                } else {
+                    // The client's Hello (SAN) or its pending bytes (TCP) will wake us.
+                    socket.prepare_wait(libc::POLLIN)
+                }
             } else {
                 match recv_into(socket, bufs, done, peek) {
                     Ok(n) => {

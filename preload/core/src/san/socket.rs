@@ -1318,14 +1318,7 @@ impl SanSocket {
     /// and lowers the mirror. `None`: news arrived, do not block.
     pub(crate) fn prepare_wait(&mut self, tcp_events: i16) -> Option<WaitFds> {
         if self.phase == Phase::Pending {
-            return Some(WaitFds {
-                mirror: None,
-                mirror_events: 0,
-                tcp_events,
-                asleep: false,
-                bell: None,
-                cap: None,
-            });
+            return Some(Self::tcp_wait(tcp_events));
         }
         if self.local_bell.is_none() {
             // SAFETY: plain eventfd(2); the result is owned below.
@@ -1361,6 +1354,19 @@ impl SanSocket {
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
             cap: None,
         })
+    }
+
+    /// A blocking wait on the TCP socket alone (a pending client; an acceptor whose session
+    /// ended while the client's TCP bytes were still due: the mirror is hung up for good).
+    pub(crate) fn tcp_wait(tcp_events: i16) -> WaitFds {
+        WaitFds {
+            mirror: None,
+            mirror_events: 0,
+            tcp_events,
+            asleep: false,
+            bell: None,
+            cap: None,
+        }
     }
 
     /// Prepares a blocking wait for room to send (no credits): lowers `M`'s writability,
