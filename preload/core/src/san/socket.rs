@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use san_api::Access;
 use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
+
+use super::link::Link;
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
 use switch::session::{
@@ -185,7 +187,7 @@ pub(crate) struct SanSocket {
     pub side: Side,
     pub phase: Phase,
     record: &'static SocketRecord,
-    conn: Option<ShmConnection>,
+    conn: Option<Link>,
     session: Option<Session>,
     mirror: Option<Mirror<SideWords>>,
     peer: Arc<PeerMirror>,
@@ -283,7 +285,7 @@ impl SanSocket {
             side: Side::Client,
             phase: Phase::Pending,
             record,
-            conn: Some(conn),
+            conn: Some(conn.into()),
             session: None,
             mirror: None,
             peer,
@@ -359,7 +361,7 @@ impl SanSocket {
             side: Side::Acceptor,
             phase: Phase::Switched,
             record,
-            conn: Some(conn),
+            conn: Some(conn.into()),
             session: Some(session),
             mirror: Some(our_mirror),
             peer,
@@ -399,18 +401,26 @@ impl SanSocket {
     fn mark_switched(&self) {
         // The application may have closed its last fd already (its release is on the way).
         if self.record.set_state_if_live(SocketState::San) {
-            self.record.path.store(
-                DataPath::SanShm as u32,
-                core::sync::atomic::Ordering::Release,
-            );
+            let path = if self.is_verbs() {
+                DataPath::SanVerbs
+            } else {
+                DataPath::SanShm
+            };
+            self.record
+                .path
+                .store(path as u32, core::sync::atomic::Ordering::Release);
         }
     }
 
     /// Client: true once the acceptor attached (the switch may happen now).
     pub(crate) fn peer_attached(&self) -> bool {
-        self.conn
-            .as_ref()
-            .is_some_and(|conn| conn.segment().is_attached())
+        self.conn.as_ref().is_some_and(Link::peer_attached)
+    }
+
+    /// As [`SanSocket::peer_attached`], after a byte was found on TCP: a verbs attach in
+    /// progress is waited for (bounded), since that byte may be its switch marker.
+    pub(crate) fn peer_attached_settled(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::peer_attached_settled)
     }
 
     /// Client, pending: counts stream bytes the kernel accepted on TCP.
@@ -422,6 +432,9 @@ impl SanSocket {
     /// answers with ours, and starts the session with the TCP byte count. `Err` means the
     /// exchange was not usable: the connection cannot continue (the acceptor talks SAN only).
     pub(crate) fn switch(&mut self, tcp: c_int) -> Result<(), ()> {
+        if self.is_verbs() {
+            return self.switch_verbs(tcp);
+        }
         let listener = self.exchange.take().ok_or(())?;
         let link = exchange::accept(listener.as_fd()).ok_or(())?;
         drop(listener);
@@ -635,6 +648,7 @@ impl SanSocket {
             self.peer.raise_writable();
         }
         self.mirror_fin();
+        self.raise_own_mirror();
     }
 
     /// Once our FIN has left (nothing queued before it), shuts the peer's `K` for writing
@@ -747,7 +761,7 @@ impl SanSocket {
         self.session
             .as_ref()
             .is_none_or(|s| matches!(s.state(), SessionState::Reset | SessionState::FellBack))
-            || !self.conn.as_ref().is_some_and(ShmConnection::is_up)
+            || !self.conn.as_ref().is_some_and(Link::is_up)
     }
 
     /// The downgrade is finished both ways and nothing is left to read from the session:
@@ -820,7 +834,7 @@ impl SanSocket {
     pub(crate) fn peer_in_process(&self) -> bool {
         self.conn
             .as_ref()
-            .and_then(|conn| conn.segment().peer_pid())
+            .and_then(Link::peer_pid)
             .is_some_and(|pid| pid == std::process::id())
     }
 
@@ -1358,7 +1372,7 @@ impl SanSocket {
             // Early bytes go first; they need the handshake to finish.
             while !self.early.is_empty()
                 && start.elapsed() < linger
-                && self.conn.as_ref().is_some_and(ShmConnection::is_up)
+                && self.conn.as_ref().is_some_and(Link::is_up)
             {
                 self.service();
                 if let Some(conn) = self.conn.as_ref() {
@@ -1375,7 +1389,7 @@ impl SanSocket {
             // ends the stream after them; the session only has to get its `Downgrade` out.
             while !self.downgrade_sent
                 && start.elapsed() < linger
-                && self.conn.as_ref().is_some_and(ShmConnection::is_up)
+                && self.conn.as_ref().is_some_and(Link::is_up)
             {
                 self.service();
                 if let Some(conn) = self.conn.as_ref() {
@@ -1440,5 +1454,185 @@ impl Drop for SanSocket {
         if let Some(mut registrations) = super::registrations() {
             registrations.release_owner(self.owner);
         }
+    }
+}
+
+/// The verbs provider's part (`super::verbs`; `docs/ARCHITECTURE.md`, "Cross-host discovery
+/// (verbs)"): the same session, mirror and switch-over, over a cross-host connection whose
+/// readiness this process's service thread mirrors.
+impl SanSocket {
+    fn with_link(
+        record: &'static SocketRecord,
+        side: Side,
+        name: &SegmentName,
+        link: super::verbs::VerbsLink,
+    ) -> SanSocket {
+        SanSocket {
+            side,
+            phase: Phase::Pending,
+            record,
+            conn: Some(Link::Verbs(link)),
+            session: None,
+            mirror: None,
+            peer: Arc::new(PeerMirror::default()),
+            page: None,
+            exchange: None,
+            tcp_sent: 0,
+            tcp_received: 0,
+            tcp_eof: false,
+            marker_unread: side == Side::Client,
+            peer_fin: false,
+            early: Vec::new(),
+            name: *name,
+            write_shut: false,
+            deferred_shutdown: None,
+            fin_mirrored: false,
+            data_to_announce: false,
+            reset_reported: false,
+            marker_owed: false,
+            waiters: 0,
+            watched: false,
+            local_bell: None,
+            released: Vec::new(),
+            owner: next_owner(),
+            send_completed: None,
+            recv_completed: None,
+            downgrade_wanted: false,
+            downgrade_sent: false,
+            restored: Vec::new(),
+            epoll_on_tcp: false,
+        }
+    }
+
+    /// Whether this socket runs over verbs.
+    pub(crate) fn is_verbs(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.verbs().is_some())
+    }
+
+    /// A pending verbs client (its CM listener is up; see `super::verbs::client`).
+    pub(crate) fn verbs_client(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        link: super::verbs::VerbsLink,
+    ) -> SanSocket {
+        Self::with_link(record, Side::Client, name, link)
+    }
+
+    /// The accepting side after its CM connect to the client was established: the session
+    /// starts with `tcp_bytes_sent = 0`; the caller writes the switch marker.
+    pub(crate) fn verbs_acceptor(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        link: super::verbs::VerbsLink,
+    ) -> Result<SanSocket, SetupError> {
+        let mut socket = Self::with_link(record, Side::Acceptor, name, link);
+        socket.start_verbs_session(Role::Passive)?;
+        socket.marker_owed = true;
+        socket.service();
+        socket.mark_switched();
+        Ok(socket)
+    }
+
+    /// Creates the mirror (both ends local: `K` stays with the link, for the service thread)
+    /// and the session.
+    fn start_verbs_session(&mut self, role: Role) -> Result<(), SetupError> {
+        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+        let (mirror, k) =
+            Mirror::new(SideWords::new(page.clone(), 0)).map_err(|_| SetupError::Resource)?;
+        let link = self
+            .conn
+            .as_mut()
+            .and_then(Link::verbs_mut)
+            .ok_or(SetupError::Resource)?;
+        link.set_own_mirror(k, SideWords::new(page.clone(), 0));
+        let capabilities = link.capabilities();
+        let config = SessionConfig {
+            // Not yet: the rendezvous over verbs needs the per-domain registration cache.
+            rendezvous_threshold: u32::MAX,
+            ..SessionConfig::default()
+        };
+        let sent = if role == Role::Active {
+            self.tcp_sent
+        } else {
+            0
+        };
+        self.session = Some(Session::new(role, config, capabilities, SLOTS, sent));
+        self.mirror = Some(mirror);
+        self.page = Some(page);
+        self.phase = Phase::Switched;
+        // Our Hello goes out at the next service.
+        self.data_to_announce = true;
+        Ok(())
+    }
+
+    /// Client, pending, attached over verbs: takes the connection and starts the session
+    /// with the TCP byte count. `Err`: the attach failed after our reply; the connection
+    /// cannot continue.
+    fn switch_verbs(&mut self, tcp: c_int) -> Result<(), ()> {
+        self.conn
+            .as_mut()
+            .and_then(Link::verbs_mut)
+            .ok_or(())?
+            .take_attached()?;
+        self.start_verbs_session(Role::Active).map_err(|_| ())?;
+        let shut =
+            self.record.flags() & (crate::record::flags::SHUT_WR | crate::record::flags::SHUT_RD);
+        if shut & crate::record::flags::SHUT_WR != 0 {
+            self.shutdown(libc::SHUT_WR);
+        }
+        if shut & crate::record::flags::SHUT_RD != 0 {
+            self.shutdown(libc::SHUT_RD);
+        }
+        self.service();
+        self.consume_marker(tcp);
+        self.mark_switched();
+        Ok(())
+    }
+
+    /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
+    fn raise_own_mirror(&self) {
+        let Some(link) = self.conn.as_ref().and_then(Link::verbs) else {
+            return;
+        };
+        if self.phase != Phase::Switched {
+            return;
+        }
+        let readiness = self.readiness();
+        let writable = readiness.writable
+            || self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.state() == SessionState::Handshaking)
+                && self.early.len() < EARLY_LIMIT;
+        link.raise(readiness.readable, writable);
+    }
+
+    /// The service thread, after an event of this socket's connection (or its periodic
+    /// sweep): collects the events, drives the session, raises the mirror, re-arms the
+    /// completion channel (driving again while completions keep arriving, boundedly: the
+    /// sweep catches up).
+    pub(crate) fn service_verbs_event(&mut self) {
+        if self.phase != Phase::Switched || !self.is_verbs() {
+            return;
+        }
+        if let Some(link) = self.conn.as_mut().and_then(Link::verbs_mut) {
+            link.collect_events();
+        }
+        for _ in 0..16 {
+            self.service();
+            let armed = self
+                .conn
+                .as_mut()
+                .and_then(Link::verbs_mut)
+                .is_none_or(super::verbs::VerbsLink::arm);
+            if armed {
+                break;
+            }
+        }
+    }
+
+    /// The verbs link (to register with the service thread).
+    pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
+        self.conn.as_ref().and_then(Link::verbs)
     }
 }
