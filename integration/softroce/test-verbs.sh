@@ -50,4 +50,6 @@ for fabric in "${fabrics[@]}"; do
 done
 echo "test-verbs: total $(( $(date +%s) - t0 )) s"
 echo "verbs: $total_pass passed, $total_fail failed"
+# The preload's cross-host SAN path over the same fabrics (its own summary line).
+"$HERE/test-san-verbs.sh" "${fabrics[@]}" || rc=1
 exit "$rc"

@@ -5,7 +5,12 @@
 //! ```text
 //! san_xhost server ADDR              # listens on ADDR:0, prints "port N", serves one client
 //! san_xhost client ADDR:PORT LOCAL BYTES   # binds LOCAL:0, streams BYTES, checks the echo
+//! san_xhost sink ADDR                 # as server, but reads until end-of-file or an error
+//! san_xhost flood ADDR:PORT LOCAL     # as client, but writes until an error
 //! ```
+//!
+//! `sink`/`flood` are for peer-death tests: each prints `accepted`/`connected` once the
+//! connection is up and `<side> stopped: <how>` at the end; kill one side and time the other.
 //!
 //! The client streams BYTES of a seeded pattern (in a thread, 24 000-byte writes) and shuts
 //! down writing; the server echoes everything until end-of-file, then shuts down; the client
@@ -13,14 +18,14 @@
 //! reads before streaming, so both directions start with the acceptor's bytes and the
 //! client's bytes cross while the connection may still be switching.
 //!
-//! Each side prints `<side> ok bytes=N checksum=X path=P` where P is the data path the
-//! interposer published for the connection (`tcp` natively or when nothing is published).
+//! Each side prints `<side> ok bytes=N checksum=X path=P tcp=S/R san=S/R`: the data path and
+//! byte counters the interposer published for the connection (`tcp` and zeros natively).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::FromRawFd;
 
-use preload_core::record::{DataPath, SocketState};
+use preload_core::record::{Counter, DataPath, SocketState};
 
 const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJK";
 
@@ -43,27 +48,37 @@ fn checksum(data: &[u8]) -> u64 {
     })
 }
 
-/// The data path published for this process's connection on local port `port`.
-fn published_path(port: u16) -> String {
+/// What the interposer published for this process's connection on local port `port`:
+/// `path=P tcp=SENT/RECEIVED san=SENT/RECEIVED` (SAN bytes: inline plus rendezvous), or
+/// `path=tcp` with zero counts when nothing is published (natively).
+fn published(port: u16) -> String {
+    let none = || "path=tcp tcp=0/0 san=0/0".to_owned();
     let Some(dir) = preload_core::stats::default_dir() else {
-        return "tcp".into();
+        return none();
     };
     let path = dir.join(std::process::id().to_string());
     let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
-        return "tcp".into();
+        return none();
     };
     connections
         .iter()
         .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
         .find(|c| c.local.is_some_and(|a| a.port() == port))
-        .map_or_else(
-            || "tcp".into(),
-            |c| match c.path {
-                DataPath::SanShm => "san-shm".into(),
-                DataPath::SanVerbs => "san-verbs".into(),
-                other => other.label().to_owned(),
-            },
-        )
+        .map_or_else(none, |c| {
+            let path = match c.path {
+                DataPath::SanShm => "san-shm".to_owned(),
+                DataPath::SanVerbs => "san-verbs".to_owned(),
+                other => other.label().to_lowercase(),
+            };
+            let n = |counter: Counter| c.counters[counter as usize];
+            format!(
+                "path={path} tcp={}/{} san={}/{}",
+                n(Counter::TcpSent),
+                n(Counter::TcpReceived),
+                n(Counter::SanInlineSent) + n(Counter::SanRendezvousSent),
+                n(Counter::SanInlineReceived) + n(Counter::SanRendezvousReceived),
+            )
+        })
 }
 
 fn serve(listener: TcpListener) -> std::io::Result<String> {
@@ -80,10 +95,10 @@ fn serve(listener: TcpListener) -> std::io::Result<String> {
         received.extend_from_slice(&buf[..n]);
         stream.write_all(&buf[..n])?;
     }
-    let path = published_path(local_port);
+    let report = published(local_port);
     stream.shutdown(Shutdown::Write)?;
     Ok(format!(
-        "server ok bytes={} checksum={:016x} path={path}",
+        "server ok bytes={} checksum={:016x} {report}",
         received.len(),
         checksum(&received)
     ))
@@ -145,7 +160,7 @@ fn client(server: SocketAddr, local: std::net::Ipv4Addr, bytes: usize) -> std::i
     sender
         .join()
         .map_err(|_| std::io::Error::other("sender panicked"))??;
-    let path = published_path(local_port);
+    let report = published(local_port);
     let expected = pattern(bytes);
     if echo != expected {
         let first_bad = echo
@@ -159,10 +174,45 @@ fn client(server: SocketAddr, local: std::net::Ipv4Addr, bytes: usize) -> std::i
         )));
     }
     Ok(format!(
-        "client ok bytes={} checksum={:016x} path={path}",
+        "client ok bytes={} checksum={:016x} {report}",
         echo.len(),
         checksum(&echo)
     ))
+}
+
+fn stopped(side: &str, result: std::io::Result<()>) -> String {
+    match result {
+        Ok(()) => format!("{side} stopped: eof"),
+        Err(e) => format!("{side} stopped: {:?}", e.kind()),
+    }
+}
+
+fn sink(listener: TcpListener) -> std::io::Result<String> {
+    let (mut stream, _) = listener.accept()?;
+    println!("accepted");
+    std::io::stdout().flush()?;
+    let mut buf = vec![0u8; 64 << 10];
+    let result = loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(_) => {}
+            Err(e) => break Err(e),
+        }
+    };
+    Ok(stopped("server", result))
+}
+
+fn flood(server: SocketAddr, local: std::net::Ipv4Addr) -> std::io::Result<String> {
+    let mut stream = connect_from(local, server)?;
+    println!("connected");
+    std::io::stdout().flush()?;
+    let chunk = pattern(64 << 10);
+    let result = loop {
+        if let Err(e) = stream.write_all(&chunk) {
+            break Err(e);
+        }
+    };
+    Ok(stopped("client", result))
 }
 
 fn main() -> std::io::Result<()> {
@@ -181,6 +231,18 @@ fn main() -> std::io::Result<()> {
             let local = arg(3).parse().map_err(std::io::Error::other)?;
             let bytes = arg(4).parse().map_err(std::io::Error::other)?;
             println!("{}", client(server, local, bytes)?);
+        }
+        "sink" => {
+            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
+            let listener = TcpListener::bind((ip, 0))?;
+            println!("port {}", listener.local_addr()?.port());
+            std::io::stdout().flush()?;
+            println!("{}", sink(listener)?);
+        }
+        "flood" => {
+            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
+            let local = arg(3).parse().map_err(std::io::Error::other)?;
+            println!("{}", flood(server, local)?);
         }
         other => {
             eprintln!(
