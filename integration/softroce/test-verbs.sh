@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test-verbs.sh - run san-verbs' device tests inside the soft-RDMA VM, over soft-RoCE
-# (rxe) and then soft-iWARP (siw), and print one summary line per fabric.
+# (rxe) and then soft-iWARP (siw), and print one summary line per fabric; then the
+# preload's cross-host SAN tests over the same fabrics (test-san-verbs.sh).
 #
 #   usage: integration/softroce/test-verbs.sh [rxe] [siw]     (default: both)
 #
