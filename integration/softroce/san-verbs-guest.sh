@@ -13,9 +13,10 @@ pre=(env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=
      SANDIRECT_VERBS_LIBRARY="$T/libsandirect_verbs.so" SANDIRECT_LOG="${SANDIRECT_LOG:-debug}")
 pass=0; fail=0
 
-# run_case NAME SERVER_PRELOADED CLIENT_PRELOADED EXPECTED_PATH
+# run_case NAME SERVER_PRELOADED CLIENT_PRELOADED EXPECTED_PATH [CLIENT_WRITE_SIZE]
+# (a 4 MiB write size makes the client's sends rendezvous transfers: asserted by counters)
 run_case() {
-  local name=$1 spre=$2 cpre=$3 want=$4 sv=() cv=() start took port out sout
+  local name=$1 spre=$2 cpre=$3 want=$4 chunk=${5:-24000} sv=() cv=() start took port out sout
   [[ $spre == 1 ]] && sv=("${pre[@]}")
   [[ $cpre == 1 ]] && cv=("${pre[@]}")
   start=$(date +%s.%N)
@@ -24,7 +25,7 @@ run_case() {
   for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
   port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
   [[ -n $port ]] || { echo "san-verbs: $name FAIL (server did not start)"; cat "$LOGS/$name.server.err"; fail=$((fail+1)); kill "$srv_pid" 2>/dev/null; return; }
-  out=$(timeout 120 "${cv[@]}" "$X" client "$S:$port" "$C" "$BYTES" 2>"$LOGS/$name.client.err"); local crc=$?
+  out=$(timeout 120 "${cv[@]}" "$X" client "$S:$port" "$C" "$BYTES" "$chunk" 2>"$LOGS/$name.client.err"); local crc=$?
   wait "$srv_pid"; local src=$?
   sout=$(grep '^server ' "$LOGS/$name.server.out")
   took=$(echo "$(date +%s.%N) - $start" | bc)
@@ -44,6 +45,11 @@ run_case() {
   local cs_ cr_ ss_ sr_; read -r cs_ cr_ <<<"${csan:-0 0}"; read -r ss_ sr_ <<<"${ssan:-0 0}"
   if [[ $want == san-verbs ]]; then
     (( cs_ >= BYTES && cr_ >= BYTES && ss_ >= BYTES && sr_ >= BYTES )) || ok=0
+    if (( chunk >= 1048576 )); then
+      # Large blocking sends: most of the client's stream went by rendezvous (RDMA).
+      local crdv; crdv=$(sed -n 's/.* rdv=\([0-9]*\)\/.*/\1/p' <<<"$out")
+      (( ${crdv:-0} >= BYTES / 2 )) || ok=0
+    fi
   else
     (( cs_ + cr_ + ss_ + sr_ == 0 )) || ok=0
   fi
@@ -96,6 +102,9 @@ run_case preloaded-client-plain-server 0 1 tcp
 run_case plain-client-preloaded-server 1 0 tcp
 # The pair again: a fresh server process has no negative-cache entry.
 run_case preloaded-pair-again 1 1 san-verbs
+# Large blocking sends: the rendezvous (READ or WRITE mode per device) and the registration
+# cache of the verbs domain.
+run_case preloaded-pair-rendezvous 1 1 san-verbs 4194304
 # Peer death is detected only by the CM's disconnect today (~2 minutes over rxe when nothing
 # is outstanding, see docs/ARCHITECTURE.md): opt-in until a liveness probe exists.
 if [[ ${SANDIRECT_SAN_VERBS_DEATH:-0} == 1 ]]; then

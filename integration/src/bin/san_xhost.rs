@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! san_xhost server ADDR              # listens on ADDR:0, prints "port N", serves one client
-//! san_xhost client ADDR:PORT LOCAL BYTES   # binds LOCAL:0, streams BYTES, checks the echo
+//! san_xhost client ADDR:PORT LOCAL BYTES [CHUNK]  # binds LOCAL:0, streams BYTES, checks the echo
 //! san_xhost sink ADDR                 # as server, but reads until end-of-file or an error
 //! san_xhost flood ADDR:PORT LOCAL     # as client, but writes until an error
 //! ```
@@ -12,7 +12,8 @@
 //! `sink`/`flood` are for peer-death tests: each prints `accepted`/`connected` once the
 //! connection is up and `<side> stopped: <how>` at the end; kill one side and time the other.
 //!
-//! The client streams BYTES of a seeded pattern (in a thread, 24 000-byte writes) and shuts
+//! The client streams BYTES of a seeded pattern (in a thread, CHUNK-byte writes, default
+//! 24 000; 4 MiB writes take the rendezvous) and shuts
 //! down writing; the server echoes everything until end-of-file, then shuts down; the client
 //! checks that the echo equals the pattern. The server first sends a 64-byte banner the client
 //! reads before streaming, so both directions start with the acceptor's bytes and the
@@ -52,7 +53,7 @@ fn checksum(data: &[u8]) -> u64 {
 /// `path=P tcp=SENT/RECEIVED san=SENT/RECEIVED` (SAN bytes: inline plus rendezvous), or
 /// `path=tcp` with zero counts when nothing is published (natively).
 fn published(port: u16) -> String {
-    let none = || "path=tcp tcp=0/0 san=0/0".to_owned();
+    let none = || "path=tcp tcp=0/0 san=0/0 rdv=0/0".to_owned();
     let Some(dir) = preload_core::stats::default_dir() else {
         return none();
     };
@@ -72,11 +73,13 @@ fn published(port: u16) -> String {
             };
             let n = |counter: Counter| c.counters[counter as usize];
             format!(
-                "path={path} tcp={}/{} san={}/{}",
+                "path={path} tcp={}/{} san={}/{} rdv={}/{}",
                 n(Counter::TcpSent),
                 n(Counter::TcpReceived),
                 n(Counter::SanInlineSent) + n(Counter::SanRendezvousSent),
                 n(Counter::SanInlineReceived) + n(Counter::SanRendezvousReceived),
+                n(Counter::SanRendezvousSent),
+                n(Counter::SanRendezvousReceived),
             )
         })
 }
@@ -139,7 +142,12 @@ fn connect_from(local: std::net::Ipv4Addr, server: SocketAddr) -> std::io::Resul
     Ok(stream)
 }
 
-fn client(server: SocketAddr, local: std::net::Ipv4Addr, bytes: usize) -> std::io::Result<String> {
+fn client(
+    server: SocketAddr,
+    local: std::net::Ipv4Addr,
+    bytes: usize,
+    chunk: usize,
+) -> std::io::Result<String> {
     let mut stream = connect_from(local, server)?;
     let local_port = stream.local_addr()?.port();
     let mut banner = [0u8; 64];
@@ -150,8 +158,8 @@ fn client(server: SocketAddr, local: std::net::Ipv4Addr, bytes: usize) -> std::i
     let data = pattern(bytes);
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
-        for chunk in data.chunks(24_000) {
-            writer.write_all(chunk)?;
+        for piece in data.chunks(chunk.max(1)) {
+            writer.write_all(piece)?;
         }
         writer.shutdown(Shutdown::Write)
     });
@@ -230,7 +238,8 @@ fn main() -> std::io::Result<()> {
             let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
             let local = arg(3).parse().map_err(std::io::Error::other)?;
             let bytes = arg(4).parse().map_err(std::io::Error::other)?;
-            println!("{}", client(server, local, bytes)?);
+            let chunk = arg(5).parse().unwrap_or(24_000);
+            println!("{}", client(server, local, bytes, chunk)?);
         }
         "sink" => {
             let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;

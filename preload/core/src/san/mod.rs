@@ -244,11 +244,6 @@ fn provider() -> Option<&'static Provider> {
         .as_ref()
 }
 
-/// The process-wide registrations (`None` when the SAN path is off).
-fn registrations() -> Option<std::sync::MutexGuard<'static, registrations::Registrations>> {
-    provider().map(|p| p.registrations.lock())
-}
-
 /// Whether `SANDIRECT_SAN=1` enabled the SAN path.
 pub fn enabled() -> bool {
     crate::runtime::settings().is_some_and(|s| s.san)

@@ -13,6 +13,7 @@ use san_api::Access;
 use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
 
 use super::link::Link;
+use super::registrations::SharedRegistrations;
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
 use switch::session::{
@@ -67,6 +68,10 @@ fn connection_config() -> ConnectionConfig {
 /// size, while a rendezvous per 64-256 KiB send fell to 0.6-1.1x (a round trip per send); from
 /// 1 MiB on it wins (about 3x). Below it, sends are buffered like TCP's (up to the slots).
 const SHM_RENDEZVOUS_THRESHOLD: u32 = 1 << 20;
+
+/// Smallest blocking send that goes by rendezvous over verbs (as over shm: below it a round
+/// trip per send costs more than copying through the 16 KiB slots).
+const VERBS_RENDEZVOUS_THRESHOLD: u32 = 1 << 20;
 
 fn session_config() -> SessionConfig {
     let defaults = SessionConfig::default();
@@ -276,7 +281,7 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         let conn = ShmConnection::with_doorbell(
             segment,
-            registrations.lock().domain(),
+            registrations.lock().domain().ok_or(SetupError::Resource)?,
             connection_config(),
             Box::new(MirrorDoorbell(peer.clone())),
         )
@@ -345,7 +350,7 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         let conn = ShmConnection::with_doorbell(
             segment,
-            registrations.lock().domain(),
+            registrations.lock().domain().ok_or(SetupError::Resource)?,
             connection_config(),
             Box::new(MirrorDoorbell(peer.clone())),
         )
@@ -528,13 +533,14 @@ impl SanSocket {
     /// Pumps the session over the connection, handles its events, raises the peer's mirror
     /// after transmitting, and (acceptor) picks up the client's mirror end once it is queued.
     pub(crate) fn service(&mut self) {
+        let regs = self.shared_registrations();
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return;
         };
         let progress = drive(session, conn, &mut self.released);
         let mut answer_downgrade = false;
         if !self.released.is_empty() {
-            if let Some(mut registrations) = super::registrations() {
+            if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
                 registrations.release(&self.released);
             }
             self.released.clear();
@@ -817,12 +823,13 @@ impl SanSocket {
     }
 
     fn drive_again(&mut self) -> bool {
+        let regs = self.shared_registrations();
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return false;
         };
         let progress = drive(session, conn, &mut self.released);
         if !self.released.is_empty() {
-            if let Some(mut registrations) = super::registrations() {
+            if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
                 registrations.release(&self.released);
             }
             self.released.clear();
@@ -979,6 +986,7 @@ impl SanSocket {
     /// send completes: the caller is a blocking send that waits for it). `ENOBUFS` when the
     /// registration is refused, `EAGAIN` while another rendezvous is in progress.
     pub(crate) fn start_send_rendezvous(&mut self, data: &[u8]) -> Result<SendTicket, c_int> {
+        let regs = self.shared_registrations();
         if self.write_shut {
             return Err(libc::EPIPE);
         }
@@ -992,7 +1000,7 @@ impl SanSocket {
         } else {
             Access::NONE
         };
-        let Some(mut registrations) = super::registrations() else {
+        let Some(mut registrations) = regs.map(SharedRegistrations::lock) else {
             return Err(libc::ENOBUFS);
         };
         let rest = registrations
@@ -1060,6 +1068,7 @@ impl SanSocket {
         buf: &mut [u8],
         peek: bool,
     ) -> Result<RecvTicket, SinkRefused> {
+        let regs = self.shared_registrations();
         let Some(session) = self.session.as_mut() else {
             return Err(SinkRefused::Errno(libc::ENOTCONN));
         };
@@ -1069,19 +1078,19 @@ impl SanSocket {
         // known): register for both. The remote exposure ends when the session releases
         // the sink (the cache revokes the rkey).
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
-        let registered =
-            super::registrations()
-                .ok_or(RegisterRefused)
-                .and_then(|mut registrations| {
-                    registrations
-                        .register(
-                            self.owner,
-                            buf.as_mut_ptr() as u64,
-                            buf.len() as u64,
-                            access,
-                        )
-                        .map_err(|_| RegisterRefused)
-                });
+        let registered = regs
+            .map(SharedRegistrations::lock)
+            .ok_or(RegisterRefused)
+            .and_then(|mut registrations| {
+                registrations
+                    .register(
+                        self.owner,
+                        buf.as_mut_ptr() as u64,
+                        buf.len() as u64,
+                        access,
+                    )
+                    .map_err(|_| RegisterRefused)
+            });
         let Ok(sink) = registered else {
             tracing::debug!(len = buf.len(), "rendezvous receive: registration refused");
             return match session.reject_remote_segment() {
@@ -1107,7 +1116,7 @@ impl SanSocket {
             }
             Err(error) => {
                 tracing::debug!(?error, ?sink, "zero-copy receive refused by the session");
-                if let Some(mut registrations) = super::registrations() {
+                if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
                     registrations.release(&[sink.handle]);
                 }
                 Err(SinkRefused::Errno(match error {
@@ -1451,7 +1460,8 @@ impl Drop for SanSocket {
     /// Drops the references this socket still holds in the registration cache (a close that
     /// gave up on a rendezvous, a broken connection): remote exposure through them ends now.
     fn drop(&mut self) {
-        if let Some(mut registrations) = super::registrations() {
+        if let Some(mut registrations) = self.shared_registrations().map(SharedRegistrations::lock)
+        {
             registrations.release_owner(self.owner);
         }
     }
@@ -1547,8 +1557,11 @@ impl SanSocket {
         link.set_own_mirror(k, SideWords::new(page.clone(), 0));
         let capabilities = link.capabilities();
         let config = SessionConfig {
-            // Not yet: the rendezvous over verbs needs the per-domain registration cache.
-            rendezvous_threshold: u32::MAX,
+            rendezvous_threshold: if super::rendezvous_enabled() {
+                VERBS_RENDEZVOUS_THRESHOLD
+            } else {
+                u32::MAX
+            },
             ..SessionConfig::default()
         };
         let sent = if role == Role::Active {
@@ -1628,6 +1641,15 @@ impl SanSocket {
             if armed {
                 break;
             }
+        }
+    }
+
+    /// The registrations (domain and cache) this socket's memory is registered with: its
+    /// verbs domain's, or the process-wide shm one.
+    fn shared_registrations(&self) -> Option<&'static SharedRegistrations> {
+        match self.conn.as_ref().and_then(Link::verbs) {
+            Some(link) => Some(link.registrations()),
+            None => super::provider().map(|p| &p.registrations),
         }
     }
 

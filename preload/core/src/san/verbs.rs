@@ -31,6 +31,7 @@ use san_verbs_loader::{
 };
 
 use super::exchange::SideWords;
+use super::registrations::SharedRegistrations;
 use super::{lock, SanObject};
 use crate::discovery::canonical_addr;
 use crate::mirror;
@@ -79,17 +80,23 @@ pub(crate) fn setup_timeout() -> Duration {
     })
 }
 
-/// A protection domain shared by the connections of one local address.
+/// A protection domain shared by the connections of one local address, with its
+/// registration cache (opened once, never closed: it lives as long as the process).
 pub(crate) struct Domain {
-    inner: Mutex<LoadedDomain>,
+    registrations: SharedRegistrations,
     caps: Capabilities,
 }
 
 impl Domain {
-    fn lock(&self) -> MutexGuard<'_, LoadedDomain> {
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// Runs `f` on the loaded domain (under the registrations' lock: rdma_cm set-up and
+    /// registrations of one device are serialized).
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut LoadedDomain) -> Result<T, SetupError>,
+    ) -> Result<T, SetupError> {
+        let mut registrations = self.registrations.lock();
+        let domain = registrations.verbs_domain().ok_or(SetupError::Internal)?;
+        f(domain)
     }
 }
 
@@ -97,7 +104,7 @@ struct Verbs {
     library: VerbsLibrary,
     /// The process that loaded the library: verbs objects are not used in a fork child.
     pid: u32,
-    domains: Mutex<Vec<(IpAddr, Option<Arc<Domain>>)>>,
+    domains: Mutex<Vec<(IpAddr, Option<&'static Domain>)>>,
     negative: Mutex<Vec<(IpAddr, Instant)>>,
 }
 
@@ -135,7 +142,7 @@ fn guard<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The domain of the device that serves local address `ip` (`None`: no device, or verbs off).
-pub(crate) fn domain_for(ip: IpAddr) -> Option<Arc<Domain>> {
+pub(crate) fn domain_for(ip: IpAddr) -> Option<&'static Domain> {
     let verbs = verbs()?;
     let ip = canonical_addr(SocketAddr::new(ip, 0)).ip();
     if ip.is_unspecified() || ip.is_loopback() {
@@ -143,22 +150,23 @@ pub(crate) fn domain_for(ip: IpAddr) -> Option<Arc<Domain>> {
     }
     let mut domains = guard(&verbs.domains);
     if let Some((_, domain)) = domains.iter().find(|(addr, _)| *addr == ip) {
-        return domain.clone();
+        return *domain;
     }
     let domain = match verbs.library.open_domain_for(ip) {
         Ok(domain) => {
             let caps = domain.capabilities();
-            Some(Arc::new(Domain {
-                inner: Mutex::new(domain),
+            let domain: &'static Domain = Box::leak(Box::new(Domain {
+                registrations: SharedRegistrations::verbs(domain),
                 caps,
-            }))
+            }));
+            Some(domain)
         }
         Err(error) => {
             tracing::debug!(%ip, ?error, "no RDMA device serves this address");
             None
         }
     };
-    domains.push((ip, domain.clone()));
+    domains.push((ip, domain));
     domain
 }
 
@@ -231,7 +239,7 @@ pub(crate) struct Attach {
     changed: Condvar,
     listener: Mutex<Option<LoadedListener>>,
     expected: Vec<u8>,
-    domain: Arc<Domain>,
+    domain: &'static Domain,
 }
 
 impl Attach {
@@ -265,7 +273,9 @@ impl Attach {
                 }
                 *state = AttachState::Attaching;
             }
-            let accepted = request.accept(&mut self.domain.lock(), &params(&[], None));
+            let accepted = self
+                .domain
+                .with(|domain| request.accept(domain, &params(&[], None)));
             let mut state = guard(&self.state);
             *state = match accepted {
                 Ok(conn) if matches!(*state, AttachState::Attaching) => AttachState::Attached(conn),
@@ -293,7 +303,7 @@ impl Attach {
 pub(crate) struct VerbsLink {
     conn: Option<LoadedConnection>,
     attach: Option<Arc<Attach>>,
-    domain: Arc<Domain>,
+    domain: &'static Domain,
     /// Our mirror's other end `K` and its words: the service thread raises `M` through them.
     own: Option<(OwnedFd, SideWords)>,
     closed: bool,
@@ -330,6 +340,11 @@ impl VerbsLink {
 
     pub(crate) fn is_up(&self) -> bool {
         !self.closed
+    }
+
+    /// This connection's domain's registrations (the rendezvous registers through them).
+    pub(crate) fn registrations(&self) -> &'static SharedRegistrations {
+        &self.domain.registrations
     }
 
     pub(crate) fn slot_config(&self) -> SlotConfig {
@@ -513,7 +528,7 @@ impl Drop for VerbsLink {
 pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> Option<VerbsLink> {
     let domain = domain_for(local.ip())?;
     let service = service()?;
-    let listen = || domain.lock().listen(canonical_addr(local), 4);
+    let listen = || domain.with(|d| d.listen(canonical_addr(local), 4));
     let listener = match listen() {
         Ok(listener) => listener,
         Err(SetupError::Os(libc::EADDRINUSE)) => {
@@ -545,7 +560,7 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         changed: Condvar::new(),
         listener: Mutex::new(Some(listener)),
         expected: tuple_blob(server, local),
-        domain: domain.clone(),
+        domain,
     });
     service.watch_attach(listener_fd, attach.clone());
     Some(VerbsLink {
@@ -578,9 +593,7 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
     service().ok_or(AcceptorError::Resource)?;
     let blob = tuple_blob(local, peer);
     let started = Instant::now();
-    let connected = domain
-        .lock()
-        .connect(peer, &params(&blob, Some(local.ip())));
+    let connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
     match connected {
         Ok((conn, _)) => {
             tracing::debug!(%peer, took = ?started.elapsed(), "CM connect to the client established");
