@@ -17,7 +17,7 @@ fabrics=("$@"); [[ ${#fabrics[@]} -gt 0 ]] || fabrics=(rxe siw)
 
 t0=$(date +%s)
 # (Separate calls: `--bin` would restrict every selected package to that binary.)
-cargo build ${CARGO_BUILD_FLAGS:-} -p sandirect-preload -p san-verbs >&2
+cargo build ${CARGO_BUILD_FLAGS:-} -p sandirect-preload -p san-verbs -p sandirect-cli >&2
 cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost >&2
 target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 profile="$target/debug"
