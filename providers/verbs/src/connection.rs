@@ -498,9 +498,6 @@ impl VerbsConnection {
         self.check_up()?;
         let caps = self.domain.pd.device.capabilities;
         let len = local.range.len;
-        if len == 0 && !read {
-            return self.post_probe(wr_id, remote);
-        }
         let malformed = len == 0
             || local.range.addr.checked_add(len).is_none()
             || remote.addr.checked_add(remote.len).is_none()
@@ -553,37 +550,6 @@ impl VerbsConnection {
         match unsafe { self.qp.post_send(encode_wr(TAG_RDMA, index), op, sge) } {
             Ok(()) => {
                 self.rdma_ops[usize::from(index)] = Some(RdmaOp { wr_id, read });
-                Ok(())
-            }
-            Err(_) => {
-                self.free_rdma.push(index);
-                Err(PostError::Disconnected)
-            }
-        }
-    }
-}
-
-impl VerbsConnection {
-    /// A zero-length RDMA write: it touches no memory on either side (the responder checks
-    /// no remote key for it) and a live peer's device acknowledges it, so it is a
-    /// transport-level liveness probe: towards a dead peer it fails once the retries are
-    /// exhausted and the queue pair goes to the error state.
-    fn post_probe(&mut self, wr_id: WrId, remote: RemoteDescriptor) -> Result<(), PostError> {
-        let index = self.free_rdma.pop().ok_or(PostError::QueueFull)?;
-        let sge = rdma_sys::ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        };
-        let op = SendOp::Write {
-            remote_addr: remote.addr,
-            rkey: remote.rkey.0,
-        };
-        // SAFETY: the QP lives as long as `self.id`; the request names no local memory
-        // (length 0), so no buffer has to outlive it.
-        match unsafe { self.qp.post_send(encode_wr(TAG_RDMA, index), op, sge) } {
-            Ok(()) => {
-                self.rdma_ops[usize::from(index)] = Some(RdmaOp { wr_id, read: false });
                 Ok(())
             }
             Err(_) => {

@@ -1653,37 +1653,6 @@ impl SanSocket {
         }
     }
 
-    /// The application's TCP socket (the liveness anchor).
-    pub(crate) fn tcp_fd(&self) -> c_int {
-        self.record.fd.load(core::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Verbs: the kernel connection got the peer's FIN or a reset. A peer that only shut
-    /// down writing sends that FIN too, so nothing is concluded from it: unless the session
-    /// already has the peer's FIN, a liveness probe goes out, which a live peer's device
-    /// acknowledges and a dead peer's cannot (the queue pair then fails, the session resets,
-    /// the mirror reports it).
-    pub(crate) fn verbs_anchor_closed(&mut self) {
-        if self.phase != Phase::Switched {
-            return;
-        }
-        self.service();
-        let settled = self.peer_fin
-            || self.session.as_ref().is_none_or(|s| {
-                s.peer_downgraded()
-                    || matches!(
-                        s.state(),
-                        SessionState::Reset | SessionState::FellBack | SessionState::Downgraded
-                    )
-            });
-        if !settled {
-            if let Some(link) = self.conn.as_mut().and_then(Link::verbs_mut) {
-                link.probe();
-            }
-        }
-        self.service_verbs_event();
-    }
-
     /// The verbs link (to register with the service thread).
     pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
         self.conn.as_ref().and_then(Link::verbs)

@@ -22,8 +22,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use san_api::{
-    Capabilities, Completion, CompletionKind, LocalKey, LocalSegment, MemRange, PostError,
-    RecvSlot, RemoteDescriptor, RemoteKey, SanConnection, SanDomain, SlotConfig, WrId,
+    Capabilities, Completion, CompletionKind, PostError, RecvSlot, SanConnection, SanDomain,
+    SlotConfig, WrId,
 };
 use san_verbs_loader::{
     ConnectParams, LoadError, LoadedConnection, LoadedDomain, LoadedListener, SetupError,
@@ -314,12 +314,7 @@ pub(crate) struct VerbsLink {
     preposted: Vec<Prepost>,
     /// Completions of pre-posted slots the session has just posted, to report next.
     held: Vec<Completion>,
-    /// A liveness probe is outstanding.
-    probing: bool,
 }
-
-/// The work-request id of liveness probes (a tag the session never uses).
-const PROBE_WR: WrId = WrId(0xff << 56);
 
 /// A receive slot's pre-posting state.
 #[derive(Clone, Copy, Debug)]
@@ -399,13 +394,6 @@ impl VerbsLink {
             return held;
         };
         conn.poll_completions(out, max - held);
-        // Probe completions are ours: a failed one means the queue pair is in error, and the
-        // session learns it from the flushed receives that follow.
-        let before = out.len();
-        out.retain(|c| c.wr_id != PROBE_WR);
-        if out.len() != before {
-            self.probing = false;
-        }
         let preposted = &mut self.preposted;
         let mut index = first + held;
         while index < out.len() {
@@ -517,29 +505,6 @@ impl VerbsLink {
         }
     }
 
-    /// Posts a liveness probe (a zero-length RDMA write, acknowledged by any live peer
-    /// device; towards a dead peer it fails after the transport's retries and takes the
-    /// queue pair down). One at a time.
-    pub(crate) fn probe(&mut self) {
-        if self.probing {
-            return;
-        }
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        let local = LocalSegment {
-            range: MemRange { addr: 0, len: 0 },
-            lkey: LocalKey(0),
-        };
-        let remote = RemoteDescriptor {
-            addr: 0,
-            len: 0,
-            rkey: RemoteKey(0),
-        };
-        self.probing = conn.post_write(PROBE_WR, local, remote).is_ok();
-        tracing::debug!(posted = self.probing, "verbs liveness probe");
-    }
-
     /// Arms the completion channel; false when completions are pending (drive first).
     pub(crate) fn arm(&mut self) -> bool {
         self.conn.as_mut().is_none_or(LoadedConnection::arm)
@@ -606,7 +571,6 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         closed: false,
         preposted: Vec::new(),
         held: Vec::new(),
-        probing: false,
     })
 }
 
@@ -641,7 +605,6 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
                 closed: false,
                 preposted: all_preposted(),
                 held: Vec::new(),
-                probing: false,
             })
         }
         Err(error) => {
@@ -666,12 +629,6 @@ pub(crate) fn watch_socket(index: u32, socket: &mut super::socket::SanSocket) {
     };
     if let Some(service) = service() {
         service.watch(fd, TAG_SOCKET | u64::from(index));
-        // The kernel connection is the liveness anchor: its FIN or reset makes us probe.
-        service.watch_events(
-            socket.tcp_fd(),
-            TAG_TCP | u64::from(index),
-            (libc::EPOLLRDHUP | libc::EPOLLET) as u32,
-        );
         LIVE_VERBS.fetch_add(1, Ordering::Relaxed);
         socket.service_verbs_event();
     }
@@ -682,7 +639,6 @@ static LIVE_VERBS: AtomicU32 = AtomicU32::new(0);
 
 const TAG_SOCKET: u64 = 1 << 32;
 const TAG_ATTACH: u64 = 2 << 32;
-const TAG_TCP: u64 = 3 << 32;
 
 /// The per-process service thread (see the module docs).
 struct Service {
@@ -725,11 +681,10 @@ fn start_thread() -> bool {
 
 impl Service {
     fn watch(&self, fd: RawFd, data: u64) {
-        self.watch_events(fd, data, (libc::EPOLLIN | libc::EPOLLET) as u32);
-    }
-
-    fn watch_events(&self, fd: RawFd, data: u64, events: u32) {
-        let mut event = libc::epoll_event { events, u64: data };
+        let mut event = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: data,
+        };
         // SAFETY: plain epoll_ctl(2) on our own epoll instance.
         unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) };
     }
@@ -780,11 +735,6 @@ fn service_loop() {
             let low = (data & 0xffff_ffff) as u32;
             match data & !0xffff_ffff {
                 TAG_SOCKET => service_socket(low),
-                TAG_TCP => {
-                    if let Some(SanObject::Socket(socket)) = lock(low).as_mut() {
-                        socket.verbs_anchor_closed();
-                    }
-                }
                 TAG_ATTACH => {
                     let attach = guard(&service.attaches)
                         .iter()
