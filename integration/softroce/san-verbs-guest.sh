@@ -77,9 +77,11 @@ death_case() {
   port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
   "${pre[@]}" "$X" flood "$S:$port" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
   cpid=$!
-  sleep 4
+  # Until the client switched (set-up under emulation: up to a few seconds), then a moment
+  # of SAN traffic.
   local switched=0
-  grep -q "SAN client switched" "$LOGS/$name.client.err" && switched=1
+  for _ in $(seq 75); do grep -q "SAN client switched" "$LOGS/$name.client.err" && { switched=1; break; }; sleep 0.2; done
+  sleep 1
   if [[ $victim == server ]]; then kill -9 "$spid"; survivor=$cpid; else kill -9 "$cpid"; survivor=$spid; fi
   start=$(date +%s.%N)
   local waited=0
@@ -137,6 +139,40 @@ iperf3_case() {
   fi
 }
 iperf3_case
+
+# redis-server and redis-benchmark (an unbound client: the preload binds it to the route's
+# source address before the SYN), both preloaded: while the benchmark runs, sandirect stat
+# must show its connections on SAN-verbs with SAN bytes moving; every request must complete.
+redis_case() {
+  local name=redis-benchmark srv rc rows moved
+  command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null ||
+    { echo "san-verbs: $name skipped (no redis)"; return; }
+  "${pre[@]}" redis-server --bind "$S" --port 6390 --protected-mode no --save "" --appendonly no \
+    >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  srv=$!
+  for _ in $(seq 100); do [[ -n $(ss -Hltn "sport = :6390") ]] && break; sleep 0.2; done
+  timeout 120 "${pre[@]}" redis-benchmark -h "$S" -p 6390 -c 4 -n 4000 -t set,get -q \
+    >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
+  local cli=$!
+  sleep 4
+  "$T/sandirect" stat >"$LOGS/$name.stat" 2>&1
+  wait "$cli"; rc=$?
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  rows=$(grep -c "SAN-verbs" "$LOGS/$name.stat")
+  moved=$(awk '$7 == "SAN-verbs" && $10 > 0' "$LOGS/$name.stat" | wc -l)
+  local done_; done_=$(tr '\r' '\n' <"$LOGS/$name.client.out" | grep -c "requests per second")
+  if [[ $rc == 0 && $done_ -ge 2 && $rows -ge 2 && $moved -ge 2 ]]; then
+    echo "san-verbs: $name ok ($rows SAN-verbs rows, $moved moving; $(tr '\r' '\n' <"$LOGS/$name.client.out" | grep "requests per second" | tr '\n' ' '))"
+    pass=$((pass+1))
+  else
+    echo "san-verbs: $name FAIL (rc=$rc, results=$done_, SAN-verbs rows=$rows, moving=$moved)"
+    cat "$LOGS/$name.stat"; tail -n 20 "$LOGS/$name.client.out" "$LOGS/$name.client.err" "$LOGS/$name.server.err"
+    fail=$((fail+1))
+  fi
+}
+# Known problem (not yet in the default run): over verbs redis-benchmark makes progress but at
+# ~13 requests/s with ~260 ms per request (a wake-up that only the 239 ms wait slices deliver).
+if [[ ${SANDIRECT_SAN_VERBS_REDIS:-0} == 1 ]]; then redis_case; fi
 
 death_case server-killed server
 death_case client-killed client

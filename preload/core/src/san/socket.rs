@@ -1611,13 +1611,16 @@ impl SanSocket {
             return;
         }
         let readiness = self.readiness();
+        // Acceptor: the client's pre-switch bytes wait on TCP, read before the session's;
+        // the application watches the mirror, not TCP, so they make the mirror readable.
+        let readable = readiness.readable || self.tcp_backlog().is_some_and(|left| left > 0);
         let writable = readiness.writable
             || self
                 .session
                 .as_ref()
                 .is_some_and(|s| s.state() == SessionState::Handshaking)
                 && self.early.len() < EARLY_LIMIT;
-        link.raise(readiness.readable, writable);
+        link.raise(readable, writable);
     }
 
     /// The service thread, after an event of this socket's connection (or its periodic

@@ -42,8 +42,11 @@ pub(crate) const PROVIDER_ENV: &str = "SANDIRECT_SAN_PROVIDER";
 /// `SANDIRECT_VERBS_TIMEOUT_MS`: bound on one connection set-up (resolution + establishment).
 pub(crate) const TIMEOUT_ENV: &str = "SANDIRECT_VERBS_TIMEOUT_MS";
 const DEFAULT_TIMEOUT: Duration = Duration::from_millis(3000);
-/// How long a peer address whose CM connect failed is not asked again.
+/// How long a peer address whose CM connects failed is not asked again.
 const NEGATIVE_TTL: Duration = Duration::from_secs(30);
+/// Rejections in a row after which a peer address counts as plain. One is not enough: a
+/// preloaded client that closed before our connect arrived rejects it too.
+const REJECTIONS_FOR_PLAIN: u32 = 3;
 const NEGATIVE_ENTRIES: usize = 64;
 /// Private data: magic, version, family, then server and client address and port.
 const MAGIC: &[u8; 4] = b"SDV1";
@@ -105,7 +108,8 @@ struct Verbs {
     /// The process that loaded the library: verbs objects are not used in a fork child.
     pid: u32,
     domains: Mutex<Vec<(IpAddr, Option<&'static Domain>)>>,
-    negative: Mutex<Vec<(IpAddr, Instant)>>,
+    /// Per peer address: failed connects in a row, and when the count expires.
+    negative: Mutex<Vec<(IpAddr, u32, Instant)>>,
 }
 
 static VERBS: OnceLock<Option<Verbs>> = OnceLock::new();
@@ -174,18 +178,37 @@ fn negative_hit(peer: IpAddr) -> bool {
     let Some(verbs) = verbs() else { return true };
     let now = Instant::now();
     let mut cache = guard(&verbs.negative);
-    cache.retain(|(_, until)| *until > now);
-    cache.iter().any(|(addr, _)| *addr == peer)
+    cache.retain(|(_, _, until)| *until > now);
+    cache
+        .iter()
+        .any(|(addr, failures, _)| *addr == peer && *failures >= REJECTIONS_FOR_PLAIN)
 }
 
-fn mark_negative(peer: IpAddr) {
+/// A connect to `peer` failed: `host_level` failures (no route, no device) count as plain at
+/// once, a rejection counts one.
+fn mark_negative(peer: IpAddr, host_level: bool) {
     let Some(verbs) = verbs() else { return };
     let mut cache = guard(&verbs.negative);
-    cache.retain(|(addr, _)| *addr != peer);
+    let previous = cache
+        .iter()
+        .position(|(addr, _, _)| *addr == peer)
+        .map_or(0, |i| cache.remove(i).1);
     if cache.len() >= NEGATIVE_ENTRIES {
         cache.remove(0);
     }
-    cache.push((peer, Instant::now() + NEGATIVE_TTL));
+    let failures = if host_level {
+        REJECTIONS_FOR_PLAIN
+    } else {
+        previous + 1
+    };
+    cache.push((peer, failures, Instant::now() + NEGATIVE_TTL));
+}
+
+/// A connect to `peer` succeeded: its failures are forgotten.
+fn clear_negative(peer: IpAddr) {
+    if let Some(verbs) = verbs() {
+        guard(&verbs.negative).retain(|(addr, _, _)| *addr != peer);
+    }
 }
 
 /// The set-up blob: which TCP connection this CM connection belongs to.
@@ -597,6 +620,7 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
     match connected {
         Ok((conn, _)) => {
             tracing::debug!(%peer, took = ?started.elapsed(), "CM connect to the client established");
+            clear_negative(peer.ip());
             Ok(VerbsLink {
                 conn: Some(conn),
                 attach: None,
@@ -609,7 +633,13 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
         }
         Err(error) => {
             tracing::debug!(%peer, ?error, took = ?started.elapsed(), "CM connect to the client failed");
-            mark_negative(peer.ip());
+            mark_negative(
+                peer.ip(),
+                matches!(
+                    error,
+                    SetupError::Unreachable | SetupError::NoDevice | SetupError::WrongDevice
+                ),
+            );
             Err(match error {
                 SetupError::Rejected
                 | SetupError::Unreachable
