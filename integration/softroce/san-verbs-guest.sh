@@ -122,8 +122,14 @@ iperf3_case() {
   for _ in $(seq 100); do [[ -n $(ss -Hltn "sport = :5301") ]] && break; sleep 0.2; done
   timeout 120 "${pre[@]}" iperf3 -c "$S" -B "$C" -p 5301 -P 2 -t 8 -J >"$LOGS/$name.client.json" 2>"$LOGS/$name.client.err" &
   cli=$!
-  sleep 6
-  "$T/sandirect" stat >"$LOGS/$name.stat" 2>&1
+  # Sample `sandirect stat` until the streams show up (the programs start slowly under
+  # emulation), at most while the client runs.
+  for _ in $(seq 40); do
+    sleep 0.5
+    "$T/sandirect" stat >"$LOGS/$name.stat" 2>&1
+    (( $(awk '$7 == "SAN-verbs" && $10 > 0' "$LOGS/$name.stat" | wc -l) >= 4 )) && break
+    kill -0 "$cli" 2>/dev/null || break
+  done
   wait "$cli"; rc=$?
   wait "$srv"
   rows=$(grep -c "SAN-verbs" "$LOGS/$name.stat")
