@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test-verbs.sh - run san-verbs' device tests inside the soft-RDMA VM, over soft-RoCE
-# (rxe) and then soft-iWARP (siw), and print one summary line per fabric.
+# (rxe) and then soft-iWARP (siw), and print one summary line per fabric; then the
+# preload's cross-host SAN tests over the same fabrics (test-san-verbs.sh).
 #
 #   usage: integration/softroce/test-verbs.sh [rxe] [siw]     (default: both)
 #
@@ -50,4 +51,6 @@ for fabric in "${fabrics[@]}"; do
 done
 echo "test-verbs: total $(( $(date +%s) - t0 )) s"
 echo "verbs: $total_pass passed, $total_fail failed"
+# The preload's cross-host SAN path over the same fabrics (its own summary line).
+"$HERE/test-san-verbs.sh" "${fabrics[@]}" || rc=1
 exit "$rc"

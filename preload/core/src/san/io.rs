@@ -388,6 +388,9 @@ pub(super) fn switch_if_attached(
 /// A socket that became SAN after the application added it to epoll sets: the sets now watch
 /// the mirror in its place (same events, same data).
 fn move_epoll_registrations(index: u32, fd: c_int, socket: &mut SanSocket) {
+    // Every caller has just switched the socket: a verbs connection's events go to the
+    // service thread from now on.
+    super::verbs::watch_socket(index, socket);
     let Some(mirror) = socket.mirror_fd() else {
         return;
     };
@@ -881,7 +884,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     return Some(fail(libc::EAGAIN));
                 }
                 socket.prepare_wait(libc::POLLIN)
-            } else if socket.peer_attached() {
+            } else if socket.peer_attached_settled() {
                 if n == 1 {
                     // The marker: consume it; the switch happens at the top of the loop.
                     socket.consume_marker(fd);

@@ -89,9 +89,11 @@
 mod downgrade;
 mod exchange;
 mod io;
+mod link;
 mod registrations;
 mod socket;
 mod stash;
+mod verbs;
 
 use core::ffi::c_int;
 use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -247,11 +249,6 @@ fn provider() -> Option<&'static Provider> {
         .as_ref()
 }
 
-/// The process-wide registrations (`None` when the SAN path is off).
-fn registrations() -> Option<std::sync::MutexGuard<'static, registrations::Registrations>> {
-    provider().map(|p| p.registrations.lock())
-}
-
 /// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
 pub fn enabled() -> bool {
     crate::runtime::settings().is_some_and(|s| s.san)
@@ -404,15 +401,23 @@ pub fn before_connect(
     {
         return ClientPlan::Skip;
     }
-    match provider.negative.probe(peer) {
-        PeerKind::Preloaded => {}
-        kind => {
-            COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
-            if kind == PeerKind::PlainCached {
-                COUNTERS.plain_cached.fetch_add(1, Ordering::Relaxed);
-            }
-            return ClientPlan::PeerPlain;
+    // Same host (a listener marker answers): shared memory. Otherwise, when a device serves
+    // the route's source address: verbs (`verbs::client`).
+    let mode = verbs::mode();
+    let kind = if mode == verbs::Mode::Verbs {
+        PeerKind::Plain
+    } else {
+        provider.negative.probe(peer)
+    };
+    let via_verbs = kind != PeerKind::Preloaded
+        && mode != verbs::Mode::Shm
+        && route_source(peer).and_then(verbs::domain_for).is_some();
+    if kind != PeerKind::Preloaded && !via_verbs {
+        COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
+        if kind == PeerKind::PlainCached {
+            COUNTERS.plain_cached.fetch_add(1, Ordering::Relaxed);
         }
+        return ClientPlan::PeerPlain;
     }
     let Some(mut local) = socket_name(fd) else {
         return ClientPlan::Failed;
@@ -439,6 +444,22 @@ pub fn before_connect(
         }
     }
     let name = ConnectionKey::from_connecting_side(local, peer).segment_name();
+    if via_verbs {
+        return match verbs::client(fd, local, peer) {
+            Some(link) => {
+                tracing::debug!(fd, %local, %peer, "pending verbs SAN client");
+                install(index, record, SanSocket::verbs_client(record, &name, link));
+                record
+                    .path
+                    .store(DataPath::SanVerbs as u32, Ordering::Release);
+                ClientPlan::Pending
+            }
+            None => {
+                COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+                ClientPlan::Failed
+            }
+        };
+    }
     match SanSocket::client(record, &provider.dir, &name, &provider.registrations) {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
@@ -502,7 +523,24 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
         return;
     };
     let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
-    match SanSocket::acceptor(record, &provider.dir, &name, &provider.registrations) {
+    let mode = verbs::mode();
+    let shm = if mode == verbs::Mode::Verbs {
+        Err(SetupError::PeerPlain)
+    } else {
+        SanSocket::acceptor(record, &provider.dir, &name, &provider.registrations)
+    };
+    let accepted = match shm {
+        // Not a same-host client: a cross-host one, if a device serves this address.
+        Err(SetupError::PeerPlain) if mode != verbs::Mode::Shm => {
+            match verbs::acceptor(local, peer) {
+                Ok(link) => SanSocket::verbs_acceptor(record, &name, link),
+                Err(verbs::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
+                Err(verbs::AcceptorError::Resource) => Err(SetupError::Resource),
+            }
+        }
+        other => other,
+    };
+    match accepted {
         Ok(mut socket) => {
             // The marker goes out now, before accept() returns: the application watches the
             // mirror from now on, and a pending client's TCP bytes only become visible there
@@ -511,6 +549,9 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
             tracing::debug!(fd, %name, "accepted over the SAN");
             COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
             install(index, record, socket);
+            if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+                verbs::watch_socket(index, socket);
+            }
         }
         Err(SetupError::PeerPlain) => {
             record

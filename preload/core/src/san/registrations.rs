@@ -1,6 +1,15 @@
 //! The process-wide memory registrations of the SAN path: one `ShmDomain` and one
 //! [`MrCache`] in front of it, shared by every SAN socket of the process (a registration
-//! belongs to the protection domain, not to a connection).
+//! belongs to the protection domain, not to a connection). Each verbs protection domain
+//! (one per local address, `super::verbs`) has its own, of the same type.
+//!
+//! # Verbs: memory changes
+//! A verbs registration pins the pages it was made on. Before every cache lookup on a verbs
+//! domain the domain's memory-change monitor is asked for what changed under its
+//! registrations (`take_memory_changes`, see `docs/ARCHITECTURE.md`, "Registration cache
+//! invalidation") and each range is invalidated in the cache. A registration the monitor does
+//! not watch (or every registration, when the monitor is not running) is invalidated as soon
+//! as its transfer released it: it is never reused from the cache.
 //!
 //! # Locking
 //! One mutex guards the domain and the cache. It is the innermost lock of the SAN path (taken
@@ -23,19 +32,80 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use san_api::{Access, MemRange, RegisterError};
+use san_api::{
+    Access, Capabilities, LocalKey, MemRange, RegisterError, Registration, RemoteKey, SanDomain,
+};
 use san_shm::ShmDomain;
+use san_verbs_loader::LoadedDomain;
 use switch::mr_cache::{CacheConfig, MrCache, MrHandle, OwnerId};
 use switch::session::{MrHandleId, RegisteredRange};
 
 /// The environment variable of the test knob (see the module docs).
 pub(super) const REFUSE_REGISTRATIONS_ENV: &str = "SANDIRECT_SAN_REFUSE_REGISTRATIONS";
 
+/// The protection domain behind a cache.
+pub(super) enum AnyDomain {
+    /// The intra-host shared-memory domain.
+    Shm(ShmDomain),
+    /// A verbs protection domain (one device).
+    Verbs(LoadedDomain),
+}
+
+impl SanDomain for AnyDomain {
+    fn capabilities(&self) -> Capabilities {
+        match self {
+            AnyDomain::Shm(d) => d.capabilities(),
+            AnyDomain::Verbs(d) => d.capabilities(),
+        }
+    }
+
+    fn register(&mut self, range: MemRange, access: Access) -> Result<Registration, RegisterError> {
+        match self {
+            AnyDomain::Shm(d) => d.register(range, access),
+            AnyDomain::Verbs(d) => d.register(range, access),
+        }
+    }
+
+    fn deregister(&mut self, lkey: LocalKey) -> Result<(), RegisterError> {
+        match self {
+            AnyDomain::Shm(d) => d.deregister(lkey),
+            AnyDomain::Verbs(d) => d.deregister(lkey),
+        }
+    }
+
+    fn revoke_remote(&mut self, lkey: LocalKey) -> Result<(), RegisterError> {
+        match self {
+            AnyDomain::Shm(d) => d.revoke_remote(lkey),
+            AnyDomain::Verbs(d) => d.revoke_remote(lkey),
+        }
+    }
+
+    fn expose_remote(
+        &mut self,
+        lkey: LocalKey,
+        access: Access,
+    ) -> Result<RemoteKey, RegisterError> {
+        match self {
+            AnyDomain::Shm(d) => d.expose_remote(lkey, access),
+            AnyDomain::Verbs(d) => d.expose_remote(lkey, access),
+        }
+    }
+
+    fn memory_invalidated(&mut self, range: MemRange) {
+        match self {
+            AnyDomain::Shm(d) => d.memory_invalidated(range),
+            AnyDomain::Verbs(d) => d.memory_invalidated(range),
+        }
+    }
+}
+
 /// The domain, the cache and the handle table (see the module docs).
 pub(super) struct Registrations {
-    domain: ShmDomain,
+    domain: AnyDomain,
     cache: MrCache,
     handles: HashMap<MrHandleId, (MrHandle, OwnerId)>,
+    /// Verbs references that must leave the cache once released (unwatched memory).
+    uncached: HashMap<MrHandleId, MemRange>,
     next_handle: u64,
     /// Registrations still to refuse (the test knob).
     refuse_left: u64,
@@ -62,6 +132,15 @@ impl core::fmt::Debug for SharedRegistrations {
 impl SharedRegistrations {
     /// A fresh domain and cache; reads the test knob.
     pub(super) fn new(domain: ShmDomain) -> SharedRegistrations {
+        Self::with_domain(AnyDomain::Shm(domain))
+    }
+
+    /// A fresh cache in front of a verbs domain.
+    pub(super) fn verbs(domain: LoadedDomain) -> SharedRegistrations {
+        Self::with_domain(AnyDomain::Verbs(domain))
+    }
+
+    fn with_domain(domain: AnyDomain) -> SharedRegistrations {
         let refuse_left = std::env::var(REFUSE_REGISTRATIONS_ENV)
             .ok()
             .and_then(|value| value.trim().parse().ok())
@@ -70,6 +149,7 @@ impl SharedRegistrations {
             domain,
             cache: MrCache::new(CacheConfig::default()),
             handles: HashMap::new(),
+            uncached: HashMap::new(),
             next_handle: 1,
             refuse_left,
         }))
@@ -85,9 +165,38 @@ impl SharedRegistrations {
 }
 
 impl Registrations {
-    /// The domain (connections are set up with it).
-    pub(super) fn domain(&self) -> &ShmDomain {
-        &self.domain
+    /// The shm domain (shm connections are set up with it); `None` for a verbs cache.
+    pub(super) fn domain(&self) -> Option<&ShmDomain> {
+        match &self.domain {
+            AnyDomain::Shm(domain) => Some(domain),
+            AnyDomain::Verbs(_) => None,
+        }
+    }
+
+    /// The verbs domain (rdma_cm set-up runs on it); `None` for the shm cache.
+    pub(super) fn verbs_domain(&mut self) -> Option<&mut LoadedDomain> {
+        match &mut self.domain {
+            AnyDomain::Verbs(domain) => Some(domain),
+            AnyDomain::Shm(_) => None,
+        }
+    }
+
+    /// Verbs: applies the memory changes collected since the last lookup. False when the
+    /// monitor is not running (nothing may then stay cached past its transfer).
+    fn apply_memory_changes(&mut self) -> bool {
+        let AnyDomain::Verbs(domain) = &mut self.domain else {
+            return true;
+        };
+        let Ok(changes) = domain.take_memory_changes() else {
+            return false;
+        };
+        for range in changes {
+            for (handle, _) in self.cache.invalidate(&mut self.domain, range) {
+                // Stale from now on: the session's later release of it is ignored.
+                self.handles.retain(|_, (held, _)| *held != handle);
+            }
+        }
+        true
     }
 
     /// A reference to a registration of `len` bytes at `addr` with `access`, for `owner`.
@@ -103,10 +212,16 @@ impl Registrations {
             return Err(RegisterError::OutOfResources);
         }
         let range = MemRange { addr, len };
+        let monitored = self.apply_memory_changes();
         let (handle, registration) = self.cache.get(&mut self.domain, owner, range, access)?;
         let id = MrHandleId(self.next_handle);
         self.next_handle += 1;
         self.handles.insert(id, (handle, owner));
+        if let AnyDomain::Verbs(domain) = &self.domain {
+            if !monitored || domain.is_watched(registration.lkey) != Some(true) {
+                self.uncached.insert(id, range);
+            }
+        }
         Ok(RegisteredRange {
             range,
             registration,
@@ -121,6 +236,11 @@ impl Registrations {
             if let Some((handle, _)) = self.handles.remove(id) {
                 self.cache.release(&mut self.domain, handle);
             }
+            if let Some(range) = self.uncached.remove(id) {
+                for (handle, _) in self.cache.invalidate(&mut self.domain, range) {
+                    self.handles.retain(|_, (held, _)| *held != handle);
+                }
+            }
         }
     }
 
@@ -128,5 +248,19 @@ impl Registrations {
     pub(super) fn release_owner(&mut self, owner: OwnerId) {
         self.handles.retain(|_, (_, held_by)| *held_by != owner);
         self.cache.release_owner(&mut self.domain, owner);
+        let handles = &self.handles;
+        let mut gone = Vec::new();
+        self.uncached.retain(|id, range| {
+            let held = handles.contains_key(id);
+            if !held {
+                gone.push(*range);
+            }
+            held
+        });
+        for range in gone {
+            for (handle, _) in self.cache.invalidate(&mut self.domain, range) {
+                self.handles.retain(|_, (held, _)| *held != handle);
+            }
+        }
     }
 }

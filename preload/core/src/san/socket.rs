@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 
 use san_api::Access;
 use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
+
+use super::link::Link;
+use super::registrations::SharedRegistrations;
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
 use switch::session::{
@@ -85,6 +88,10 @@ const SAN_SEND_BUFFER: usize = 4 << 20;
 /// rings stream at 2.4-6x kernel TCP for every size; a rendezvous per 64-256 KiB send fell
 /// to 0.6-1.1x (a round trip per send); from 1 MiB on it is about 3x.
 const SHM_RENDEZVOUS_THRESHOLD: u32 = SAN_SEND_BUFFER as u32;
+
+/// Smallest blocking send that goes by rendezvous over verbs (as over shm: below it a round
+/// trip per send costs more than copying through the 16 KiB slots).
+const VERBS_RENDEZVOUS_THRESHOLD: u32 = 1 << 20;
 
 fn session_config() -> SessionConfig {
     let defaults = SessionConfig::default();
@@ -209,7 +216,7 @@ pub(crate) struct SanSocket {
     pub side: Side,
     pub phase: Phase,
     record: &'static SocketRecord,
-    conn: Option<ShmConnection>,
+    conn: Option<Link>,
     session: Option<Session>,
     mirror: Option<Mirror<SideWords>>,
     peer: Arc<PeerMirror>,
@@ -302,7 +309,7 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         let conn = ShmConnection::with_doorbell(
             segment,
-            registrations.lock().domain(),
+            registrations.lock().domain().ok_or(SetupError::Resource)?,
             connection_config(),
             Box::new(MirrorDoorbell(peer.clone())),
         )
@@ -311,7 +318,7 @@ impl SanSocket {
             side: Side::Client,
             phase: Phase::Pending,
             record,
-            conn: Some(conn),
+            conn: Some(conn.into()),
             session: None,
             mirror: None,
             peer,
@@ -372,7 +379,7 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         let conn = ShmConnection::with_doorbell(
             segment,
-            registrations.lock().domain(),
+            registrations.lock().domain().ok_or(SetupError::Resource)?,
             connection_config(),
             Box::new(MirrorDoorbell(peer.clone())),
         )
@@ -388,7 +395,7 @@ impl SanSocket {
             side: Side::Acceptor,
             phase: Phase::Switched,
             record,
-            conn: Some(conn),
+            conn: Some(conn.into()),
             session: Some(session),
             mirror: Some(our_mirror),
             peer,
@@ -429,18 +436,26 @@ impl SanSocket {
     fn mark_switched(&self) {
         // The application may have closed its last fd already (its release is on the way).
         if self.record.set_state_if_live(SocketState::San) {
-            self.record.path.store(
-                DataPath::SanShm as u32,
-                core::sync::atomic::Ordering::Release,
-            );
+            let path = if self.is_verbs() {
+                DataPath::SanVerbs
+            } else {
+                DataPath::SanShm
+            };
+            self.record
+                .path
+                .store(path as u32, core::sync::atomic::Ordering::Release);
         }
     }
 
     /// Client: true once the acceptor attached (the switch may happen now).
     pub(crate) fn peer_attached(&self) -> bool {
-        self.conn
-            .as_ref()
-            .is_some_and(|conn| conn.segment().is_attached())
+        self.conn.as_ref().is_some_and(Link::peer_attached)
+    }
+
+    /// As [`SanSocket::peer_attached`], after a byte was found on TCP: a verbs attach in
+    /// progress is waited for (bounded), since that byte may be its switch marker.
+    pub(crate) fn peer_attached_settled(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::peer_attached_settled)
     }
 
     /// Client, pending: counts stream bytes the kernel accepted on TCP.
@@ -452,6 +467,9 @@ impl SanSocket {
     /// answers with ours, and starts the session with the TCP byte count. `Err` means the
     /// exchange was not usable: the connection cannot continue (the acceptor talks SAN only).
     pub(crate) fn switch(&mut self, tcp: c_int) -> Result<(), ()> {
+        if self.is_verbs() {
+            return self.switch_verbs(tcp);
+        }
         let listener = self.exchange.take().ok_or(())?;
         let link = exchange::accept(listener.as_fd()).ok_or(())?;
         drop(listener);
@@ -554,13 +572,14 @@ impl SanSocket {
     /// Pumps the session over the connection, handles its events, raises the peer's mirror
     /// after transmitting, and (acceptor) picks up the client's mirror end once it is queued.
     pub(crate) fn service(&mut self) {
+        let regs = self.shared_registrations();
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return;
         };
         let progress = self.pump.drive(session, conn, &mut self.released);
         let mut answer_downgrade = false;
         if !self.released.is_empty() {
-            if let Some(mut registrations) = super::registrations() {
+            if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
                 registrations.release(&self.released);
             }
             self.released.clear();
@@ -674,6 +693,7 @@ impl SanSocket {
             self.peer.raise_writable();
         }
         self.mirror_fin();
+        self.raise_own_mirror();
     }
 
     /// Once our FIN has left (nothing queued before it), shuts the peer's `K` for writing
@@ -843,7 +863,7 @@ impl SanSocket {
         self.session
             .as_ref()
             .is_none_or(|s| matches!(s.state(), SessionState::Reset | SessionState::FellBack))
-            || !self.conn.as_ref().is_some_and(ShmConnection::is_up)
+            || !self.conn.as_ref().is_some_and(Link::is_up)
     }
 
     /// The downgrade is finished both ways and nothing is left to read from the session:
@@ -899,12 +919,13 @@ impl SanSocket {
     }
 
     fn drive_again(&mut self) -> bool {
+        let regs = self.shared_registrations();
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return false;
         };
         let progress = self.pump.drive(session, conn, &mut self.released);
         if !self.released.is_empty() {
-            if let Some(mut registrations) = super::registrations() {
+            if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
                 registrations.release(&self.released);
             }
             self.released.clear();
@@ -916,7 +937,7 @@ impl SanSocket {
     pub(crate) fn peer_in_process(&self) -> bool {
         self.conn
             .as_ref()
-            .and_then(|conn| conn.segment().peer_pid())
+            .and_then(Link::peer_pid)
             .is_some_and(|pid| pid == std::process::id())
     }
 
@@ -1061,6 +1082,7 @@ impl SanSocket {
     /// send completes: the caller is a blocking send that waits for it). `ENOBUFS` when the
     /// registration is refused, `EAGAIN` while another rendezvous is in progress.
     pub(crate) fn start_send_rendezvous(&mut self, data: &[u8]) -> Result<SendTicket, c_int> {
+        let regs = self.shared_registrations();
         if self.write_shut {
             return Err(libc::EPIPE);
         }
@@ -1074,7 +1096,7 @@ impl SanSocket {
         } else {
             Access::NONE
         };
-        let Some(mut registrations) = super::registrations() else {
+        let Some(mut registrations) = regs.map(SharedRegistrations::lock) else {
             return Err(libc::ENOBUFS);
         };
         let rest = registrations
@@ -1142,6 +1164,7 @@ impl SanSocket {
         buf: &mut [u8],
         peek: bool,
     ) -> Result<RecvTicket, SinkRefused> {
+        let regs = self.shared_registrations();
         let Some(session) = self.session.as_mut() else {
             return Err(SinkRefused::Errno(libc::ENOTCONN));
         };
@@ -1151,19 +1174,19 @@ impl SanSocket {
         // known): register for both. The remote exposure ends when the session releases
         // the sink (the cache revokes the rkey).
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
-        let registered =
-            super::registrations()
-                .ok_or(RegisterRefused)
-                .and_then(|mut registrations| {
-                    registrations
-                        .register(
-                            self.owner,
-                            buf.as_mut_ptr() as u64,
-                            buf.len() as u64,
-                            access,
-                        )
-                        .map_err(|_| RegisterRefused)
-                });
+        let registered = regs
+            .map(SharedRegistrations::lock)
+            .ok_or(RegisterRefused)
+            .and_then(|mut registrations| {
+                registrations
+                    .register(
+                        self.owner,
+                        buf.as_mut_ptr() as u64,
+                        buf.len() as u64,
+                        access,
+                    )
+                    .map_err(|_| RegisterRefused)
+            });
         let Ok(sink) = registered else {
             tracing::debug!(len = buf.len(), "rendezvous receive: registration refused");
             return match session.reject_remote_segment() {
@@ -1189,7 +1212,7 @@ impl SanSocket {
             }
             Err(error) => {
                 tracing::debug!(?error, ?sink, "zero-copy receive refused by the session");
-                if let Some(mut registrations) = super::registrations() {
+                if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
                     registrations.release(&[sink.handle]);
                 }
                 Err(SinkRefused::Errno(match error {
@@ -1467,7 +1490,7 @@ impl SanSocket {
             // Early bytes go first; they need the handshake to finish.
             while !self.early.is_empty()
                 && start.elapsed() < linger
-                && self.conn.as_ref().is_some_and(ShmConnection::is_up)
+                && self.conn.as_ref().is_some_and(Link::is_up)
             {
                 self.service();
                 if let Some(conn) = self.conn.as_ref() {
@@ -1484,7 +1507,7 @@ impl SanSocket {
             // ends the stream after them; the session only has to get its `Downgrade` out.
             while !self.downgrade_sent
                 && start.elapsed() < linger
-                && self.conn.as_ref().is_some_and(ShmConnection::is_up)
+                && self.conn.as_ref().is_some_and(Link::is_up)
             {
                 self.service();
                 if let Some(conn) = self.conn.as_ref() {
@@ -1546,8 +1569,205 @@ impl Drop for SanSocket {
     /// Drops the references this socket still holds in the registration cache (a close that
     /// gave up on a rendezvous, a broken connection): remote exposure through them ends now.
     fn drop(&mut self) {
-        if let Some(mut registrations) = super::registrations() {
+        if let Some(mut registrations) = self.shared_registrations().map(SharedRegistrations::lock)
+        {
             registrations.release_owner(self.owner);
         }
+    }
+}
+
+/// The verbs provider's part (`super::verbs`; `docs/ARCHITECTURE.md`, "Cross-host discovery
+/// (verbs)"): the same session, mirror and switch-over, over a cross-host connection whose
+/// readiness this process's service thread mirrors.
+impl SanSocket {
+    fn with_link(
+        record: &'static SocketRecord,
+        side: Side,
+        name: &SegmentName,
+        link: super::verbs::VerbsLink,
+    ) -> SanSocket {
+        SanSocket {
+            side,
+            phase: Phase::Pending,
+            record,
+            conn: Some(Link::Verbs(link)),
+            session: None,
+            mirror: None,
+            peer: Arc::new(PeerMirror::default()),
+            page: None,
+            exchange: None,
+            tcp_sent: 0,
+            tcp_received: 0,
+            tcp_eof: false,
+            marker_unread: side == Side::Client,
+            peer_fin: false,
+            early: Vec::new(),
+            name: *name,
+            write_shut: false,
+            deferred_shutdown: None,
+            fin_mirrored: false,
+            data_to_announce: false,
+            reset_reported: false,
+            marker_owed: false,
+            waiters: 0,
+            watched: false,
+            local_bell: None,
+            released: Vec::new(),
+            pump: Pump::new(),
+            owner: next_owner(),
+            send_completed: None,
+            recv_completed: None,
+            downgrade_wanted: false,
+            downgrade_sent: false,
+            restored: Vec::new(),
+            epoll_on_tcp: false,
+        }
+    }
+
+    /// Whether this socket runs over verbs.
+    pub(crate) fn is_verbs(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.verbs().is_some())
+    }
+
+    /// A pending verbs client (its CM listener is up; see `super::verbs::client`).
+    pub(crate) fn verbs_client(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        link: super::verbs::VerbsLink,
+    ) -> SanSocket {
+        Self::with_link(record, Side::Client, name, link)
+    }
+
+    /// The accepting side after its CM connect to the client was established: the session
+    /// starts with `tcp_bytes_sent = 0`; the caller writes the switch marker.
+    pub(crate) fn verbs_acceptor(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        link: super::verbs::VerbsLink,
+    ) -> Result<SanSocket, SetupError> {
+        let mut socket = Self::with_link(record, Side::Acceptor, name, link);
+        socket.start_verbs_session(Role::Passive)?;
+        socket.marker_owed = true;
+        socket.service();
+        socket.mark_switched();
+        Ok(socket)
+    }
+
+    /// Creates the mirror (both ends local: `K` stays with the link, for the service thread)
+    /// and the session.
+    fn start_verbs_session(&mut self, role: Role) -> Result<(), SetupError> {
+        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+        let (mirror, k) =
+            Mirror::new(SideWords::new(page.clone(), 0)).map_err(|_| SetupError::Resource)?;
+        let link = self
+            .conn
+            .as_mut()
+            .and_then(Link::verbs_mut)
+            .ok_or(SetupError::Resource)?;
+        link.set_own_mirror(k, SideWords::new(page.clone(), 0));
+        let capabilities = link.capabilities();
+        let config = SessionConfig {
+            rendezvous_threshold: if super::rendezvous_enabled() {
+                VERBS_RENDEZVOUS_THRESHOLD
+            } else {
+                u32::MAX
+            },
+            ..SessionConfig::default()
+        };
+        let sent = if role == Role::Active {
+            self.tcp_sent
+        } else {
+            0
+        };
+        self.session = Some(Session::new(role, config, capabilities, SLOTS, sent));
+        self.mirror = Some(mirror);
+        self.page = Some(page);
+        self.phase = Phase::Switched;
+        // Our Hello goes out at the next service.
+        self.data_to_announce = true;
+        Ok(())
+    }
+
+    /// Client, pending, attached over verbs: takes the connection and starts the session
+    /// with the TCP byte count. `Err`: the attach failed after our reply; the connection
+    /// cannot continue.
+    fn switch_verbs(&mut self, tcp: c_int) -> Result<(), ()> {
+        self.conn
+            .as_mut()
+            .and_then(Link::verbs_mut)
+            .ok_or(())?
+            .take_attached()?;
+        self.start_verbs_session(Role::Active).map_err(|_| ())?;
+        let shut =
+            self.record.flags() & (crate::record::flags::SHUT_WR | crate::record::flags::SHUT_RD);
+        if shut & crate::record::flags::SHUT_WR != 0 {
+            self.shutdown(libc::SHUT_WR);
+        }
+        if shut & crate::record::flags::SHUT_RD != 0 {
+            self.shutdown(libc::SHUT_RD);
+        }
+        self.service();
+        self.consume_marker(tcp);
+        self.mark_switched();
+        Ok(())
+    }
+
+    /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
+    fn raise_own_mirror(&self) {
+        let Some(link) = self.conn.as_ref().and_then(Link::verbs) else {
+            return;
+        };
+        if self.phase != Phase::Switched {
+            return;
+        }
+        let readiness = self.readiness();
+        // Acceptor: the client's pre-switch bytes wait on TCP, read before the session's;
+        // the application watches the mirror, not TCP, so they make the mirror readable.
+        let readable = readiness.readable || self.tcp_backlog().is_some_and(|left| left > 0);
+        let writable = readiness.writable
+            || self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.state() == SessionState::Handshaking)
+                && self.early.len() < EARLY_LIMIT;
+        link.raise(readable, writable);
+    }
+
+    /// The service thread, after an event of this socket's connection (or its periodic
+    /// sweep): collects the events, drives the session, raises the mirror, re-arms the
+    /// completion channel (driving again while completions keep arriving, boundedly: the
+    /// sweep catches up).
+    pub(crate) fn service_verbs_event(&mut self) {
+        if self.phase != Phase::Switched || !self.is_verbs() {
+            return;
+        }
+        if let Some(link) = self.conn.as_mut().and_then(Link::verbs_mut) {
+            link.collect_events();
+        }
+        for _ in 0..16 {
+            self.service();
+            let armed = self
+                .conn
+                .as_mut()
+                .and_then(Link::verbs_mut)
+                .is_none_or(super::verbs::VerbsLink::arm);
+            if armed {
+                break;
+            }
+        }
+    }
+
+    /// The registrations (domain and cache) this socket's memory is registered with: its
+    /// verbs domain's, or the process-wide shm one.
+    fn shared_registrations(&self) -> Option<&'static SharedRegistrations> {
+        match self.conn.as_ref().and_then(Link::verbs) {
+            Some(link) => Some(link.registrations()),
+            None => super::provider().map(|p| &p.registrations),
+        }
+    }
+
+    /// The verbs link (to register with the service thread).
+    pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
+        self.conn.as_ref().and_then(Link::verbs)
     }
 }

@@ -1,0 +1,203 @@
+//! The connection under a SAN socket's session: the intra-host shared-memory connection or
+//! a cross-host verbs connection (`docs/ARCHITECTURE.md`, "Cross-host discovery (verbs)").
+//!
+//! Both implement [`SanConnection`] (what the session's `drive` needs); the few operations
+//! the socket code makes beyond it (waiting, liveness, the attach check) are answered here
+//! per provider.
+
+use std::time::Duration;
+
+use san_api::{
+    Capabilities, Completion, LocalSegment, PostError, RecvSlot, RemoteDescriptor, SanConnection,
+    SlotConfig, WrId,
+};
+use san_shm::{ShmConnection, WaitResult};
+
+use super::verbs::VerbsLink;
+
+/// A SAN socket's connection.
+// The socket holding it is boxed already; boxing the shm connection would add a pointer
+// chase to every shm operation for no saving.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Link {
+    /// Intra-host shared memory.
+    Shm(ShmConnection),
+    /// Cross-host RDMA verbs (the loaded provider).
+    Verbs(VerbsLink),
+}
+
+impl From<ShmConnection> for Link {
+    fn from(conn: ShmConnection) -> Link {
+        Link::Shm(conn)
+    }
+}
+
+impl Link {
+    /// The provider's capabilities (for the session's rendezvous mode).
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        match self {
+            Link::Shm(conn) => conn.capabilities(),
+            Link::Verbs(link) => link.capabilities(),
+        }
+    }
+
+    /// False once the connection is known to be down.
+    pub(crate) fn is_up(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.is_up(),
+            Link::Verbs(link) => link.is_up(),
+        }
+    }
+
+    /// Shm: announce "asleep" (false: news arrived). Verbs: the service thread watches the
+    /// completion channel for us, so a thread may always block on the mirror.
+    pub(crate) fn prepare_to_block(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.prepare_to_block(),
+            Link::Verbs(_) => true,
+        }
+    }
+
+    /// Shm: check the peer's liveness at the next drive (the kernel reported hang-up on a
+    /// descriptor the peer held). Verbs: the CM disconnect or a QP error reports a dead peer.
+    pub(crate) fn check_liveness_soon(&mut self) {
+        if let Link::Shm(conn) = self {
+            conn.check_liveness_soon();
+        }
+    }
+
+    /// The end of a wait prepared with [`Link::prepare_to_block`].
+    pub(crate) fn finish_blocking(&self) {
+        if let Link::Shm(conn) = self {
+            conn.finish_blocking();
+        }
+    }
+
+    /// Waits up to `timeout` for news. Verbs: completions are collected by the caller's next
+    /// drive (they need no wake-up of ours), so this only paces the caller's loop.
+    pub(crate) fn wait(&self, timeout: Duration) -> WaitResult {
+        match self {
+            Link::Shm(conn) => conn.wait(timeout),
+            Link::Verbs(link) => {
+                if !link.is_up() {
+                    return WaitResult::Disconnected;
+                }
+                if !timeout.is_zero() {
+                    std::thread::sleep(timeout.min(Duration::from_millis(10)));
+                }
+                WaitResult::TimedOut
+            }
+        }
+    }
+
+    /// Closes the connection (the peer sees it go).
+    pub(crate) fn close(&mut self) {
+        match self {
+            Link::Shm(conn) => conn.close(),
+            Link::Verbs(link) => link.close(),
+        }
+    }
+
+    /// Client, pending: the acceptor attached (shm: the segment; verbs: the CM connection,
+    /// or a set-up that failed after our reply, which the switch then turns into a reset).
+    pub(crate) fn peer_attached(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.segment().is_attached(),
+            Link::Verbs(link) => link.attached(None),
+        }
+    }
+
+    /// As [`Link::peer_attached`], but a verbs attach in progress is waited for (bounded):
+    /// the caller found a byte on TCP and must know whether it is the switch marker.
+    pub(crate) fn peer_attached_settled(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.segment().is_attached(),
+            Link::Verbs(link) => link.attached(Some(super::verbs::setup_timeout())),
+        }
+    }
+
+    /// The peer's pid when it is on this host (shm only).
+    pub(crate) fn peer_pid(&self) -> Option<u32> {
+        match self {
+            Link::Shm(conn) => conn.segment().peer_pid(),
+            Link::Verbs(_) => None,
+        }
+    }
+
+    /// The verbs link, if this is one.
+    pub(crate) fn verbs(&self) -> Option<&VerbsLink> {
+        match self {
+            Link::Verbs(link) => Some(link),
+            Link::Shm(_) => None,
+        }
+    }
+
+    /// The verbs link, if this is one.
+    pub(crate) fn verbs_mut(&mut self) -> Option<&mut VerbsLink> {
+        match self {
+            Link::Verbs(link) => Some(link),
+            Link::Shm(_) => None,
+        }
+    }
+}
+
+impl SanConnection for Link {
+    fn slot_config(&self) -> SlotConfig {
+        match self {
+            Link::Shm(conn) => conn.slot_config(),
+            Link::Verbs(link) => link.slot_config(),
+        }
+    }
+
+    fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError> {
+        match self {
+            Link::Shm(conn) => conn.post_send(wr_id, message),
+            Link::Verbs(link) => link.conn_mut()?.post_send(wr_id, message),
+        }
+    }
+
+    fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
+        match self {
+            Link::Shm(conn) => conn.post_recv(wr_id, slot),
+            Link::Verbs(link) => link.post_recv(wr_id, slot),
+        }
+    }
+
+    fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8] {
+        match self {
+            Link::Shm(conn) => conn.recv_slot(slot, len),
+            Link::Verbs(link) => link.conn().map_or(&[], |c| c.recv_slot(slot, len)),
+        }
+    }
+
+    fn post_write(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        match self {
+            Link::Shm(conn) => conn.post_write(wr_id, local, remote),
+            Link::Verbs(link) => link.conn_mut()?.post_write(wr_id, local, remote),
+        }
+    }
+
+    fn post_read(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        match self {
+            Link::Shm(conn) => conn.post_read(wr_id, local, remote),
+            Link::Verbs(link) => link.conn_mut()?.post_read(wr_id, local, remote),
+        }
+    }
+
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        match self {
+            Link::Shm(conn) => conn.poll_completions(out, max),
+            Link::Verbs(link) => link.poll_completions(out, max),
+        }
+    }
+}

@@ -1,0 +1,832 @@
+//! Cross-host SAN connections over RDMA verbs (`docs/ARCHITECTURE.md`, "Cross-host discovery
+//! (verbs)").
+//!
+//! * The provider library is loaded lazily (`san-verbs-loader`: only when the host lists RDMA
+//!   devices); a protection domain is opened per local IP address and cached (a failure too).
+//! * A pending client listens with rdma_cm on its own address and TCP port before its SYN
+//!   leaves ([`client`]); the acceptor connects to it from inside `accept()` with the TCP
+//!   4-tuple in the private data ([`acceptor`]). A request naming another 4-tuple is
+//!   rejected; a failed connect puts the client's address in a negative cache for 30 s.
+//! * One service thread per process ([`Service`]) sleeps in `epoll_wait` on the pending
+//!   clients' CM listeners (and accepts their requests) and on every switched connection's
+//!   pollable fd (completion channel + CM channel). On an event it drives that socket's
+//!   session under the socket's lock and raises the socket's own readiness mirror: the peer
+//!   is remote and cannot write our `K`, so this thread does.
+//! * Verbs objects are not used across `fork`: a child process does not use verbs at all
+//!   (its inherited SAN sockets were downgraded to TCP before the fork).
+
+use core::sync::atomic::{AtomicU32, Ordering};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use san_api::{
+    Capabilities, Completion, CompletionKind, PostError, RecvSlot, SanConnection, SanDomain,
+    SlotConfig, WrId,
+};
+use san_verbs_loader::{
+    ConnectParams, LoadError, LoadedConnection, LoadedDomain, LoadedListener, SetupError,
+    VerbsLibrary,
+};
+
+use super::exchange::SideWords;
+use super::registrations::SharedRegistrations;
+use super::{lock, SanObject};
+use crate::discovery::canonical_addr;
+use crate::mirror;
+use crate::real;
+
+/// `SANDIRECT_SAN_PROVIDER=shm|auto|verbs`: which SAN providers the process may use
+/// (default `shm`: the SAN path is on by default, the verbs path is opt-in until it is as
+/// complete as the intra-host one).
+pub(crate) const PROVIDER_ENV: &str = "SANDIRECT_SAN_PROVIDER";
+/// `SANDIRECT_VERBS_TIMEOUT_MS`: bound on one connection set-up (resolution + establishment).
+pub(crate) const TIMEOUT_ENV: &str = "SANDIRECT_VERBS_TIMEOUT_MS";
+const DEFAULT_TIMEOUT: Duration = Duration::from_millis(3000);
+/// How long a peer address whose CM connects failed is not asked again.
+const NEGATIVE_TTL: Duration = Duration::from_secs(30);
+/// Rejections in a row after which a peer address counts as plain. One is not enough: a
+/// preloaded client that closed before our connect arrived rejects it too.
+const REJECTIONS_FOR_PLAIN: u32 = 3;
+const NEGATIVE_ENTRIES: usize = 64;
+/// Private data: magic, version, family, then server and client address and port.
+const MAGIC: &[u8; 4] = b"SDV1";
+
+/// Which providers `SANDIRECT_SAN_PROVIDER` allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Shared memory for same-host peers, verbs otherwise.
+    Auto,
+    /// Shared memory only (the default).
+    Shm,
+    /// Verbs only (the VM tests: their two "hosts" are one guest).
+    Verbs,
+}
+
+/// The configured mode (read once).
+pub(crate) fn mode() -> Mode {
+    static MODE: OnceLock<Mode> = OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var(PROVIDER_ENV).as_deref() {
+        Ok("auto") => Mode::Auto,
+        Ok("verbs") => Mode::Verbs,
+        _ => Mode::Shm,
+    })
+}
+
+/// The bound on one connection set-up.
+pub(crate) fn setup_timeout() -> Duration {
+    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
+    *TIMEOUT.get_or_init(|| {
+        std::env::var(TIMEOUT_ENV)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(DEFAULT_TIMEOUT, Duration::from_millis)
+    })
+}
+
+/// A protection domain shared by the connections of one local address, with its
+/// registration cache (opened once, never closed: it lives as long as the process).
+pub(crate) struct Domain {
+    registrations: SharedRegistrations,
+    caps: Capabilities,
+}
+
+impl Domain {
+    /// Runs `f` on the loaded domain (under the registrations' lock: rdma_cm set-up and
+    /// registrations of one device are serialized).
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut LoadedDomain) -> Result<T, SetupError>,
+    ) -> Result<T, SetupError> {
+        let mut registrations = self.registrations.lock();
+        let domain = registrations.verbs_domain().ok_or(SetupError::Internal)?;
+        f(domain)
+    }
+}
+
+struct Verbs {
+    library: VerbsLibrary,
+    /// The process that loaded the library: verbs objects are not used in a fork child.
+    pid: u32,
+    domains: Mutex<Vec<(IpAddr, Option<&'static Domain>)>>,
+    /// Per peer address: failed connects in a row, and when the count expires.
+    negative: Mutex<Vec<(IpAddr, u32, Instant)>>,
+}
+
+static VERBS: OnceLock<Option<Verbs>> = OnceLock::new();
+
+fn verbs() -> Option<&'static Verbs> {
+    if mode() == Mode::Shm || !super::enabled() {
+        return None;
+    }
+    let verbs = VERBS
+        .get_or_init(|| match VerbsLibrary::load() {
+            Ok(library) => Some(Verbs {
+                library,
+                pid: std::process::id(),
+                domains: Mutex::new(Vec::new()),
+                negative: Mutex::new(Vec::new()),
+            }),
+            Err(LoadError::NoProvider(reason)) => {
+                tracing::debug!(?reason, "no RDMA provider: cross-host SAN off");
+                None
+            }
+            Err(error) => {
+                tracing::warn!(%error, "RDMA provider unusable: cross-host SAN off");
+                None
+            }
+        })
+        .as_ref()?;
+    (verbs.pid == std::process::id()).then_some(verbs)
+}
+
+fn guard<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The domain of the device that serves local address `ip` (`None`: no device, or verbs off).
+pub(crate) fn domain_for(ip: IpAddr) -> Option<&'static Domain> {
+    let verbs = verbs()?;
+    let ip = canonical_addr(SocketAddr::new(ip, 0)).ip();
+    if ip.is_unspecified() || ip.is_loopback() {
+        return None;
+    }
+    let mut domains = guard(&verbs.domains);
+    if let Some((_, domain)) = domains.iter().find(|(addr, _)| *addr == ip) {
+        return *domain;
+    }
+    let domain = match verbs.library.open_domain_for(ip) {
+        Ok(domain) => {
+            let caps = domain.capabilities();
+            let domain: &'static Domain = Box::leak(Box::new(Domain {
+                registrations: SharedRegistrations::verbs(domain),
+                caps,
+            }));
+            Some(domain)
+        }
+        Err(error) => {
+            tracing::debug!(%ip, ?error, "no RDMA device serves this address");
+            None
+        }
+    };
+    domains.push((ip, domain));
+    domain
+}
+
+fn negative_hit(peer: IpAddr) -> bool {
+    let Some(verbs) = verbs() else { return true };
+    let now = Instant::now();
+    let mut cache = guard(&verbs.negative);
+    cache.retain(|(_, _, until)| *until > now);
+    cache
+        .iter()
+        .any(|(addr, failures, _)| *addr == peer && *failures >= REJECTIONS_FOR_PLAIN)
+}
+
+/// A connect to `peer` failed: `host_level` failures (no route, no device) count as plain at
+/// once, a rejection counts one.
+fn mark_negative(peer: IpAddr, host_level: bool) {
+    let Some(verbs) = verbs() else { return };
+    let mut cache = guard(&verbs.negative);
+    let previous = cache
+        .iter()
+        .position(|(addr, _, _)| *addr == peer)
+        .map_or(0, |i| cache.remove(i).1);
+    if cache.len() >= NEGATIVE_ENTRIES {
+        cache.remove(0);
+    }
+    let failures = if host_level {
+        REJECTIONS_FOR_PLAIN
+    } else {
+        previous + 1
+    };
+    cache.push((peer, failures, Instant::now() + NEGATIVE_TTL));
+}
+
+/// A connect to `peer` succeeded: its failures are forgotten.
+fn clear_negative(peer: IpAddr) {
+    if let Some(verbs) = verbs() {
+        guard(&verbs.negative).retain(|(addr, _, _)| *addr != peer);
+    }
+}
+
+/// The set-up blob: which TCP connection this CM connection belongs to.
+fn tuple_blob(server: SocketAddr, client: SocketAddr) -> Vec<u8> {
+    let mut blob = Vec::with_capacity(40);
+    blob.extend_from_slice(MAGIC);
+    for addr in [server, client] {
+        match canonical_addr(addr) {
+            SocketAddr::V4(v4) => {
+                blob.push(4);
+                blob.extend_from_slice(&v4.ip().octets());
+            }
+            SocketAddr::V6(v6) => {
+                blob.push(6);
+                blob.extend_from_slice(&v6.ip().octets());
+            }
+        }
+        blob.extend_from_slice(&addr.port().to_be_bytes());
+    }
+    blob
+}
+
+/// Connection parameters of both sides.
+fn params(private_data: &[u8], local: Option<IpAddr>) -> ConnectParams<'_> {
+    ConnectParams {
+        private_data,
+        timeout: setup_timeout(),
+        local: local.map(|ip| SocketAddr::new(ip, 0)),
+        ..ConnectParams::new(super::socket::SLOTS)
+    }
+}
+
+/// Where a pending client's CM listener is.
+enum AttachState {
+    /// Listening; no acceptable request yet.
+    Listening,
+    /// A request naming our 4-tuple is being accepted: our reply may be out, so the
+    /// acceptor may be about to write its switch marker.
+    Attaching,
+    /// Established; the switch takes the connection.
+    Attached(LoadedConnection),
+    /// Accepting failed after our reply may have gone out: the connection must be reset.
+    Failed,
+    /// The switch took the connection, or the socket went away.
+    Done,
+}
+
+/// A pending client's attach point, shared with the service thread.
+pub(crate) struct Attach {
+    state: Mutex<AttachState>,
+    changed: Condvar,
+    listener: Mutex<Option<LoadedListener>>,
+    expected: Vec<u8>,
+    domain: &'static Domain,
+}
+
+impl Attach {
+    /// The service thread: a request may be waiting on the listener.
+    fn on_listener_event(&self) {
+        loop {
+            let (request, blob) = {
+                let mut listener = guard(&self.listener);
+                let Some(listening) = listener.as_mut() else {
+                    return;
+                };
+                match listening.next_request(Some(Duration::ZERO)) {
+                    Ok(found) => found,
+                    Err(SetupError::TimedOut) => return,
+                    Err(error) => {
+                        tracing::debug!(?error, "client CM listener failed");
+                        *listener = None;
+                        return;
+                    }
+                }
+            };
+            if blob != self.expected {
+                // Another connection's request (ports are reused): rejected by the drop.
+                tracing::debug!("CM request for another 4-tuple rejected");
+                continue;
+            }
+            {
+                let mut state = guard(&self.state);
+                if !matches!(*state, AttachState::Listening) {
+                    return;
+                }
+                *state = AttachState::Attaching;
+            }
+            let accepted = self
+                .domain
+                .with(|domain| request.accept(domain, &params(&[], None)));
+            let mut state = guard(&self.state);
+            *state = match accepted {
+                Ok(conn) if matches!(*state, AttachState::Attaching) => AttachState::Attached(conn),
+                Ok(_) => AttachState::Done,
+                Err(error) => {
+                    tracing::debug!(?error, "accepting the acceptor's CM connect failed");
+                    AttachState::Failed
+                }
+            };
+            self.changed.notify_all();
+            drop(state);
+            *guard(&self.listener) = None;
+            return;
+        }
+    }
+
+    fn abandon(&self) {
+        *guard(&self.state) = AttachState::Done;
+        self.changed.notify_all();
+        *guard(&self.listener) = None;
+    }
+}
+
+/// The verbs side of a SAN socket's [`super::link::Link`].
+pub(crate) struct VerbsLink {
+    conn: Option<LoadedConnection>,
+    attach: Option<Arc<Attach>>,
+    domain: &'static Domain,
+    /// Our mirror's other end `K` and its words: the service thread raises `M` through them.
+    own: Option<(OwnedFd, SideWords)>,
+    closed: bool,
+    /// Receive slots the provider posted at set-up (work-request id = slot number, so a
+    /// peer that sends first never meets an empty receive queue): the session's own first
+    /// post of such a slot is recorded here instead of posted, and the slot's completion is
+    /// reported under the session's id.
+    preposted: Vec<Prepost>,
+    /// Completions of pre-posted slots the session has just posted, to report next.
+    held: Vec<Completion>,
+}
+
+/// A receive slot's pre-posting state.
+#[derive(Clone, Copy, Debug)]
+enum Prepost {
+    /// Posted by the session (or not posted).
+    No,
+    /// Posted at set-up; the session has not posted it yet.
+    Waiting,
+    /// Posted at set-up; the session's post of it carried this id.
+    Claimed(WrId),
+    /// Posted at set-up and completed before the session posted it: held until it does.
+    Arrived(Completion),
+}
+
+fn all_preposted() -> Vec<Prepost> {
+    vec![Prepost::Waiting; usize::from(super::socket::SLOTS.recv_slots)]
+}
+
+impl VerbsLink {
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        self.domain.caps
+    }
+
+    pub(crate) fn is_up(&self) -> bool {
+        !self.closed
+    }
+
+    /// This connection's domain's registrations (the rendezvous registers through them).
+    pub(crate) fn registrations(&self) -> &'static SharedRegistrations {
+        &self.domain.registrations
+    }
+
+    pub(crate) fn slot_config(&self) -> SlotConfig {
+        super::socket::SLOTS
+    }
+
+    pub(crate) fn conn(&self) -> Option<&LoadedConnection> {
+        self.conn.as_ref()
+    }
+
+    pub(crate) fn conn_mut(&mut self) -> Result<&mut LoadedConnection, PostError> {
+        self.conn.as_mut().ok_or(PostError::Disconnected)
+    }
+
+    /// [`SanConnection::post_recv`], minding the slots posted at set-up.
+    pub(crate) fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
+        if let Some(state) = self.preposted.get_mut(usize::from(slot.0)) {
+            match core::mem::replace(state, Prepost::No) {
+                Prepost::Waiting => {
+                    *state = Prepost::Claimed(wr_id);
+                    return Ok(());
+                }
+                Prepost::Arrived(mut completion) => {
+                    // The message came before the session posted the slot: report it now,
+                    // under the session's id.
+                    completion.wr_id = wr_id;
+                    self.held.push(completion);
+                    return Ok(());
+                }
+                claimed @ Prepost::Claimed(_) => {
+                    *state = claimed;
+                    return Err(PostError::QueueFull);
+                }
+                Prepost::No => {}
+            }
+        }
+        self.conn_mut()?.post_recv(wr_id, slot)
+    }
+
+    /// [`SanConnection::poll_completions`], reporting pre-posted slots under the session's
+    /// ids (and only once the session has posted them).
+    pub(crate) fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let first = out.len();
+        let held = self.held.len().min(max);
+        out.extend(self.held.drain(..held));
+        let Some(conn) = self.conn.as_mut() else {
+            return held;
+        };
+        conn.poll_completions(out, max - held);
+        let preposted = &mut self.preposted;
+        let mut index = first + held;
+        while index < out.len() {
+            let completion = out[index];
+            let state = match completion.kind {
+                CompletionKind::Recv { slot, .. }
+                    if completion.wr_id == WrId(u64::from(slot.0)) =>
+                {
+                    preposted.get_mut(usize::from(slot.0))
+                }
+                _ => None,
+            };
+            match state.map(|state| (core::mem::replace(state, Prepost::No), state)) {
+                Some((Prepost::Claimed(wr_id), _)) => out[index].wr_id = wr_id,
+                Some((Prepost::Waiting, state)) => {
+                    *state = Prepost::Arrived(completion);
+                    out.remove(index);
+                    continue;
+                }
+                Some((other, state)) => *state = other,
+                None => {}
+            }
+            index += 1;
+        }
+        out.len() - first
+    }
+
+    pub(crate) fn close(&mut self) {
+        self.closed = true;
+        // Destroying the id disconnects: the peer's QP flushes and its session resets.
+        self.conn = None;
+        if let Some(attach) = self.attach.take() {
+            attach.abandon();
+        }
+    }
+
+    /// Client, pending: whether the acceptor attached (or failed after our reply). With
+    /// `wait`, an attach in progress is waited for up to that long.
+    pub(crate) fn attached(&self, wait: Option<Duration>) -> bool {
+        let Some(attach) = self.attach.as_ref() else {
+            return self.conn.is_some();
+        };
+        let deadline = wait.map(|w| Instant::now() + w);
+        let mut state = guard(&attach.state);
+        loop {
+            match &*state {
+                AttachState::Attached(_) | AttachState::Failed => return true,
+                AttachState::Attaching => {
+                    let Some(deadline) = deadline else {
+                        return false;
+                    };
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        // Still undecided: the byte may be the marker; a reset is the only
+                        // answer that cannot corrupt the stream.
+                        return true;
+                    }
+                    state = attach
+                        .changed
+                        .wait_timeout(state, left)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .0;
+                }
+                AttachState::Listening | AttachState::Done => return false,
+            }
+        }
+    }
+
+    /// Client, switching: takes the established connection. `Err`: the attach failed after
+    /// our reply (the connection cannot continue).
+    pub(crate) fn take_attached(&mut self) -> Result<(), ()> {
+        let attach = self.attach.take().ok_or(())?;
+        let taken = core::mem::replace(&mut *guard(&attach.state), AttachState::Done);
+        *guard(&attach.listener) = None;
+        match taken {
+            AttachState::Attached(conn) => {
+                self.conn = Some(conn);
+                self.preposted = all_preposted();
+                Ok(())
+            }
+            _ => Err(()),
+        }
+    }
+
+    /// Keeps our mirror's `K` end: the service thread raises `M` through it.
+    pub(crate) fn set_own_mirror(&mut self, k: OwnedFd, words: SideWords) {
+        self.own = Some((k, words));
+    }
+
+    /// Raises our own mirror: readable when the session has something to read (data, FIN,
+    /// reset), writable when it can take more. Lowering stays with the application's calls.
+    pub(crate) fn raise(&self, readable: bool, writable: bool) {
+        let Some((k, words)) = self.own.as_ref() else {
+            return;
+        };
+        if readable {
+            mirror::raise_readable(words, k.as_fd());
+        }
+        if writable {
+            mirror::raise_writable(words, k.as_fd());
+        }
+    }
+
+    /// The service thread, on an event of this connection: consumes the channel events and
+    /// connection events (completions stay queued for the session's drive).
+    pub(crate) fn collect_events(&mut self) {
+        if let Some(conn) = self.conn.as_mut() {
+            conn.wait(Some(Duration::from_millis(1)));
+        }
+    }
+
+    /// Arms the completion channel; false when completions are pending (drive first).
+    pub(crate) fn arm(&mut self) -> bool {
+        self.conn.as_mut().is_none_or(LoadedConnection::arm)
+    }
+
+    fn fd(&self) -> Option<RawFd> {
+        self.conn.as_ref().map(LoadedConnection::fd)
+    }
+}
+
+impl Drop for VerbsLink {
+    fn drop(&mut self) {
+        if let Some(attach) = self.attach.take() {
+            attach.abandon();
+        }
+    }
+}
+
+/// Before a client's `connect()` from `local` (fixed) to `server`: listens with rdma_cm on
+/// `local` so a preloaded acceptor can attach. `None`: no device, or listening failed.
+pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> Option<VerbsLink> {
+    let domain = domain_for(local.ip())?;
+    let service = service()?;
+    let listen = || domain.with(|d| d.listen(canonical_addr(local), 4));
+    let listener = match listen() {
+        Ok(listener) => listener,
+        Err(SetupError::Os(libc::EADDRINUSE)) => {
+            // iWARP: rdma_cm ports are kernel TCP ports, shared with our bound socket only
+            // when both allow it.
+            let one: libc::c_int = 1;
+            // SAFETY: a c_int option value of the right size on the application's socket.
+            unsafe {
+                real::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_REUSEADDR,
+                    (&one as *const libc::c_int).cast(),
+                    core::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            listen()
+                .map_err(|error| tracing::debug!(?error, %local, "client CM listener refused"))
+                .ok()?
+        }
+        Err(error) => {
+            tracing::debug!(?error, %local, "client CM listener refused");
+            return None;
+        }
+    };
+    let listener_fd = listener.fd();
+    let attach = Arc::new(Attach {
+        state: Mutex::new(AttachState::Listening),
+        changed: Condvar::new(),
+        listener: Mutex::new(Some(listener)),
+        expected: tuple_blob(server, local),
+        domain,
+    });
+    service.watch_attach(listener_fd, attach.clone());
+    Some(VerbsLink {
+        conn: None,
+        attach: Some(attach),
+        domain,
+        own: None,
+        closed: false,
+        preposted: Vec::new(),
+        held: Vec::new(),
+    })
+}
+
+/// Why the acceptor's attach did not happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AcceptorError {
+    /// No verbs path to this client (not preloaded, no device, cached).
+    PeerPlain,
+    /// Verbs set-up failed otherwise.
+    Resource,
+}
+
+/// Inside `accept()`: connects to the client's CM listener at its TCP address and port.
+pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink, AcceptorError> {
+    let peer = canonical_addr(peer);
+    let domain = domain_for(local.ip()).ok_or(AcceptorError::PeerPlain)?;
+    if negative_hit(peer.ip()) {
+        return Err(AcceptorError::PeerPlain);
+    }
+    service().ok_or(AcceptorError::Resource)?;
+    let blob = tuple_blob(local, peer);
+    let started = Instant::now();
+    let connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
+    match connected {
+        Ok((conn, _)) => {
+            tracing::debug!(%peer, took = ?started.elapsed(), "CM connect to the client established");
+            clear_negative(peer.ip());
+            Ok(VerbsLink {
+                conn: Some(conn),
+                attach: None,
+                domain,
+                own: None,
+                closed: false,
+                preposted: all_preposted(),
+                held: Vec::new(),
+            })
+        }
+        Err(error) => {
+            tracing::debug!(%peer, ?error, took = ?started.elapsed(), "CM connect to the client failed");
+            mark_negative(
+                peer.ip(),
+                matches!(
+                    error,
+                    SetupError::Unreachable | SetupError::NoDevice | SetupError::WrongDevice
+                ),
+            );
+            Err(match error {
+                SetupError::Rejected
+                | SetupError::Unreachable
+                | SetupError::NoDevice
+                | SetupError::WrongDevice => AcceptorError::PeerPlain,
+                _ => AcceptorError::Resource,
+            })
+        }
+    }
+}
+
+/// A switched verbs socket (its slot lock held by the caller): its connection's events go
+/// to the service thread from now on; the completion channel is armed here.
+pub(crate) fn watch_socket(index: u32, socket: &mut super::socket::SanSocket) {
+    let Some(fd) = socket.verbs_link().and_then(VerbsLink::fd) else {
+        return;
+    };
+    if let Some(service) = service() {
+        service.watch(fd, TAG_SOCKET | u64::from(index));
+        LIVE_VERBS.fetch_add(1, Ordering::Relaxed);
+        socket.service_verbs_event();
+    }
+}
+
+/// Sockets ever watched (the sweep is skipped while none).
+static LIVE_VERBS: AtomicU32 = AtomicU32::new(0);
+
+const TAG_SOCKET: u64 = 1 << 32;
+const TAG_ATTACH: u64 = 2 << 32;
+
+/// The per-process service thread (see the module docs).
+struct Service {
+    epoll: OwnedFd,
+    attaches: Mutex<Vec<(u32, Arc<Attach>)>>,
+    next: AtomicU32,
+}
+
+static SERVICE: OnceLock<Option<Service>> = OnceLock::new();
+
+fn service() -> Option<&'static Service> {
+    SERVICE
+        .get_or_init(|| {
+            // SAFETY: plain epoll_create1(2) through the real symbol (not our hook).
+            let raw = unsafe { real::epoll_create1(libc::EPOLL_CLOEXEC) };
+            if raw < 0 {
+                return None;
+            }
+            // SAFETY: a fresh descriptor owned by nobody else.
+            let epoll = mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(raw) });
+            Some(Service {
+                epoll,
+                attaches: Mutex::new(Vec::new()),
+                next: AtomicU32::new(0),
+            })
+        })
+        .as_ref()
+        .filter(|_| start_thread())
+}
+
+fn start_thread() -> bool {
+    static STARTED: OnceLock<bool> = OnceLock::new();
+    *STARTED.get_or_init(|| {
+        std::thread::Builder::new()
+            .name("sandirect-verbs".into())
+            .spawn(service_loop)
+            .is_ok()
+    })
+}
+
+impl Service {
+    fn watch(&self, fd: RawFd, data: u64) {
+        let mut event = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: data,
+        };
+        // SAFETY: plain epoll_ctl(2) on our own epoll instance.
+        unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) };
+    }
+
+    fn watch_attach(&self, fd: RawFd, attach: Arc<Attach>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut attaches = guard(&self.attaches);
+            // Attaches that are over (switched, failed, socket gone) are dropped here.
+            attaches.retain(|(_, a)| guard(&a.listener).is_some());
+            attaches.push((id, attach));
+        }
+        self.watch(fd, TAG_ATTACH | u64::from(id));
+    }
+}
+
+fn service_loop() {
+    // Our own calls (epoll, poll inside the provider, mirror tokens) must not go through the
+    // SAN logic of the hooks.
+    let _inside = crate::guard::ReentrancyGuard::enter();
+    let Some(service) = SERVICE.get().and_then(Option::as_ref) else {
+        return;
+    };
+    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+    loop {
+        // SAFETY: `events` has room for 64 entries; our own epoll instance.
+        let n = unsafe {
+            real::epoll_wait(
+                service.epoll.as_raw_fd(),
+                events.as_mut_ptr(),
+                events.len() as libc::c_int,
+                1000,
+            )
+        };
+        if n < 0 {
+            if crate::errno::get() == libc::EINTR {
+                continue;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        if n == 0 {
+            sweep();
+            continue;
+        }
+        for event in &events[..n as usize] {
+            let data = event.u64;
+            let low = (data & 0xffff_ffff) as u32;
+            match data & !0xffff_ffff {
+                TAG_SOCKET => service_socket(low),
+                TAG_ATTACH => {
+                    let attach = guard(&service.attaches)
+                        .iter()
+                        .find(|(id, _)| *id == low)
+                        .map(|(_, a)| a.clone());
+                    if let Some(attach) = attach {
+                        attach.on_listener_event();
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Drives switched verbs socket `index` after an event of its connection, raises its mirror,
+/// and re-arms its completion channel.
+fn service_socket(index: u32) {
+    let mut slot = lock(index);
+    if let Some(SanObject::Socket(socket)) = slot.as_mut() {
+        socket.service_verbs_event();
+    }
+}
+
+/// The safety net (once a second while idle): every verbs socket is serviced and re-armed.
+fn sweep() {
+    if LIVE_VERBS.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut indices = Vec::new();
+    crate::registry::registry().for_each_live(|index, record| {
+        if record.flags() & crate::record::flags::SAN != 0 {
+            indices.push(index);
+        }
+    });
+    for index in indices {
+        if let Ok(mut slot) = super::slot(index).try_lock() {
+            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
+                socket.service_verbs_event();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_blob_names_the_whole_tuple_and_fits_the_cm_limit() {
+        let server: SocketAddr = "192.0.2.1:7000".parse().unwrap();
+        let client: SocketAddr = "192.0.2.2:40000".parse().unwrap();
+        let blob = tuple_blob(server, client);
+        assert_eq!(&blob[..4], MAGIC);
+        assert_eq!(blob.len(), 4 + 2 * (1 + 4 + 2));
+        assert_ne!(blob, tuple_blob(client, server));
+        let mapped: SocketAddr = "[::ffff:192.0.2.1]:7000".parse().unwrap();
+        assert_eq!(blob, tuple_blob(mapped, client), "v4-mapped folds to IPv4");
+        let v6: SocketAddr = "[2001:db8::1]:7000".parse().unwrap();
+        let v6c: SocketAddr = "[2001:db8::2]:40000".parse().unwrap();
+        assert!(tuple_blob(v6, v6c).len() <= san_verbs_loader::abi::MAX_PRIVATE_DATA);
+    }
+}
