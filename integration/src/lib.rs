@@ -101,6 +101,31 @@ pub fn profile_dir() -> PathBuf {
     target_dir().join(profile)
 }
 
+/// The data path this process published for its connected socket `fd` (`tcp` natively or
+/// when nothing is published; `san-shm` for the intra-host SAN), for the test programs that
+/// report their own paths.
+pub fn published_path_of_fd(fd: c_int) -> String {
+    use preload_core::record::{DataPath, SocketState};
+    let Some(dir) = preload_core::stats::default_dir() else {
+        return "tcp".into();
+    };
+    let path = dir.join(std::process::id().to_string());
+    let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
+        return "tcp".into();
+    };
+    connections
+        .iter()
+        .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
+        .find(|c| c.fd == fd)
+        .map_or_else(
+            || "tcp".into(),
+            |c| match c.path {
+                DataPath::SanShm => "san-shm".into(),
+                other => other.label().to_owned(),
+            },
+        )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

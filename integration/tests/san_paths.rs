@@ -120,6 +120,67 @@ fn expect(report: &str, side: &str, bytes: usize, path: &str) {
     );
 }
 
+/// Runs `script` (written into the test's directory as `name`) as a preloaded server
+/// (`server SERVER_ARGS…`, printing its port first) and a preloaded client (`client PORT
+/// CLIENT_ARGS…`); returns (server report, client report). With `client_output` false the
+/// client's output is not kept (a client that kills itself).
+fn python_pair(
+    dirs: &Dirs,
+    name: &str,
+    script: &str,
+    server_args: &[&str],
+    client_args: &[&str],
+    client_output: bool,
+) -> (String, String) {
+    let path = dirs.stat.parent().unwrap().join(name);
+    std::fs::write(&path, script).unwrap();
+    let mut server = command("python3", true, dirs)
+        .arg(&path)
+        .arg("server")
+        .args(server_args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = BufReader::new(server.stdout.take().unwrap());
+    let mut port = String::new();
+    reader.read_line(&mut port).unwrap();
+    let output = || {
+        if client_output {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        }
+    };
+    let client = command("python3", true, dirs)
+        .arg(&path)
+        .args(["client", port.trim()])
+        .args(client_args)
+        .stdout(output())
+        .stderr(output())
+        .spawn()
+        .unwrap();
+    let client_report = if client_output {
+        finish(client, "client")
+    } else {
+        let _ = client.wait_with_output();
+        String::new()
+    };
+    server.stdout = Some(reader.into_inner());
+    (finish(server, "server"), client_report)
+}
+
+/// Runs `protocol` natively and with both ends preloaded; both must move `bytes` intact.
+fn natively_and_over_the_san(protocol: &str, bytes: usize) {
+    let dirs = Dirs::new(protocol);
+    for preload in [false, true] {
+        let (server, client) = two_processes(protocol, bytes, preload, preload, &dirs);
+        let path = if preload { "san-shm" } else { "tcp" };
+        expect(&server, "server", bytes, path);
+        expect(&client, "client", bytes, path);
+    }
+}
+
 #[test]
 fn two_preloaded_processes_move_mibs_over_the_san_with_checksums() {
     let dirs = Dirs::new("client-first");
@@ -139,28 +200,14 @@ fn a_client_that_writes_megabytes_before_reading_the_echo_does_not_deadlock() {
     // Loopback TCP buffers ~10 MB of this (send plus receive buffers, both ways); a 256 KiB
     // SAN send buffer deadlocked it at 2 MB, a 4 MiB one at 6 MB (the blocked client now
     // absorbs the echo into its receive buffer).
-    let dirs = Dirs::new("write-then-read");
-    let bytes = 8_000_000;
-    for preload in [false, true] {
-        let (server, client) = two_processes("write-then-read", bytes, preload, preload, &dirs);
-        let path = if preload { "san-shm" } else { "tcp" };
-        expect(&server, "server", bytes, path);
-        expect(&client, "client", bytes, path);
-    }
+    natively_and_over_the_san("write-then-read", 8_000_000);
 }
 
 #[test]
 fn both_ends_writing_megabytes_before_reading_do_not_deadlock() {
     // 3 MB each way, each side in one blocking write before it reads: loopback TCP lets it
     // through (at 5 MB it deadlocks too); a 256 KiB SAN send buffer did not.
-    let dirs = Dirs::new("exchange");
-    let bytes = 3_000_000;
-    for preload in [false, true] {
-        let (server, client) = two_processes("exchange", bytes, preload, preload, &dirs);
-        let path = if preload { "san-shm" } else { "tcp" };
-        expect(&server, "server", bytes, path);
-        expect(&client, "client", bytes, path);
-    }
+    natively_and_over_the_san("exchange", 3_000_000);
 }
 
 #[test]
@@ -250,28 +297,8 @@ else:
 #[test]
 fn python_subprocesses_of_a_server_holding_a_san_connection() {
     let dirs = Dirs::new("python-subprocess");
-    let script = dirs.stat.parent().unwrap().join("spawning_server.py");
-    std::fs::write(&script, SUBPROCESS_PY).unwrap();
-    let mut server = command("python3", true, &dirs)
-        .arg(&script)
-        .arg("server")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut reader = BufReader::new(server.stdout.take().unwrap());
-    let mut port = String::new();
-    reader.read_line(&mut port).unwrap();
-    let client = command("python3", true, &dirs)
-        .arg(&script)
-        .args(["client", port.trim()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let client_report = finish(client, "client");
-    server.stdout = Some(reader.into_inner());
-    finish(server, "server");
+    let (_, client_report) =
+        python_pair(&dirs, "spawning_server.py", SUBPROCESS_PY, &[], &[], true);
     assert!(
         client_report.contains("client got from-child|REQUEST1"),
         "{client_report}"
@@ -325,29 +352,8 @@ else:
 #[test]
 fn an_edge_triggered_server_sees_its_killed_client_go() {
     let dirs = Dirs::new("edge-death");
-    let script = dirs.stat.parent().unwrap().join("edge_death.py");
-    std::fs::write(&script, EDGE_DEATH_PY).unwrap();
     for round in 0..3 {
-        let mut server = command("python3", true, &dirs)
-            .arg(&script)
-            .arg("server")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(server.stdout.take().unwrap());
-        let mut port = String::new();
-        reader.read_line(&mut port).unwrap();
-        let client = command("python3", true, &dirs)
-            .arg(&script)
-            .args(["client", port.trim()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let _ = client.wait_with_output();
-        server.stdout = Some(reader.into_inner());
-        let report = finish(server, "server");
+        let (report, _) = python_pair(&dirs, "edge_death.py", EDGE_DEATH_PY, &[], &[], false);
         assert!(
             report.contains("peer gone after 3000 bytes"),
             "round {round}: {report}"
@@ -418,29 +424,15 @@ else:
 #[test]
 fn an_edge_triggered_server_sees_a_client_that_never_switched_go() {
     let dirs = Dirs::new("edge-pending-gone");
-    let script = dirs.stat.parent().unwrap().join("edge_pending_gone.py");
-    std::fs::write(&script, EDGE_PENDING_GONE_PY).unwrap();
     for (waits, how) in [("epoll", "close"), ("epoll", "kill"), ("blocking", "close")] {
-        let mut server = command("python3", true, &dirs)
-            .arg(&script)
-            .args(["server", waits])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(server.stdout.take().unwrap());
-        let mut port = String::new();
-        reader.read_line(&mut port).unwrap();
-        let client = command("python3", true, &dirs)
-            .arg(&script)
-            .args(["client", port.trim(), how])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let _ = client.wait_with_output();
-        server.stdout = Some(reader.into_inner());
-        let report = finish(server, "server");
+        let (report, _) = python_pair(
+            &dirs,
+            "edge_pending_gone.py",
+            EDGE_PENDING_GONE_PY,
+            &[waits],
+            &[how],
+            false,
+        );
         assert!(report.contains("peer gone"), "{waits}, {how}: {report}");
     }
 }

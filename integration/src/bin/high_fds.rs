@@ -29,8 +29,6 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use preload_core::record::{DataPath, SocketState};
-
 const EXCHANGE: usize = 1 << 20;
 
 fn fail(message: String) -> std::io::Error {
@@ -41,28 +39,6 @@ fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3] ^ seed)
         .collect()
-}
-
-/// The data path published for this process's socket `fd` (`tcp` natively).
-fn published_path(fd: i32) -> String {
-    let Some(dir) = preload_core::stats::default_dir() else {
-        return "tcp".into();
-    };
-    let path = dir.join(std::process::id().to_string());
-    let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
-        return "tcp".into();
-    };
-    connections
-        .iter()
-        .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
-        .find(|c| c.fd == fd)
-        .map_or_else(
-            || "tcp".into(),
-            |c| match c.path {
-                DataPath::SanShm => "san-shm".into(),
-                other => other.label().to_owned(),
-            },
-        )
 }
 
 fn raise_limit(needed: u64) -> std::io::Result<()> {
@@ -258,7 +234,12 @@ fn main() -> std::io::Result<()> {
     println!("dup2: ok");
     let paths: Vec<String> = pairs
         .iter()
-        .flat_map(|(c, s)| [published_path(c.as_raw_fd()), published_path(s.as_raw_fd())])
+        .flat_map(|(c, s)| {
+            [
+                integration::published_path_of_fd(c.as_raw_fd()),
+                integration::published_path_of_fd(s.as_raw_fd()),
+            ]
+        })
         .collect();
     println!("paths: {}", paths.join(" "));
     Ok(())

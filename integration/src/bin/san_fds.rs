@@ -22,31 +22,6 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 
-use preload_core::record::{DataPath, SocketState};
-
-/// The data path published for this process's socket `fd` (`tcp` natively or when nothing is
-/// published).
-fn published_path(fd: i32) -> String {
-    let Some(dir) = preload_core::stats::default_dir() else {
-        return "tcp".into();
-    };
-    let path = dir.join(std::process::id().to_string());
-    let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
-        return "tcp".into();
-    };
-    connections
-        .iter()
-        .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
-        .find(|c| c.fd == fd)
-        .map_or_else(
-            || "tcp".into(),
-            |c| match c.path {
-                DataPath::SanShm => "san-shm".into(),
-                other => other.label().to_owned(),
-            },
-        )
-}
-
 fn main() -> std::io::Result<()> {
     let connections: usize = std::env::args()
         .nth(1)
@@ -84,7 +59,10 @@ fn main() -> std::io::Result<()> {
         .map(|fd| (fd - base).to_string())
         .collect();
     println!("fds: {}", numbers.join(" "));
-    let paths: Vec<String> = connected.iter().map(|&fd| published_path(fd)).collect();
+    let paths: Vec<String> = connected
+        .iter()
+        .map(|&fd| integration::published_path_of_fd(fd))
+        .collect();
     println!("paths: {}", paths.join(" "));
     Ok(())
 }
