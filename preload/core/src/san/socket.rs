@@ -295,39 +295,30 @@ impl core::fmt::Debug for SanSocket {
 }
 
 impl SanSocket {
-    /// The connecting side after its TCP connect succeeded and the listener probe said
-    /// "preloaded": creates the exchange listener and the segment; the socket is pending.
-    pub(crate) fn client(
+    /// A socket on `conn` in its initial state: pending, no session, mirror, page or
+    /// exchange yet. The one list of every field's starting value (the constructors set
+    /// what differs).
+    fn fresh(
         record: &'static SocketRecord,
-        dir: &std::path::Path,
+        side: Side,
         name: &SegmentName,
-        registrations: &super::registrations::SharedRegistrations,
-    ) -> Result<SanSocket, SetupError> {
-        let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
-        let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
-            .map_err(|_| SetupError::Resource)?;
-        let peer = Arc::new(PeerMirror::default());
-        let conn = ShmConnection::with_doorbell(
-            segment,
-            registrations.lock().domain().ok_or(SetupError::Resource)?,
-            connection_config(),
-            Box::new(MirrorDoorbell(peer.clone())),
-        )
-        .map_err(|_| SetupError::Resource)?;
-        Ok(SanSocket {
-            side: Side::Client,
+        conn: Link,
+        peer: Arc<PeerMirror>,
+    ) -> SanSocket {
+        SanSocket {
+            side,
             phase: Phase::Pending,
             record,
-            conn: Some(conn.into()),
+            conn: Some(conn),
             session: None,
             mirror: None,
             peer,
             page: None,
-            exchange: Some(listener),
+            exchange: None,
             tcp_sent: 0,
             tcp_received: 0,
             tcp_eof: false,
-            marker_unread: true,
+            marker_unread: side == Side::Client,
             peer_fin: false,
             early: Vec::new(),
             name: *name,
@@ -349,7 +340,31 @@ impl SanSocket {
             downgrade_sent: false,
             restored: Vec::new(),
             epoll_on_tcp: false,
-        })
+        }
+    }
+
+    /// The connecting side after its TCP connect succeeded and the listener probe said
+    /// "preloaded": creates the exchange listener and the segment; the socket is pending.
+    pub(crate) fn client(
+        record: &'static SocketRecord,
+        dir: &std::path::Path,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+    ) -> Result<SanSocket, SetupError> {
+        let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
+        let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
+            .map_err(|_| SetupError::Resource)?;
+        let peer = Arc::new(PeerMirror::default());
+        let conn = ShmConnection::with_doorbell(
+            segment,
+            registrations.lock().domain().ok_or(SetupError::Resource)?,
+            connection_config(),
+            Box::new(MirrorDoorbell(peer.clone())),
+        )
+        .map_err(|_| SetupError::Resource)?;
+        let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer);
+        socket.exchange = Some(listener);
+        Ok(socket)
     }
 
     /// The accepting side, inside `accept()`: connects to the client's exchange, passes its
@@ -391,43 +406,15 @@ impl SanSocket {
             SLOTS,
             0,
         );
-        let mut socket = SanSocket {
-            side: Side::Acceptor,
-            phase: Phase::Switched,
-            record,
-            conn: Some(conn.into()),
-            session: Some(session),
-            mirror: Some(our_mirror),
-            peer,
-            page: Some(page),
-            exchange: Some(link),
-            tcp_sent: 0,
-            tcp_received: 0,
-            tcp_eof: false,
-            marker_unread: false,
-            peer_fin: false,
-            early: Vec::new(),
-            name: *name,
-            write_shut: false,
-            deferred_shutdown: None,
-            fin_mirrored: false,
-            // Our Hello: the peer must call in to complete the handshake.
-            data_to_announce: true,
-            reset_reported: false,
-            marker_owed: true,
-            waiters: 0,
-            watched: false,
-            local_bell: None,
-            released: Vec::new(),
-            pump: Pump::new(),
-            owner: next_owner(),
-            send_completed: None,
-            recv_completed: None,
-            downgrade_wanted: false,
-            downgrade_sent: false,
-            restored: Vec::new(),
-            epoll_on_tcp: false,
-        };
+        let mut socket = Self::fresh(record, Side::Acceptor, name, conn.into(), peer);
+        socket.phase = Phase::Switched;
+        socket.session = Some(session);
+        socket.mirror = Some(our_mirror);
+        socket.page = Some(page);
+        socket.exchange = Some(link);
+        // Our Hello: the peer must call in to complete the handshake.
+        socket.data_to_announce = true;
+        socket.marker_owed = true;
         socket.service();
         socket.mark_switched();
         Ok(socket)
@@ -1586,42 +1573,13 @@ impl SanSocket {
         name: &SegmentName,
         link: super::verbs::VerbsLink,
     ) -> SanSocket {
-        SanSocket {
-            side,
-            phase: Phase::Pending,
+        Self::fresh(
             record,
-            conn: Some(Link::Verbs(link)),
-            session: None,
-            mirror: None,
-            peer: Arc::new(PeerMirror::default()),
-            page: None,
-            exchange: None,
-            tcp_sent: 0,
-            tcp_received: 0,
-            tcp_eof: false,
-            marker_unread: side == Side::Client,
-            peer_fin: false,
-            early: Vec::new(),
-            name: *name,
-            write_shut: false,
-            deferred_shutdown: None,
-            fin_mirrored: false,
-            data_to_announce: false,
-            reset_reported: false,
-            marker_owed: false,
-            waiters: 0,
-            watched: false,
-            local_bell: None,
-            released: Vec::new(),
-            pump: Pump::new(),
-            owner: next_owner(),
-            send_completed: None,
-            recv_completed: None,
-            downgrade_wanted: false,
-            downgrade_sent: false,
-            restored: Vec::new(),
-            epoll_on_tcp: false,
-        }
+            side,
+            name,
+            Link::Verbs(link),
+            Arc::new(PeerMirror::default()),
+        )
     }
 
     /// Whether this socket runs over verbs.
