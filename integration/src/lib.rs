@@ -105,6 +105,13 @@ pub fn profile_dir() -> PathBuf {
 /// when nothing is published; `san-shm` for the intra-host SAN), for the test programs that
 /// report their own paths.
 pub fn published_path_of_fd(fd: c_int) -> String {
+    published_path_where(|c| c.fd == fd)
+}
+
+/// As [`published_path_of_fd`], for the first connected socket `matches` picks.
+pub fn published_path_where(
+    matches: impl Fn(&preload_core::stats::ConnectionInfo) -> bool,
+) -> String {
     use preload_core::record::{DataPath, SocketState};
     let Some(dir) = preload_core::stats::default_dir() else {
         return "tcp".into();
@@ -116,7 +123,7 @@ pub fn published_path_of_fd(fd: c_int) -> String {
     connections
         .iter()
         .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
-        .find(|c| c.fd == fd)
+        .find(|c| matches(c))
         .map_or_else(
             || "tcp".into(),
             |c| match c.path {

@@ -35,8 +35,6 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::Duration;
 
-use preload_core::record::{DataPath, SocketState};
-
 const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJK";
 
 fn pattern(len: usize) -> Vec<u8> {
@@ -61,26 +59,9 @@ fn checksum(data: &[u8]) -> u64 {
 /// The data path the interposer published for this process's connected socket on `port`
 /// (by local or peer port), or `tcp` when nothing is published.
 fn published_path(port: u16) -> String {
-    let Some(dir) = preload_core::stats::default_dir() else {
-        return "tcp".into();
-    };
-    let path = dir.join(std::process::id().to_string());
-    let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
-        return "tcp".into();
-    };
-    connections
-        .iter()
-        .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
-        .find(|c| {
-            c.local.is_some_and(|a| a.port() == port) || c.peer.is_some_and(|a| a.port() == port)
-        })
-        .map_or_else(
-            || "tcp".into(),
-            |c| match c.path {
-                DataPath::SanShm => "san-shm".into(),
-                other => other.label().to_owned(),
-            },
-        )
+    integration::published_path_where(|c| {
+        c.local.is_some_and(|a| a.port() == port) || c.peer.is_some_and(|a| a.port() == port)
+    })
 }
 
 fn stopped(side: &str, result: std::io::Result<()>) -> String {
