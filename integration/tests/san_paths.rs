@@ -309,6 +309,57 @@ fn python_subprocesses_of_a_server_holding_a_san_connection() {
     );
 }
 
+/// A program that blocks a signal in its (only) thread after connecting, and takes it with
+/// `sigwait` (as programs using `signalfd` do), must get the signal: the library's own
+/// threads (the nudge responder that every SAN connection starts) block every signal.
+/// Before, a process-directed SIGUSR1 was delivered to our thread, whose default action
+/// killed the process.
+const SIGNALS_PY: &str = r#"
+import os, signal, socket, sys, time
+if sys.argv[1] == "server":
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    data = conn.recv(100)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    os.kill(os.getpid(), signal.SIGUSR1)
+    got = signal.sigwait({signal.SIGUSR1})
+    conn.sendall(b"server took " + signal.Signals(got).name.encode() + b" after " + data)
+    conn.close()
+else:
+    conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    conn.sendall(b"hello")
+    reply = conn.recv(100)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    got = signal.sigwait({signal.SIGUSR1})
+    # The thread names itself once it runs: look for a while.
+    for _ in range(200):
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        if "sandirect-nudge" in names:
+            break
+        time.sleep(0.01)
+    print(reply.decode(), "| client took", signal.Signals(got).name, "| threads", names, flush=True)
+"#;
+
+#[test]
+fn signals_blocked_by_the_application_stay_its_own_with_san_connections() {
+    let dirs = Dirs::new("signals");
+    let (_, client_report) = python_pair(&dirs, "signals.py", SIGNALS_PY, &[], &[], true);
+    assert!(
+        client_report.contains("server took SIGUSR1 after hello | client took SIGUSR1"),
+        "{client_report}"
+    );
+    // The SAN connection started our responder thread: the signal had a thread of ours to
+    // land on.
+    assert!(
+        client_report.contains("'sandirect-nudge'"),
+        "{client_report}"
+    );
+}
+
 /// An edge-triggered nonblocking server (nginx's way) whose client dies mid-conversation:
 /// the one hang-up event must lead to EOF or ECONNRESET at once. The provider checks its
 /// peer's liveness only every 100 ms, so the event came in while the session still believed

@@ -53,9 +53,11 @@
 //!   application's descriptor numbers are those it would get without the preload; a program
 //!   that `dup2`s onto those high numbers closes one of ours (that connection then fails).
 //! * fork and exec downgrade every SAN connection to kernel TCP first (`downgrade`,
-//!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. A peer that
-//!   makes no socket call for a second cannot answer: that connection stays with the parent
-//!   (it downgrades when the peer calls) and the child's copy fails with `ECONNRESET`.
+//!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. An idle peer
+//!   answers through its nudge responder (`nudge`); one that cannot answer for a second
+//!   (stopped, or a verbs peer on another host that makes no call) leaves that connection
+//!   with the parent (it downgrades when the peer calls) and the child's copy fails with
+//!   `ECONNRESET`.
 //!   `vfork` downgrades every SAN connection first (the child may pass any socket on) and
 //!   its child's hook calls are the kernel calls alone; `posix_spawn` downgrades those the
 //!   child receives, `system`/`popen` those without `FD_CLOEXEC` (their stashes stay
@@ -90,6 +92,7 @@ mod downgrade;
 mod exchange;
 mod io;
 mod link;
+mod nudge;
 mod registrations;
 mod socket;
 mod stash;
@@ -315,6 +318,10 @@ fn forget_name(index: u32) {
 }
 
 fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
+    if socket.is_intra_host() {
+        // A fork in the peer process needs our answer even while the application is idle.
+        nudge::ensure_responder();
+    }
     {
         let mut names = by_name();
         names.retain(|&(_, i)| i != index);
@@ -633,8 +640,10 @@ pub fn on_shutdown(fd: c_int, index: u32, how: c_int) {
 /// The child's inherited SAN sockets are marked `after-fork`; their I/O fails with
 /// `ECONNRESET` and their close only closes the fd: the child never touches the shared
 /// segment, the mutex (another thread may have held it at fork) or the peer's mirror.
-/// Syscall-free and lock-free: runs in the atfork child handler.
+/// Lock-free, and no syscall but closing the inherited nudge socket: runs in the atfork child
+/// handler.
 pub fn after_fork_in_child() {
+    nudge::after_fork_in_child();
     registry().for_each_live(|_, record| {
         // A stash holder is plain TCP plus shared memory: it works in both processes.
         if record.flags() & flags::SAN != 0 && record.flags() & flags::STASHED == 0 {

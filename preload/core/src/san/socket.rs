@@ -920,6 +920,21 @@ impl SanSocket {
         progress.is_ok_and(|p| p.messages_sent > 0)
     }
 
+    /// True for a connection to a process on this host (the `shm` provider).
+    pub(crate) fn is_intra_host(&self) -> bool {
+        self.conn
+            .as_ref()
+            .is_some_and(|link| link.verbs().is_none())
+    }
+
+    /// The peer's pid when it is another process on this host (the one to nudge).
+    pub(crate) fn peer_process(&self) -> Option<u32> {
+        self.conn
+            .as_ref()
+            .and_then(Link::peer_pid)
+            .filter(|&pid| pid != std::process::id())
+    }
+
     /// True when the peer is this very process (both ends of an in-process connection).
     pub(crate) fn peer_in_process(&self) -> bool {
         self.conn
