@@ -204,6 +204,11 @@ fn into_stash(fd: c_int, index: u32, slot: &mut Option<SanObject>, received: &[u
     let Some(SanObject::Socket(mut socket)) = slot.take() else {
         return;
     };
+    tracing::debug!(
+        fd,
+        bytes = received.len(),
+        "downgrade complete: unread bytes stashed"
+    );
     epoll_back_to_tcp(index, fd, &mut socket);
     socket.close(Some(fd), false, Duration::ZERO);
     super::forget_name(index);

@@ -306,6 +306,7 @@ pub fn service_all() {
             if let Some(SanObject::Socket(socket)) = slot.as_mut() {
                 if socket.phase == Phase::Switched {
                     socket.service();
+                    socket.leaving_call();
                 }
             }
         }
@@ -421,6 +422,14 @@ pub(super) fn repoint_epoll_registrations(index: u32, from: c_int, to: c_int) ->
 /// `send`/`write`/`writev`/`sendmsg` on a SAN socket. `None`: not (or no longer) a SAN
 /// socket — the caller makes the real call.
 pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+    let sent = send_iov_inner(fd, index, bufs, send_flags);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_ref() {
+        socket.leaving_call();
+    }
+    sent
+}
+
+fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
     if orphaned(index) {
         return Some(fail(libc::ECONNRESET));
     }

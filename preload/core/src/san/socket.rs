@@ -679,8 +679,52 @@ impl SanSocket {
             }
             self.peer.raise_writable();
         }
+        if sent {
+            self.nudge_stalled_peer();
+        }
+        if !self.has_untransmitted() {
+            self.set_progress_wanted(false);
+        }
         self.mirror_fin();
         self.raise_own_mirror();
+    }
+
+    /// Stream bytes we hold that have not left yet (no credits, or still handshaking).
+    fn has_untransmitted(&self) -> bool {
+        !self.early.is_empty()
+            || self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.send_queue_len() > 0)
+    }
+
+    fn set_progress_wanted(&self, wanted: bool) {
+        if let Some(mirror) = self.mirror.as_ref() {
+            mirror.words().set_progress_wanted(wanted);
+        }
+    }
+
+    /// Called as control returns to the application (and after a responder's servicing):
+    /// bytes we could not transmit would wait for its next call, which may never come
+    /// (a server that answered and went idle); the peer nudges us when it transmits
+    /// what unblocks them (see `MirrorWords`).
+    pub(crate) fn leaving_call(&self) {
+        if self.has_untransmitted() && self.is_intra_host() {
+            self.set_progress_wanted(true);
+        }
+    }
+
+    /// We just transmitted (our `Hello`, credits, data): if the peer is waiting for that to
+    /// move bytes its application left queued, nudge its process.
+    fn nudge_stalled_peer(&self) {
+        let Some((_, words)) = self.peer.get() else {
+            return;
+        };
+        if words.take_progress_wanted() {
+            if let Some(pid) = self.peer_process() {
+                super::nudge::nudge(pid);
+            }
+        }
     }
 
     /// Once our FIN has left (nothing queued before it), shuts the peer's `K` for writing
