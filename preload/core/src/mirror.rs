@@ -207,15 +207,25 @@ impl MirrorWords {
 
     /// The owner's side: whether it waits for the peer's help to transmit what it queued
     /// (see the field). A store only when the value changes.
+    ///
+    /// Setting it is followed by a full fence: the owner then re-checks its inbound queue,
+    /// and the peer, which publishes there before [`MirrorWords::take_progress_wanted`],
+    /// either sees the word or has its message seen.
     pub fn set_progress_wanted(&self, wanted: bool) {
         let wanted = u32::from(wanted);
         if self.progress_wanted.load(Ordering::Relaxed) != wanted {
             self.progress_wanted.store(wanted, Ordering::Release);
         }
+        if wanted != 0 {
+            fence(Ordering::SeqCst);
+        }
     }
 
-    /// The peer's side: true (once) if the owner asked for a nudge since the last call.
+    /// The peer's side, after publishing what it transmitted: true (once) if the owner asked
+    /// for a nudge since the last call.
     pub fn take_progress_wanted(&self) -> bool {
+        // Pairs with the fence in `set_progress_wanted`.
+        fence(Ordering::SeqCst);
         self.progress_wanted.load(Ordering::Relaxed) != 0
             && self.progress_wanted.swap(0, Ordering::AcqRel) != 0
     }

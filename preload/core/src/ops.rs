@@ -1310,36 +1310,62 @@ unsafe fn san_sendfile(
 ) -> Option<ssize_t> {
     const CHUNK: usize = 64 << 10;
     let mut chunk = vec![0u8; count.min(CHUNK)];
-    let read = if offset.is_null() {
-        // SAFETY: `chunk` is writable for its length.
-        unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), chunk.len()) }
-    } else {
-        // SAFETY: as above; `offset` is valid per the contract.
-        unsafe {
-            libc::pread64(
-                in_fd,
-                chunk.as_mut_ptr().cast(),
-                chunk.len(),
-                offset.read_unaligned(),
-            )
+    // As the kernel's: as much as the socket takes, up to `count`. A short count must mean
+    // "no room now" (an edge-triggered caller then waits for EPOLLOUT, as nginx does), so
+    // one chunk is not where it stops.
+    let mut total: usize = 0;
+    while total < count {
+        let want = (count - total).min(chunk.len());
+        let read = if offset.is_null() {
+            // SAFETY: `chunk` is writable for `want <= len` bytes.
+            unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), want) }
+        } else {
+            // SAFETY: as above; `offset` is valid per the contract.
+            unsafe {
+                libc::pread64(
+                    in_fd,
+                    chunk.as_mut_ptr().cast(),
+                    want,
+                    offset.read_unaligned(),
+                )
+            }
+        };
+        if read <= 0 {
+            return Some(if total > 0 { total as ssize_t } else { read });
         }
-    };
-    if read <= 0 {
-        return Some(read);
-    }
-    let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
-    let sent = crate::san::send_iov(out_fd, index, &bufs, 0)?;
-    if sent > 0 {
+        let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
+        let Some(sent) = crate::san::send_iov(out_fd, index, &bufs, 0) else {
+            // No longer a SAN socket (downgraded meanwhile): the caller's kernel path sends
+            // the rest; give back what was read and not sent.
+            if offset.is_null() {
+                // SAFETY: plain lseek on the caller's fd.
+                unsafe { libc::lseek64(in_fd, -(read as i64), libc::SEEK_CUR) };
+            }
+            return if total > 0 {
+                Some(total as ssize_t)
+            } else {
+                None
+            };
+        };
+        if sent < 0 {
+            return Some(if total > 0 { total as ssize_t } else { sent });
+        }
         if offset.is_null() {
             // Give back what was read but not sent, so the file position matches.
-            // SAFETY: plain lseek on the caller's fd.
-            unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+            if sent < read {
+                // SAFETY: plain lseek on the caller's fd.
+                unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+            }
         } else {
             // SAFETY: valid per the contract.
             unsafe { offset.write_unaligned(offset.read_unaligned() + sent as i64) };
         }
+        total += sent as usize;
+        if sent < read {
+            break;
+        }
     }
-    Some(sent)
+    Some(total as ssize_t)
 }
 
 // ---- readiness ------------------------------------------------------------------------------
@@ -1408,14 +1434,14 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
         // SAFETY: forwarded.
         return unsafe { real::poll(fds, nfds, timeout) };
     }
-    // Sliced like the epoll waits (see `SAN_WAIT_SLICE_MS`).
+    // Sliced like the epoll waits (see `runtime::wait_slice_ms`).
     let deadline = (timeout >= 0)
         .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
     loop {
-        let slice = deadline.map_or(SAN_WAIT_SLICE_MS, |d| {
+        let slice = deadline.map_or(crate::runtime::wait_slice_ms(), |d| {
             d.saturating_duration_since(std::time::Instant::now())
                 .as_millis()
-                .min(SAN_WAIT_SLICE_MS as u128) as c_int
+                .min(crate::runtime::wait_slice_ms() as u128) as c_int
         });
         // SAFETY: forwarded; `fds` is the caller's array.
         let rc = unsafe { with_mirrors(fds, nfds, || real::poll(fds, nfds, slice)) };
@@ -1443,16 +1469,9 @@ pub unsafe fn ppoll(
     unsafe { with_mirrors(fds, nfds, || real::ppoll(fds, nfds, timeout, sigmask)) }
 }
 
-/// Longest single kernel wait while SAN sockets are alive: after it, every SAN socket of the
-/// process is serviced once (`san::service_all`), so a wake-up the mirrors failed to deliver
-/// costs at most this much latency instead of a hang. A signal that lands between two slices
-/// (a few µs of servicing) does not interrupt the wait; an odd length keeps that window from
-/// lining up with round-numbered timers.
-const SAN_WAIT_SLICE_MS: c_int = 239;
-
 /// An epoll wait with SAN sockets alive: connections with both ends in this process are
 /// driven first (see `san::assist_all_in_process`), the kernel wait is cut into slices
-/// (see [`SAN_WAIT_SLICE_MS`]), and events that only reflect a handshake or credit token of
+/// (see [`crate::runtime::wait_slice_ms`]), and events that only reflect a handshake or credit token of
 /// a SAN mirror are dropped (`san::correct_epoll_events`); a wait left with no event goes on
 /// until the caller's timeout (`timeout_ms < 0`: none).
 ///
@@ -1477,10 +1496,10 @@ unsafe fn epoll_wait_with_san(
             let _guard = ReentrancyGuard::enter();
             crate::san::assist_all_in_process();
         }
-        let left = deadline.map_or(SAN_WAIT_SLICE_MS, |d| {
+        let left = deadline.map_or(crate::runtime::wait_slice_ms(), |d| {
             d.saturating_duration_since(std::time::Instant::now())
                 .as_millis()
-                .min(SAN_WAIT_SLICE_MS as u128) as c_int
+                .min(crate::runtime::wait_slice_ms() as u128) as c_int
         });
         let n = call(left);
         if n < 0 || n > maxevents {

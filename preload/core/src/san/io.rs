@@ -19,8 +19,10 @@ use crate::{errno, real};
 use switch::session::SendTicket;
 
 /// Longest single sleep: bounds how long a missed wake-up (or a peer death the mirror did not
-/// show) can go unnoticed. Odd on purpose (see `ops::SAN_WAIT_SLICE_MS`).
-const WAIT_SLICE: Duration = Duration::from_millis(239);
+/// show) could go unnoticed (see `runtime::wait_slice_ms`).
+fn wait_slice() -> Duration {
+    Duration::from_millis(crate::runtime::wait_slice_ms() as u64)
+}
 
 /// Longest wait of a nonblocking read that consumed the switch marker (see `recv_iov`).
 const HANDSHAKE_WAIT: Duration = Duration::from_millis(50);
@@ -147,10 +149,10 @@ fn block(
     }
     let now = Instant::now();
     let slice = deadline
-        .map_or(WAIT_SLICE, |d| {
-            d.saturating_duration_since(now).min(WAIT_SLICE)
+        .map_or(wait_slice(), |d| {
+            d.saturating_duration_since(now).min(wait_slice())
         })
-        .min(fds.cap.unwrap_or(WAIT_SLICE));
+        .min(fds.cap.unwrap_or(wait_slice()));
     // SAFETY: `count` valid pollfds.
     let rc = unsafe {
         real::poll(
@@ -423,7 +425,7 @@ pub(super) fn repoint_epoll_registrations(index: u32, from: c_int, to: c_int) ->
 /// socket — the caller makes the real call.
 pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
     let sent = send_iov_inner(fd, index, bufs, send_flags);
-    if let Some(SanObject::Socket(socket)) = lock(index).as_ref() {
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
         socket.leaving_call();
     }
     sent
@@ -545,12 +547,16 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                     socket.prepare_wait(libc::POLLOUT)
                 }
                 Err(libc::EAGAIN) => {
-                    if done > 0 && nonblocking {
-                        return Some(done as isize);
-                    }
                     if nonblocking {
+                        // A short count, like EAGAIN, tells an edge-triggered caller to wait
+                        // for EPOLLOUT: `M` must be lowered so that the peer's returned room
+                        // makes that edge (room that appeared meanwhile: send on).
                         if socket.lower_writable() {
-                            return Some(fail(libc::EAGAIN));
+                            return Some(if done > 0 {
+                                done as isize
+                            } else {
+                                fail(libc::EAGAIN)
+                            });
                         }
                         continue;
                     }

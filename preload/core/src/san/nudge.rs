@@ -63,11 +63,21 @@ pub(crate) fn ensure_responder() {
         Ok(socket) => {
             let raw = socket.into_raw_fd();
             RESPONDER_FD.store(raw, Ordering::Release);
-            let started =
-                crate::runtime::spawn_internal_thread("sandirect-nudge", move || respond(raw));
+            // The new thread's own start-up (std's thread bookkeeping) happens before we
+            // return: the application's steady state must see no allocation of ours.
+            let ready = ReadySignal::new();
+            let signal = ready.as_ref().map(ReadySignal::fd);
+            let started = crate::runtime::spawn_internal_thread("sandirect-nudge", move || {
+                if let Some(fd) = signal {
+                    ReadySignal::ring(fd);
+                }
+                respond(raw)
+            });
             if !started {
                 tracing::debug!("nudge responder: thread not started");
                 close_responder_socket();
+            } else if let Some(ready) = ready {
+                ready.wait(1000);
             }
         }
         Err(op) => {
@@ -264,6 +274,48 @@ fn sender() -> Option<libc::c_int> {
             // SAFETY: ours, lost the race: close it.
             unsafe { libc::close(raw) };
             Some(theirs)
+        }
+    }
+}
+
+/// A one-shot "started" signal from a new thread (an eventfd: no allocation on either side).
+struct ReadySignal(OwnedFd);
+
+impl ReadySignal {
+    fn new() -> Option<ReadySignal> {
+        // SAFETY: plain eventfd(2).
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        (raw >= 0).then(|| {
+            // SAFETY: a fresh descriptor owned by nobody else.
+            let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+            ReadySignal(crate::mirror::relocate_internal_fd(owned))
+        })
+    }
+
+    fn fd(&self) -> libc::c_int {
+        std::os::fd::AsRawFd::as_raw_fd(&self.0)
+    }
+
+    /// From the new thread. The descriptor stays open until [`ReadySignal::wait`] returns.
+    fn ring(fd: libc::c_int) {
+        let one = 1u64;
+        // SAFETY: an 8-byte write to the eventfd.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+
+    /// Waits (bounded) for the ring. The descriptor is closed once rung; a thread that has
+    /// not rung in time keeps it (leaked), so its late write can never hit a number the
+    /// application got meanwhile.
+    fn wait(self, timeout_ms: libc::c_int) {
+        let mut pfd = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, bounded timeout.
+        let rc = unsafe { real::poll(&mut pfd, 1, timeout_ms) };
+        if rc != 1 {
+            core::mem::forget(self);
         }
     }
 }

@@ -260,6 +260,10 @@ pub(crate) struct SanSocket {
     /// An eventfd the blocked threads also poll: a thread whose call made progress (consumed
     /// the mirror token, took in credits or data) rings it so the others re-check.
     local_bell: Option<OwnedFd>,
+    /// Polled by threads waiting while the client is pending (their wait is on the TCP
+    /// socket); rung once when the socket switches, since the switch marker another thread
+    /// consumed will not wake them. Never polled after the switch, so it is not reset.
+    pending_bell: Option<OwnedFd>,
     released: Vec<MrHandleId>,
     /// The driver's scratch buffers, kept so that a data call allocates nothing for them.
     pump: Pump,
@@ -331,6 +335,7 @@ impl SanSocket {
             waiters: 0,
             watched: false,
             local_bell: None,
+            pending_bell: None,
             released: Vec::new(),
             pump: Pump::new(),
             owner: next_owner(),
@@ -434,6 +439,15 @@ impl SanSocket {
         }
     }
 
+    /// Wakes the threads that wait on this socket as a pending client (see `pending_bell`).
+    fn ring_pending_bell(&self) {
+        if let Some(bell) = self.pending_bell.as_ref() {
+            let one = 1u64;
+            // SAFETY: an 8-byte write to our eventfd.
+            unsafe { libc::write(bell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
     /// Client: true once the acceptor attached (the switch may happen now).
     pub(crate) fn peer_attached(&self) -> bool {
         self.conn.as_ref().is_some_and(Link::peer_attached)
@@ -485,6 +499,7 @@ impl SanSocket {
         self.mirror = Some(our_mirror);
         self.page = Some(page);
         self.phase = Phase::Switched;
+        self.ring_pending_bell();
         // Our Hello (and the receives it needs) must wake the acceptor.
         self.data_to_announce = true;
         // A shutdown the application made while pending (a TCP FIN the acceptor may never
@@ -708,9 +723,15 @@ impl SanSocket {
     /// bytes we could not transmit would wait for its next call, which may never come
     /// (a server that answered and went idle); the peer nudges us when it transmits
     /// what unblocks them (see `MirrorWords`).
-    pub(crate) fn leaving_call(&self) {
-        if self.has_untransmitted() && self.is_intra_host() {
-            self.set_progress_wanted(true);
+    pub(crate) fn leaving_call(&mut self) {
+        if !self.has_untransmitted() || !self.is_intra_host() {
+            return;
+        }
+        self.set_progress_wanted(true);
+        // What the peer published before it could see the word (credits, its `Hello`) nudges
+        // nobody: drive it now (which clears the word if everything leaves).
+        if self.conn.as_ref().is_some_and(Link::has_input) {
+            self.service();
         }
     }
 
@@ -1356,15 +1377,19 @@ impl SanSocket {
             return true;
         };
         let session = self.session.as_ref();
+        let conn = self.conn.as_ref();
         let early_room = self.early.len() < EARLY_LIMIT;
         let lowered = mirror.lower_writable(|| {
-            session.is_some_and(|s| {
-                if s.state() == SessionState::Handshaking {
-                    early_room
-                } else {
-                    s.readiness().writable
-                }
-            })
+            // Credits the peer already put in our ring raised nothing (we were not lowered
+            // yet): they count as room, found by the caller's next drive.
+            conn.is_some_and(Link::has_input)
+                || session.is_some_and(|s| {
+                    if s.state() == SessionState::Handshaking {
+                        early_room
+                    } else {
+                        s.readiness().writable
+                    }
+                })
         });
         !matches!(lowered, Ok(WriteLowering::StillWritable))
     }
@@ -1387,16 +1412,16 @@ impl SanSocket {
     /// and lowers the mirror. `None`: news arrived, do not block.
     pub(crate) fn prepare_wait(&mut self, tcp_events: i16) -> Option<WaitFds> {
         if self.phase == Phase::Pending {
-            return Some(Self::tcp_wait(tcp_events));
+            if self.pending_bell.is_none() {
+                self.pending_bell = new_eventfd();
+            }
+            return Some(WaitFds {
+                bell: self.pending_bell.as_ref().map(AsRawFd::as_raw_fd),
+                ..Self::tcp_wait(tcp_events)
+            });
         }
         if self.local_bell.is_none() {
-            // SAFETY: plain eventfd(2); the result is owned below.
-            let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-            if raw >= 0 {
-                // SAFETY: a fresh descriptor owned by nobody else.
-                let bell = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-                self.local_bell = Some(crate::mirror::relocate_internal_fd(bell));
-            }
+            self.local_bell = new_eventfd();
         }
         let conn = self.conn.as_ref()?;
         if conn.wait(Duration::ZERO) == san_shm::WaitResult::Notified {
@@ -1700,6 +1725,7 @@ impl SanSocket {
         self.mirror = Some(mirror);
         self.page = Some(page);
         self.phase = Phase::Switched;
+        self.ring_pending_bell();
         // Our Hello goes out at the next service.
         self.data_to_announce = true;
         Ok(())
@@ -1787,4 +1813,16 @@ impl SanSocket {
     pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
         self.conn.as_ref().and_then(Link::verbs)
     }
+}
+
+/// A nonblocking, close-on-exec eventfd above the application's descriptor numbers.
+fn new_eventfd() -> Option<OwnedFd> {
+    // SAFETY: plain eventfd(2); the result is owned below.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let bell = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    Some(crate::mirror::relocate_internal_fd(bell))
 }
