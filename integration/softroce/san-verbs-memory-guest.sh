@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# san-verbs-memory-guest.sh - runs inside the soft-RDMA guest (see test-san-verbs.sh), after
+# san-verbs-guest.sh: the preload's registration cache over verbs as applications meet it.
+# One line per case, then "san-verbs-memory: N passed, M failed".
+#
+#   usage: san-verbs-memory-guest.sh TARGET_PROFILE_DIR [ROUNDS]
+#
+# memory-changes: a preloaded pair across the guest's two addresses; the client sends 1 MiB
+#   buffers (the verbs rendezvous threshold) in single sends, ROUNDS per variant, each round
+#   from new memory at the previous round's address with the stream's next bytes: free() +
+#   malloc() (glibc unmaps and maps again), munmap + mmap, mremap away + mmap, MADV_DONTNEED,
+#   MADV_FREE, and brk trimmed by free() and grown by malloc(). The server receives into a
+#   fresh malloc per round and checks every byte (a stale registration shows as an earlier
+#   round's bytes). Asserted: the address repeated and the mapping changed every round, every
+#   round went by rendezvous (the published counters), all bytes intact.
+# enobufs-memlock: the client, without CAP_IPC_LOCK and with RLIMIT_MEMLOCK at 2 MiB (its
+#   connection pins 1 MiB of slots), sends 4 MiB in single sends: each must fail with ENOBUFS
+#   and send nothing; the application resends the bytes in 256 KiB sends. The server must
+#   receive exactly the accepted bytes, in order.
+# enobufs-control: the same client with the harness's unlimited RLIMIT_MEMLOCK: its 4 MiB sends
+#   go by rendezvous (so the refusals above come from the limit).
+set -uo pipefail
+T=$1; ROUNDS=${2:-6}
+S=${SANDIRECT_TEST_SERVER_IP:-192.0.2.1}; C=${SANDIRECT_TEST_CLIENT_IP:-192.0.2.2}
+M=$T/san_memory
+LOGS=$(mktemp -d)
+pre=(env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=verbs
+     SANDIRECT_VERBS_LIBRARY="$T/libsandirect_verbs.so" SANDIRECT_LOG="${SANDIRECT_LOG:-debug}")
+# The sender of enobufs-memlock: root keeps CAP_IPC_LOCK, which exempts it from the limit.
+limited=(setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock prlimit --memlock=$((2 << 20)))
+VARIANTS=(free munmap mremap dontneed madv-free brk)
+pass=0; fail=0
+
+# pair NAME BUFFER CLIENT_PREFIX… -- CLIENT_ARGS…: runs a preloaded server and client; sets
+# sout/cout (their last lines), crc/src (exit statuses), took.
+pair() {
+  local name=$1 buffer=$2; shift 2
+  local prefix=(); while [[ $1 != -- ]]; do prefix+=("$1"); shift; done; shift
+  local start port srv
+  start=$(date +%s.%N)
+  timeout 150 "${pre[@]}" "$M" server "$S" "$buffer" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  srv=$!
+  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
+  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
+  if [[ -z $port ]]; then
+    crc=1; src=1; cout="(server did not start)"; sout=""; kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  else
+    timeout 150 "${prefix[@]}" "${pre[@]}" "$M" "$1" "$S:$port" "$C" "${@:2}" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
+    crc=$?
+    wait "$srv"; src=$?
+    cout=$(tail -n 1 "$LOGS/$name.client.out"); sout=$(tail -n 1 "$LOGS/$name.server.out")
+  fi
+  took=$(echo "$(date +%s.%N) - $start" | bc)
+}
+
+field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
+
+report() {
+  local name=$1 ok=$2 detail=$3
+  if [[ $ok == 1 ]]; then
+    echo "san-verbs-memory: $name ok ($detail; ${took} s)"
+    pass=$((pass+1))
+  else
+    echo "san-verbs-memory: $name FAIL (client rc=$crc: $cout | server rc=$src: $sout)"
+    cat "$LOGS/$name.client.out"
+    echo "--- client stderr"; tail -n 40 "$LOGS/$name.client.err"
+    echo "--- server stderr"; tail -n 40 "$LOGS/$name.server.err"
+    fail=$((fail+1))
+  fi
+}
+
+# The common part of every case: both exited 0, the server checked as many bytes as the
+# client counted, both on SAN-verbs.
+delivered() {
+  [[ $crc == 0 && $src == 0 && $cout == "client ok "* && $sout == "server ok "* ]] || return 1
+  [[ $(field bytes "$cout") == "$(field bytes "$sout")" ]] || return 1
+  [[ $(field path "$cout") == san-verbs && $(field path "$sout") == san-verbs ]]
+}
+
+memory_case() {
+  local name=memory-changes ok=1 line
+  pair "$name" $((1 << 20)) -- client $((1 << 20)) "$ROUNDS" "${VARIANTS[@]}"
+  delivered || ok=0
+  for variant in "${VARIANTS[@]}"; do
+    line=$(grep "^client variant=$variant " "$LOGS/$name.client.out")
+    [[ $(field same_address "$line") == $((ROUNDS - 1)) ]] || ok=0
+    [[ $(field changed "$line") == $((ROUNDS - 1)) ]] || ok=0
+    [[ $(field rdv_rounds "$line") == "$ROUNDS" ]] || ok=0
+  done
+  (( $(field rdv_received "$sout") > 0 )) 2>/dev/null || ok=0
+  report "$name" "$ok" "${#VARIANTS[@]} variants x $ROUNDS rounds of 1 MiB, each from new memory at the same address, all by rendezvous; $(field bytes "$sout") bytes checked, server rdv_received=$(field rdv_received "$sout") same_address=$(field same_address "$sout")/$(field buffers "$sout")"
+}
+
+enobufs_case() {
+  local name=$1 ok=1; shift
+  pair "$name" $((1 << 20)) "$@" -- enobufs $((4 << 20))
+  delivered || ok=0
+  if [[ $name == enobufs-memlock ]]; then
+    [[ $(field enobufs "$cout") -ge 1 && $(field rendezvous_sends "$cout") == 0 ]] 2>/dev/null || ok=0
+  else
+    [[ $(field enobufs "$cout") == 0 && $(field rendezvous_sends "$cout") -ge 1 ]] 2>/dev/null || ok=0
+  fi
+  report "$name" "$ok" "$(field enobufs "$cout") sends refused with ENOBUFS, $(field rendezvous_sends "$cout") by rendezvous, $(field inline_large_sends "$cout") inline; $(field bytes "$sout") bytes received and checked"
+}
+
+memory_case
+enobufs_case enobufs-memlock "${limited[@]}"
+enobufs_case enobufs-control
+echo "san-verbs-memory: $pass passed, $fail failed"
+[[ $fail == 0 ]]
