@@ -140,15 +140,11 @@ fn send_once(fd: i32, buf: &[u8]) -> Result<usize, i32> {
     }
 }
 
-/// Sends `len` bytes at `addr` as the application would: `send` until all is taken. Returns
-/// the bytes that went by rendezvous.
-fn send_all(stream: &mut TcpStream, addr: *mut u8, len: usize) -> std::io::Result<u64> {
-    let fd = stream.as_raw_fd();
-    let before = counter(fd, Counter::SanRendezvousSent);
+/// Sends `len` bytes at `addr` as the application would: `send` until all is taken.
+fn send_from(stream: &mut TcpStream, addr: *mut u8, len: usize) -> std::io::Result<()> {
     // SAFETY: the caller's mapping of `len` bytes at `addr`, initialised by `fill`.
     let buf = unsafe { std::slice::from_raw_parts(addr, len) };
-    stream.write_all(buf)?;
-    Ok(counter(fd, Counter::SanRendezvousSent) - before)
+    stream.write_all(buf)
 }
 
 fn server(listener: TcpListener, buffer: usize) -> std::io::Result<String> {
@@ -221,6 +217,10 @@ trait Memory {
     fn next(&mut self) -> std::io::Result<(*mut u8, bool)>;
     /// After the round's send.
     fn done(&mut self) {}
+    /// Extra fields for the variant's report line.
+    fn note(&self) -> String {
+        String::new()
+    }
 }
 
 fn os_error(what: &str) -> std::io::Error {
@@ -259,9 +259,11 @@ fn unmap(addr: *mut u8, len: usize) -> std::io::Result<()> {
 struct Malloc {
     len: usize,
     block: *mut u8,
-    /// The heap variant: whether the break went down at the last `free`.
+    /// The heap variant: whether the memory under the block changed at the last `free`.
     trimmed: bool,
     heap: bool,
+    /// The heap variant: rounds whose `free` lowered the break.
+    brk_shrinks: u32,
 }
 
 impl Malloc {
@@ -283,6 +285,7 @@ impl Malloc {
             block: core::ptr::null_mut(),
             trimmed: false,
             heap,
+            brk_shrinks: 0,
         }
     }
 }
@@ -310,9 +313,22 @@ impl Memory for Malloc {
         unsafe {
             let before = libc::sbrk(0) as usize;
             libc::free(self.block.cast());
-            self.trimmed = (libc::sbrk(0) as usize) < before;
+            let shrank = (libc::sbrk(0) as usize) < before;
+            self.brk_shrinks += u32::from(shrank);
+            // A small block allocated above ours since (by the preload, say) keeps free() from
+            // trimming; glibc's malloc_trim then gives the free pages inside the heap back with
+            // MADV_DONTNEED: new pages at the same address all the same.
+            self.trimmed = shrank || (self.heap && libc::malloc_trim(0) == 1);
         }
         self.block = core::ptr::null_mut();
+    }
+
+    fn note(&self) -> String {
+        if self.heap {
+            format!(" brk_shrinks={}", self.brk_shrinks)
+        } else {
+            String::new()
+        }
     }
 }
 
@@ -428,20 +444,22 @@ fn memory_of(variant: &str, len: usize) -> std::io::Result<Box<dyn Memory>> {
 /// Sends `size`-byte pieces of the stream until one went by rendezvous: the connection is
 /// switched and its session established. Returns the bytes sent.
 fn until_rendezvous(stream: &mut TcpStream, size: usize) -> std::io::Result<u64> {
+    let fd = stream.as_raw_fd();
     let mut piece = vec![0u8; size];
     let mut offset = 0u64;
     for _ in 0..50 {
         fill(&mut piece, offset);
-        let rendezvous = send_all(stream, piece.as_mut_ptr(), size)?;
+        let before = counter(fd, Counter::SanRendezvousSent);
+        send_from(stream, piece.as_mut_ptr(), size)?;
         offset += size as u64;
-        if rendezvous > 0 {
+        if counter(fd, Counter::SanRendezvousSent) > before {
             return Ok(offset);
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     Err(std::io::Error::other(format!(
         "no send went by rendezvous (path {})",
-        path_of(stream.as_raw_fd())
+        path_of(fd)
     )))
 }
 
@@ -453,6 +471,7 @@ fn client(
 ) -> std::io::Result<String> {
     let fd = stream.as_raw_fd();
     let mut offset = until_rendezvous(&mut stream, size)?;
+    let mut rendezvous_before = counter(fd, Counter::SanRendezvousSent);
     for variant in variants {
         let mut memory = memory_of(variant, size)?;
         let (mut same_address, mut changed, mut rdv_rounds) = (0u32, 0u32, 0u32);
@@ -471,14 +490,20 @@ fn client(
                 unsafe { std::slice::from_raw_parts_mut(addr, size) },
                 offset,
             );
-            if send_all(&mut stream, addr, size)? > 0 {
-                rdv_rounds += 1;
-            }
+            send_from(&mut stream, addr, size)?;
             offset += size as u64;
             memory.done();
+            // Read only now: the reading allocates, and in the main heap a block allocated
+            // above the round's buffer would keep free() from trimming it.
+            let rendezvous = counter(fd, Counter::SanRendezvousSent);
+            if rendezvous > rendezvous_before {
+                rdv_rounds += 1;
+            }
+            rendezvous_before = rendezvous;
         }
         println!(
-            "client variant={variant} rounds={rounds} same_address={same_address} changed={changed} rdv_rounds={rdv_rounds}"
+            "client variant={variant} rounds={rounds} same_address={same_address} changed={changed} rdv_rounds={rdv_rounds}{}",
+            memory.note()
         );
     }
     stream.shutdown(Shutdown::Write)?;
