@@ -6,7 +6,7 @@
 //! ```text
 //! san_memory server ADDR BUFFER                     # listens on ADDR:0, prints "port N", checks one client's stream
 //! san_memory client ADDR:PORT LOCAL SIZE ROUNDS VARIANT…  # binds LOCAL:0, sends rounds (below)
-//! san_memory enobufs ADDR:PORT LOCAL SIZE           # large sends that may fail with ENOBUFS (below)
+//! san_memory enobufs ADDR:PORT LOCAL SIZE [ATTEMPTS] # large sends that may fail with ENOBUFS (below)
 //! ```
 //!
 //! The stream is one fixed byte sequence (byte `i` is a function of `i` alone), so the server
@@ -40,9 +40,10 @@
 //!
 //! **enobufs**: sends `SIZE`-byte buffers in one `send` each, in this order, and tracks which
 //! bytes were accepted: a small piece; large sends until one fails with `ENOBUFS` (a large
-//! send that went inline because the session was not yet established is accepted and
-//! counted; one that went by rendezvous ends the attempts); on `ENOBUFS` the same bytes again
-//! in 256 KiB sends (below the rendezvous threshold); one more large send; a small piece.
+//! send that went inline, because the session was not yet established or the receiver
+//! turned the rendezvous down, is accepted and counted; one that went by rendezvous ends the
+//! attempts; at most `ATTEMPTS`, default 4); on `ENOBUFS` the same bytes again in 256 KiB
+//! sends (below the rendezvous threshold) and one more large send; a small piece.
 //! Prints `client ok bytes=N enobufs=E rendezvous_sends=R inline_large_sends=I path=P
 //! rdv_sent=S`: the server must have received exactly the `N` accepted bytes, in order.
 
@@ -557,14 +558,15 @@ impl LargeSends {
     }
 }
 
-fn enobufs(mut stream: TcpStream, size: usize) -> std::io::Result<String> {
+fn enobufs(mut stream: TcpStream, size: usize, attempts: usize) -> std::io::Result<String> {
     let fd = stream.as_raw_fd();
     let mut offset = 0u64;
     let mut buf = vec![0u8; size];
     let mut large = LargeSends::default();
     send_pieces(&mut stream, &mut offset, SMALL_PIECE)?;
-    // Until the first large send that is not inline (the session was still being set up).
-    for _ in 0..50 {
+    // Until the first large send that is not inline (the session was still being set up, or
+    // the receiver turned the rendezvous down), at most `attempts`.
+    for _ in 0..attempts {
         if large.send(&mut stream, &mut buf, &mut offset)? {
             // Nothing was sent: the same bytes again, in sends below the threshold.
             send_pieces(&mut stream, &mut offset, size)?;
@@ -634,10 +636,10 @@ fn main() -> std::io::Result<()> {
             let rounds = u32::try_from(number(5)?).map_err(std::io::Error::other)?;
             client(connect()?, number(4)?, rounds, &args[6.min(args.len())..])?
         }
-        "enobufs" => enobufs(connect()?, number(4)?)?,
+        "enobufs" => enobufs(connect()?, number(4)?, number(5).unwrap_or(4))?,
         other => {
             eprintln!(
-                "usage: san_memory server ADDR BUFFER | client ADDR:PORT LOCAL SIZE ROUNDS VARIANT… | enobufs ADDR:PORT LOCAL SIZE (got {other:?})"
+                "usage: san_memory server ADDR BUFFER | client ADDR:PORT LOCAL SIZE ROUNDS VARIANT… | enobufs ADDR:PORT LOCAL SIZE [ATTEMPTS] (got {other:?})"
             );
             std::process::exit(2);
         }
