@@ -28,15 +28,18 @@
 //!   and `mmap` new memory at the old address;
 //! - `dontneed` / `madv-free`: `madvise(MADV_DONTNEED / MADV_FREE)` the same mapping, then
 //!   rewrite it (DONTNEED: new zero pages under the old address);
-//! - `brk`: `malloc(SIZE)` from the main heap (mmap threshold raised, trim threshold lowered)
-//!   and `free()`, which trims the heap with `brk`; the next `malloc` grows it again at the same
-//!   address.
+//! - `brk`: `malloc` from the main heap (mmap threshold raised, trim threshold lowered; the
+//!   buffer is the 64 KiB-aligned `SIZE` bytes inside the block) and `free()`, which trims the
+//!   heap with `brk` (or, when a small block allocated above keeps it from trimming, glibc's
+//!   `malloc_trim` gives the free pages back with `MADV_DONTNEED`); the next `malloc` grows
+//!   the heap again under the same buffer address.
 //!
 //! After each send it reads its own published counters: the round must have moved bytes by
 //! rendezvous (else the registration cache was never involved). One line per variant:
 //! `client variant=V rounds=N same_address=S changed=C rdv_rounds=R`, where `changed` counts
-//! the rounds whose mapping change really happened (for `brk`: the break went down), then
-//! `client ok bytes=N path=P rdv_sent=R`.
+//! the rounds whose mapping change really happened (`free`: glibc mapped the block; `brk`: the
+//! break went down or `malloc_trim` gave pages back, with `brk_shrinks=K` the former), then
+//! `client ok bytes=N path=P rdv_sent=R`. Natively (no rendezvous) the client fails.
 //!
 //! **enobufs**: sends `SIZE`-byte buffers in one `send` each, in this order, and tracks which
 //! bytes were accepted: a small piece; large sends until one fails with `ENOBUFS` (a large
@@ -62,6 +65,8 @@ const M_MMAP_THRESHOLD: libc::c_int = -3;
 const MAP_FIXED_NOREPLACE: libc::c_int = 0x10_0000;
 /// Below the rendezvous threshold of both fabrics (1 MiB over verbs, 4 MiB over shm).
 const INLINE_PIECE: usize = 256 << 10;
+/// Alignment of the heap variant's buffer inside its block (see `Malloc::next`).
+const HEAP_ALIGN: usize = 64 << 10;
 /// Small sends before and after the large ones in `enobufs`.
 const SMALL_PIECE: usize = 100_000;
 
@@ -293,19 +298,29 @@ impl Malloc {
 
 impl Memory for Malloc {
     fn next(&mut self) -> std::io::Result<(*mut u8, bool)> {
+        // Heap: the round's buffer is the 64 KiB-aligned `len` bytes inside a larger block. The
+        // small blocks the process allocates between rounds (reading the counters, the
+        // preload's bookkeeping) may take the start of the trimmed heap and move the block by
+        // a few bytes; the aligned buffer stays where it was.
+        let slack = if self.heap { HEAP_ALIGN } else { 0 };
         // SAFETY: a plain allocation, freed in `done`.
-        let block = unsafe { libc::malloc(self.len) }.cast::<u8>();
+        let block = unsafe { libc::malloc(self.len + slack) }.cast::<u8>();
         if block.is_null() {
             return Err(std::io::Error::other("malloc failed"));
         }
-        let changed = if self.heap {
-            core::mem::take(&mut self.trimmed)
-        } else {
+        self.block = block;
+        if self.heap {
+            let aligned = (block as usize).next_multiple_of(HEAP_ALIGN);
+            return Ok((
+                block.wrapping_add(aligned - block as usize),
+                core::mem::take(&mut self.trimmed),
+            ));
+        }
+        let changed = {
             // glibc's IS_MMAPPED bit in the chunk's size word (malloc.c; unchanged since 2.0).
             // SAFETY: the size word precedes every block malloc returns.
             unsafe { block.cast::<usize>().sub(1).read() & 2 != 0 }
         };
-        self.block = block;
         Ok((block, changed))
     }
 
