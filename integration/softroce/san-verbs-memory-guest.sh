@@ -6,8 +6,8 @@
 #   usage: san-verbs-memory-guest.sh TARGET_PROFILE_DIR [ROUNDS]
 #
 # memory-changes-{read,write}: a preloaded pair across the guest's two addresses; the client
-#   sends 1 MiB buffers (the verbs rendezvous threshold) in single sends, ROUNDS per variant
-#   (3 in READ mode), each round from new memory at the previous round's address holding the
+#   sends 1 MiB buffers (the verbs rendezvous threshold) in single sends, ROUNDS (4) per variant
+#   (2 in READ mode), each round from new memory at the previous round's address holding the
 #   stream's next bytes: free() + malloc() (glibc unmaps and maps again), munmap + mmap, mremap
 #   away + mmap, MADV_DONTNEED, MADV_FREE, and the heap trimmed by free() (brk, or glibc's
 #   malloc_trim) and grown again by malloc(). The server receives into a fresh malloc per
@@ -23,7 +23,7 @@
 #   sends are not refused (so the refusals above come from the limit), the receiver turns the
 #   rendezvous down and the bytes come inline, none lost.
 set -uo pipefail
-T=$1; ROUNDS=${2:-5}
+T=$1; ROUNDS=${2:-4}
 S=${SANDIRECT_TEST_SERVER_IP:-192.0.2.1}; C=${SANDIRECT_TEST_CLIENT_IP:-192.0.2.2}
 M=$T/san_memory
 LOGS=$(mktemp -d)
@@ -127,7 +127,7 @@ enobufs_case() {
 # rkey, and every rendezvous exposes the cached registration anew (a new pin of the pages there
 # now), so invalidation is not what keeps it right. WRITE mode: the sender writes from its
 # cached registration with local rights only; only the invalidation keeps it off old pages.
-memory_case memory-changes-read $(( ROUNDS < 3 ? ROUNDS : 3 ))
+memory_case memory-changes-read $(( ROUNDS < 2 ? ROUNDS : 2 ))
 memory_case memory-changes-write "$ROUNDS" SANDIRECT_SAN_RDMA_READ=0
 enobufs_case enobufs-memlock client
 enobufs_case receiver-memlock server

@@ -70,9 +70,12 @@
 //! turns it off) registers the application's buffer through the process-wide registration
 //! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
-//! through the segment's window into the sink the peer advertised. The call returns when the
-//! session reports the send complete (a short count is legal). A refused registration is
-//! `ENOBUFS` with nothing sent. Nonblocking sends always go inline.
+//! through the segment's window into the sink the peer advertised. Over verbs the threshold
+//! is 1 MiB and the peer RDMA-READs the buffer, or, when it does not offer reads
+//! (`SANDIRECT_SAN_RDMA_READ=0`), we RDMA-WRITE it into its sink. The call returns when the
+//! session reports the send complete (a short count is legal). A refused registration (over
+//! verbs: `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`) is `ENOBUFS` with nothing sent; the bytes
+//! before and after it keep their order. Nonblocking sends always go inline.
 //!
 //! The receiver registers the application's buffer when the next bytes are a rendezvous
 //! segment and receives min(buffer, remaining) bytes into it; `MSG_PEEK` reads them without
