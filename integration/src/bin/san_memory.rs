@@ -84,7 +84,7 @@ fn stream_byte(offset: u64) -> u8 {
 
 /// Fills `buf` with the stream's bytes from `offset` on.
 fn fill(buf: &mut [u8], offset: u64) {
-    if offset % 8 == 0 {
+    if offset.is_multiple_of(8) {
         let mut word = offset / 8;
         let mut chunks = buf.chunks_exact_mut(8);
         for chunk in &mut chunks {
