@@ -19,7 +19,7 @@
 #   connection pins 1 MiB of slots), sends 1.5 MiB in single sends: each must fail with ENOBUFS
 #   and send nothing; the application resends the bytes in 256 KiB sends. The server must
 #   receive exactly the accepted bytes, in order.
-# receiver-memlock: the limit on the server instead (receive buffer 2 MiB): the client's 1.5 MiB
+# receiver-memlock: the limit on the server instead (receive buffer 8 MiB): the client's 1.5 MiB
 #   sends are not refused (so the refusals above come from the limit), the receiver turns the
 #   rendezvous down and the bytes come inline, none lost.
 set -uo pipefail
@@ -109,9 +109,15 @@ enobufs_case() {
   mode_env=(SANDIRECT_LOG=debug)
   # Large sends until one is refused or goes by rendezvous: the first may still find the
   # session being set up (inline); with the receiver limited every one goes inline, so fewer.
-  local attempts=4
-  if [[ $side == client ]]; then client_prefix=("${limited[@]}"); else server_prefix=("${limited[@]}"); attempts=3; fi
-  pair "$name" $((2 << 20)) enobufs $((3 << 19)) "$attempts"
+  # The limited receiver reads into 8 MiB: what is left of it after the inline bytes (at most
+  # 4.6 MiB) is still more than the limit leaves to pin, so every sink is refused.
+  local attempts=4 buffer=$((2 << 20))
+  if [[ $side == client ]]; then
+    client_prefix=("${limited[@]}")
+  else
+    server_prefix=("${limited[@]}"); attempts=3; buffer=$((8 << 20))
+  fi
+  pair "$name" "$buffer" enobufs $((3 << 19)) "$attempts"
   mode_env=(); client_prefix=(); server_prefix=()
   delivered || ok=0
   if [[ $side == client ]]; then
