@@ -70,7 +70,7 @@ const HEAP_ALIGN: usize = 64 << 10;
 /// Small sends before and after the large ones in `enobufs`.
 const SMALL_PIECE: usize = 100_000;
 
-/// Byte `offset` of the stream: eight bytes of a SplitMix64 output per word index.
+/// The stream's bytes `8 × word` to `8 × word + 7`: SplitMix64's mix of the word index.
 fn stream_word(word: u64) -> [u8; 8] {
     let mut z = word.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -78,6 +78,7 @@ fn stream_word(word: u64) -> [u8; 8] {
     (z ^ (z >> 31)).to_le_bytes()
 }
 
+/// The stream's byte at `offset`.
 fn stream_byte(offset: u64) -> u8 {
     stream_word(offset / 8)[(offset % 8) as usize]
 }
