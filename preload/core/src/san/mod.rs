@@ -72,9 +72,12 @@
 //! turns it off) registers the application's buffer through the process-wide registration
 //! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
-//! through the segment's window into the sink the peer advertised. The call returns when the
-//! session reports the send complete (a short count is legal). A refused registration is
-//! `ENOBUFS` with nothing sent. Nonblocking sends always go inline.
+//! through the segment's window into the sink the peer advertised. Over verbs the threshold
+//! is 1 MiB and the peer RDMA-READs the buffer, or, when it does not offer reads
+//! (`SANDIRECT_SAN_RDMA_READ=0`), we RDMA-WRITE it into its sink. The call returns when the
+//! session reports the send complete (a short count is legal). A refused registration (over
+//! verbs: `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`) is `ENOBUFS` with nothing sent; the bytes
+//! before and after it keep their order. Nonblocking sends always go inline.
 //!
 //! The receiver registers the application's buffer when the next bytes are a rendezvous
 //! segment and receives min(buffer, remaining) bytes into it; `MSG_PEEK` reads them without
@@ -214,6 +217,9 @@ struct Provider {
     dir: PathBuf,
     /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
     rendezvous: bool,
+    /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
+    /// (`SANDIRECT_SAN_RDMA_READ`).
+    rdma_read: bool,
 }
 
 /// Turns the rendezvous off when set to `0` (large sends then go inline, like small ones).
@@ -223,6 +229,17 @@ const RENDEZVOUS_ENV: &str = "SANDIRECT_SAN_RENDEZVOUS";
 /// larger of both sides', so one side turning it off turns it off for the connection).
 fn rendezvous_enabled() -> bool {
     provider().is_some_and(|p| p.rendezvous)
+}
+
+/// Set to `0`, a verbs connection does not offer to RDMA-READ rendezvous sends: its peer then
+/// RDMA-WRITEs them into sinks this side advertises (WRITE mode), from a registration with
+/// local rights only. Soft-RoCE under emulation moves a WRITE several times faster than a READ;
+/// the VM tests use it to put the sender's cached local registrations to the test.
+const RDMA_READ_ENV: &str = "SANDIRECT_SAN_RDMA_READ";
+
+/// Whether this process's verbs connections offer READ-mode rendezvous (see [`RDMA_READ_ENV`]).
+fn rdma_read_enabled() -> bool {
+    provider().is_none_or(|p| p.rdma_read)
 }
 
 static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
@@ -242,6 +259,7 @@ fn provider() -> Option<&'static Provider> {
                     negative: NegativeCache::new(NegativeCacheConfig::default()),
                     dir: dir.path().to_path_buf(),
                     rendezvous: std::env::var_os(RENDEZVOUS_ENV).is_none_or(|v| v != "0"),
+                    rdma_read: std::env::var_os(RDMA_READ_ENV).is_none_or(|v| v != "0"),
                 }),
                 Err(error) => {
                     tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");

@@ -1707,7 +1707,9 @@ impl SanSocket {
             .and_then(Link::verbs_mut)
             .ok_or(SetupError::Resource)?;
         link.set_own_mirror(k, SideWords::new(page.clone(), 0));
-        let capabilities = link.capabilities();
+        let mut capabilities = link.capabilities();
+        // Not offering to read makes the peer's rendezvous sends WRITE mode.
+        capabilities.rdma_read &= super::rdma_read_enabled();
         let config = SessionConfig {
             rendezvous_threshold: if super::rendezvous_enabled() {
                 VERBS_RENDEZVOUS_THRESHOLD
