@@ -560,12 +560,10 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         }
                         continue;
                     }
-                    if socket.absorb_if_stalled(&mut stalled_since, None) {
-                        continue;
+                    match socket.blocked_send_wait(&mut stalled_since) {
+                        Some(wait) => Some(wait),
+                        None => continue,
                     }
-                    let mut wait = socket.prepare_send_wait();
-                    socket.absorb_if_stalled(&mut stalled_since, wait.as_mut());
-                    wait
                 }
                 Err(code) => return Some(send_failed(done, code, send_flags)),
             }
@@ -627,12 +625,10 @@ fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usi
             // The completion message raises our writability (every message from the peer
             // does); unread data, which only the application can consume once this send
             // returns, must not keep the wait awake (but a stalled peer's is absorbed).
-            if socket.absorb_if_stalled(&mut stalled_since, None) {
-                continue;
+            match socket.blocked_send_wait(&mut stalled_since) {
+                Some(wait) => Some(wait),
+                None => continue,
             }
-            let mut wait = socket.prepare_send_wait();
-            socket.absorb_if_stalled(&mut stalled_since, wait.as_mut());
-            wait
         };
         let _ = block(index, fd, wait, None);
     }

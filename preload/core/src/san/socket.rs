@@ -211,6 +211,17 @@ pub(crate) struct WaitFds {
     pub cap: Option<Duration>,
 }
 
+/// What [`SanSocket::absorb_if_stalled`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stall {
+    /// None of the peer's data waits unread (or we hold as much as we absorb).
+    None,
+    /// The peer's data waits unread, not long enough to absorb it (or nothing moved).
+    PeerDataWaits,
+    /// Some of it moved into our receive buffer: the peer can go on.
+    Absorbed,
+}
+
 /// A SAN socket.
 pub(crate) struct SanSocket {
     pub side: Side,
@@ -852,24 +863,17 @@ impl SanSocket {
     /// that each write megabytes before reading (an echo client writing a whole request)
     /// through, as loopback TCP does; after [`STALL_BEFORE_REJECT`] a rendezvous at the head
     /// is turned down (its sender sends the rest inline, which is absorbed). `stalled_since`
-    /// belongs to the caller's blocking call. Returns whether bytes moved; sets `cap` on
-    /// `wait` while a stall lasts, so the absorption keeps pace with the peer.
-    pub(crate) fn absorb_if_stalled(
-        &mut self,
-        stalled_since: &mut Option<Instant>,
-        wait: Option<&mut WaitFds>,
-    ) -> bool {
+    /// belongs to the caller's blocking call. While a stall lasts the caller's waits are cut
+    /// short ([`SanSocket::blocked_send_wait`]), so the absorption keeps pace with the peer.
+    fn absorb_if_stalled(&mut self, stalled_since: &mut Option<Instant>) -> Stall {
         let pending = self.session.as_ref().map_or(0, |s| s.recv_pending_bytes());
         if pending == 0 || self.restored.len() >= ABSORB_LIMIT {
-            return false;
+            return Stall::None;
         }
         let since = *stalled_since.get_or_insert_with(Instant::now);
-        if let Some(wait) = wait {
-            wait.cap = Some(STALL_POLL);
-        }
         let stalled = since.elapsed();
         if stalled < STALL_BEFORE_ABSORB {
-            return false;
+            return Stall::PeerDataWaits;
         }
         let reject_rendezvous = stalled >= STALL_BEFORE_REJECT;
         let mut moved = false;
@@ -898,8 +902,27 @@ impl SanSocket {
         if moved {
             self.data_to_announce = true;
             self.service();
+            return Stall::Absorbed;
         }
-        moved
+        Stall::PeerDataWaits
+    }
+
+    /// A blocking sender that found no room: absorbs a stalled peer's unread data (see
+    /// `absorb_if_stalled`) or prepares the wait for room, cut into short polls while the
+    /// peer's data waits unread (the stall is timed from the first). `None`: retry at once.
+    pub(crate) fn blocked_send_wait(
+        &mut self,
+        stalled_since: &mut Option<Instant>,
+    ) -> Option<WaitFds> {
+        let stall = self.absorb_if_stalled(stalled_since);
+        if stall == Stall::Absorbed {
+            return None;
+        }
+        let mut wait = self.prepare_send_wait()?;
+        if stall == Stall::PeerDataWaits {
+            wait.cap = Some(STALL_POLL);
+        }
+        Some(wait)
     }
 
     /// A downgrade drained `bytes` but the peer did not finish it in time: they are read
