@@ -24,6 +24,10 @@ fi
 LIMIT=60
 
 VARIANTS=(tcp rsocket sandirect)
+# (A subset, e.g. SANDIRECT_BENCH_VARIANTS=sandirect, while investigating one system.)
+read -ra PROBED <<<"${SANDIRECT_BENCH_VARIANTS:-${VARIANTS[*]}}"
+# sandirect logs at debug level in the probes (their logs explain an outcome), not in the rounds.
+SANDIRECT_LOG_LEVEL=debug
 # with_variant VARIANT CMD...: runs CMD as that system runs it (nothing preloaded for tcp).
 with_variant() {
   local variant=$1; shift
@@ -31,7 +35,8 @@ with_variant() {
     tcp) env -u LD_PRELOAD "$@" ;;
     rsocket) env LD_PRELOAD="$RSPRELOAD" "$@" ;;
     sandirect) env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=verbs \
-                 SANDIRECT_VERBS_LIBRARY="$T/libsandirect_verbs.so" "$@" ;;
+                 SANDIRECT_VERBS_LIBRARY="$T/libsandirect_verbs.so" \
+                 ${SANDIRECT_LOG_LEVEL:+SANDIRECT_LOG=$SANDIRECT_LOG_LEVEL} "$@" ;;
   esac
 }
 
@@ -42,15 +47,51 @@ rdma_packets() {
 }
 packets_since() { local now; now=$(rdma_packets); [[ $1 == n/a || $now == n/a ]] && echo n/a || echo $((now - $1)); }
 
-# wait_for FILE PATTERN [TENTHS]: until FILE has a line matching PATTERN (bounded).
+# wait_for FILE PATTERN PID: until FILE has a line matching PATTERN (bounded: 30 s, or until
+# process PID has ended).
 wait_for() {
-  for _ in $(seq "${3:-300}"); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+  for _ in $(seq 300); do
+    grep -q "$2" "$1" 2>/dev/null && return 0
+    kill -0 "$3" 2>/dev/null || return 1
+    sleep 0.1
+  done
   return 1
 }
 
 # kernel_listener PORT: "yes" when a kernel TCP socket listens on PORT (rsocket's listeners
 # live in rdma_cm, not in the kernel's TCP table, on rxe).
 kernel_listener() { [[ -n $(ss -Hltn "sport = :$1" 2>/dev/null) ]] && echo yes || echo no; }
+
+# bounded CMD...: runs CMD in the background and waits for it at most LIMIT + 15 s; its exit
+# status, or 200 when it is still there (a process stuck in the kernel survives even the
+# SIGKILL of `timeout -k`, and waiting for it would stall the whole run).
+bounded() {
+  "$@" &
+  local pid=$!
+  for _ in $(seq $(( (LIMIT + 15) * 10 ))); do
+    kill -0 "$pid" 2>/dev/null || { wait "$pid"; return; }
+    sleep 0.1
+  done
+  return 200
+}
+
+# stop PID: SIGTERM, then up to 3 s to exit (redis-server shuts down, it does not just die).
+stop() {
+  kill "$1" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$1" 2>/dev/null || wait "$1" 2>/dev/null
+}
+
+# leftovers: kills (-9) what a run left behind — a fork child the client's `timeout` does not
+# know, a server stuck past its kill — and prints what it was ("" when nothing).
+leftovers() {
+  local pid found=""
+  for pid in $(pgrep -f "^$B |^iperf3 |^redis-server |^redis-benchmark " 2>/dev/null); do
+    found+="$(ps -o pid=,stat=,wchan:24=,args= -p "$pid" | tr -s ' ' | cut -c1-80); "
+    kill -9 "$pid" 2>/dev/null
+  done
+  echo "$found"
+}
 
 # pair NAME VARIANT CLIENT_ARGS...: one bench_sockets server/client pair; sets PAIR_RC,
 # PAIR_OUT (client stdout), PAIR_PACKETS, PAIR_LISTENER, PAIR_SECONDS.
@@ -60,20 +101,25 @@ pair() {
   [[ " $* " == *" --c-sockets "* ]] && server_args+=(--c-sockets)
   local before; before=$(rdma_packets)
   local start; start=$(date +%s.%N)
-  with_variant "$variant" timeout "$LIMIT" "$B" "${server_args[@]}" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  with_variant "$variant" timeout -k 5 "$LIMIT" "$B" "${server_args[@]}" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   local server=$!
   PAIR_LISTENER=n/a; PAIR_OUT=""; PAIR_RC=125
-  if wait_for "$LOGS/$name.server.out" '^port '; then
+  if wait_for "$LOGS/$name.server.out" '^port ' "$server"; then
     local port; port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
     PAIR_LISTENER=$(kernel_listener "$port")
-    with_variant "$variant" timeout "$LIMIT" "$B" --role client --address "$S" --port "$port" "$@" \
+    bounded with_variant "$variant" timeout -k 5 "$LIMIT" "$B" --role client --address "$S" --port "$port" "$@" \
       >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
     PAIR_RC=$?
     PAIR_OUT=$(cat "$LOGS/$name.client.out")
+    # What is still running after a client timed out (a fork child, a stuck server), and where.
+    [[ $PAIR_RC == 124 || $PAIR_RC == 137 ]] && for pid in $(pgrep -f "$B" 2>/dev/null); do
+      echo "still running after the client's limit: $(ps -o pid=,stat=,wchan:24=,args= -p "$pid")"
+    done >>"$LOGS/$name.client.err"
   fi
   # The server ends with the session; one the client never reached would wait for the limit.
   for _ in $(seq 50); do kill -0 "$server" 2>/dev/null || break; sleep 0.1; done
-  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+  stop "$server"
+  PAIR_LEFT=$(leftovers)
   PAIR_PACKETS=$(packets_since "$before")
   PAIR_SECONDS=$(echo "$(date +%s.%N) - $start" | bc)
 }
@@ -102,12 +148,12 @@ pair_figures() {
 iperf3_run() {
   local name=$1 variant=$2 seconds=$3 port=$((5400 + RANDOM % 500))
   local before; before=$(rdma_packets)
-  with_variant "$variant" timeout "$LIMIT" iperf3 -s -B "$S" -p "$port" -1 --forceflush \
+  with_variant "$variant" timeout -k 5 "$LIMIT" iperf3 -s -B "$S" -p "$port" -1 --forceflush \
     >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   local server=$!
   IPERF_RC=125; IPERF_MBITS=""
-  if wait_for "$LOGS/$name.server.out" 'Server listening'; then
-    with_variant "$variant" timeout "$LIMIT" iperf3 -c "$S" -B "$C" -p "$port" -t "$seconds" -O 1 -J \
+  if wait_for "$LOGS/$name.server.out" 'Server listening' "$server"; then
+    bounded with_variant "$variant" timeout -k 5 "$LIMIT" iperf3 -c "$S" -B "$C" -p "$port" -t "$seconds" -O 1 -J \
       >"$LOGS/$name.client.json" 2>"$LOGS/$name.client.err"
     IPERF_RC=$?
     IPERF_MBITS=$(/usr/bin/python3 -c 'import json,sys
@@ -115,7 +161,8 @@ try: print("%.1f" % (json.load(open(sys.argv[1]))["end"]["sum_received"]["bits_p
 except Exception: pass' "$LOGS/$name.client.json")
   fi
   # A server that never got its test ends at the limit; do not wait that long for it.
-  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+  stop "$server"
+  IPERF_LEFT=$(leftovers)
   IPERF_PACKETS=$(packets_since "$before")
 }
 
@@ -125,60 +172,82 @@ except Exception: pass' "$LOGS/$name.client.json")
 redis_run() {
   local name=$1 variant=$2 seconds=$3 port=$((6400 + RANDOM % 500))
   local before; before=$(rdma_packets)
-  with_variant "$variant" timeout "$LIMIT" redis-server --bind "$S" --port "$port" --protected-mode no \
+  with_variant "$variant" timeout -k 5 "$LIMIT" redis-server --bind "$S" --port "$port" --protected-mode no \
     --save "" --appendonly no >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   local server=$!
   REDIS_RC=125; REDIS_RPS=""
-  if wait_for "$LOGS/$name.server.out" 'Ready to accept connections'; then
-    with_variant "$variant" timeout -s INT "$seconds" redis-benchmark -h "$S" -p "$port" -c 4 -n 100000000 \
+  if wait_for "$LOGS/$name.server.out" 'Ready to accept connections' "$server"; then
+    bounded with_variant "$variant" timeout -k 5 -s INT "$seconds" redis-benchmark -h "$S" -p "$port" -c 4 -n 100000000 \
       -t set -q >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
     REDIS_RC=$?
     REDIS_RPS=$(tr '\r' '\n' <"$LOGS/$name.client.out" | sed -n 's/^SET: rps=\([0-9.]*\) .*/\1/p' |
       awk '{ v[NR] = $1 } END { if (NR < 2) exit; for (i = int(NR / 2) + 1; i <= NR; i++) { s += v[i]; n++ } printf "%.1f", s / n }')
   fi
-  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+  stop "$server"
+  REDIS_LEFT=$(leftovers)
   REDIS_PACKETS=$(packets_since "$before")
 }
 
 started=$(date +%s)
 echo "bench-rsocket: fabric ${SANDIRECT_VM_FABRIC:-?}, $ROUNDS rounds, slice ${SLICE_MS} ms, iperf3 ${IPERF_SECONDS} s, redis ${REDIS_SECONDS} s; rsocket = $RSPRELOAD"
 
+# verdict EXIT_OK(0/1) PACKETS: "yes" when it ran and the RDMA devices carried packets, "TCP"
+# when it ran on kernel TCP only (rxe counts packets; on siw, "yes" means it ran), else "no".
+verdict() {
+  if [[ $1 != 1 ]]; then echo no
+  elif [[ $2 == 0 ]]; then echo TCP
+  else echo yes; fi
+}
+hung_note() {
+  case $1 in
+    124|137) echo " = hung, killed after ${LIMIT} s" ;;
+    200) echo " = still there $((LIMIT + 15)) s on, even after SIGKILL (stuck in the kernel)" ;;
+  esac
+}
+positive() { [[ -n $1 ]] && awk -v x="$1" 'BEGIN { exit !(x > 0) }'; }
+
 # ------------------------------------------------------------------ runs it?
 # One line per (program, system) in $RUNS: "program|variant|verdict|detail".
 runs_it() { echo "$1|$2|$3|$4" >>"$RUNS"; echo "runs it? $1 under $2: $3 ($4)"; }
 CAN_SOCKETS=(); CAN_IPERF=(); CAN_REDIS=()
-for variant in "${VARIANTS[@]}"; do
+# Every 15 s, what runs and where it waits: the record of a stuck run (the guest's limit ends it).
+( while sleep 15; do date +%T; ps -eo pid,ppid,stat,wchan:28,etimes,args --sort=pid | awk '$1 != 2 && $2 != 2'; done ) \
+  >"$LOGS/ps-every-15s.txt" 2>&1 &
+watcher=$!
+trap 'kill "$watcher" 2>/dev/null' EXIT
+for variant in "${PROBED[@]}"; do
   # C-style sockets pair (the figures' program): does it run, and over what?
   pair "probe-$variant-sockets" "$variant" --c-sockets --source "$C" --slice-ms 20 --tests rtt,65536
-  detail="exit $PAIR_RC, $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s"
-  if [[ $PAIR_RC == 0 ]]; then runs_it "C sockets pair" "$variant" yes "$detail"; CAN_SOCKETS+=("$variant")
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  if [[ $PAIR_RC == 0 ]]; then runs_it "C sockets pair" "$variant" "$(verdict 1 "$PAIR_PACKETS")" "$detail"; CAN_SOCKETS+=("$variant")
   else runs_it "C sockets pair" "$variant" no "$detail; $(tail -n 1 "$LOGS/probe-$variant-sockets.client.err")"; fi
 
   # Rust std::net: SOCK_CLOEXEC sockets, accept4 (a std::net listener; the client socket made
   # as std::net makes it, bound to the client address).
   pair "probe-$variant-stdnet" "$variant" --source "$C" --slice-ms 20 --tests rtt,65536
-  detail="exit $PAIR_RC, $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s"
-  runs_it "Rust std::net pair" "$variant" "$([[ $PAIR_RC == 0 ]] && echo yes || echo no)" "$detail"
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  runs_it "Rust std::net pair" "$variant" "$(verdict "$([[ $PAIR_RC == 0 ]] && echo 1)" "$PAIR_PACKETS")" "$detail"
 
   # A forked client: the first test in the parent, the rest in its fork child.
   pair "probe-$variant-fork" "$variant" --c-sockets --source "$C" --slice-ms 20 --tests rtt,65536,rtt --fork-after-first
-  detail="exit $PAIR_RC$([[ $PAIR_RC == 124 ]] && echo " = hung, killed after ${LIMIT} s"), $(grep -c '^result ' <<<"$PAIR_OUT")/3 results, child's path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s"
-  if [[ $PAIR_RC == 0 ]]; then runs_it "forked client" "$variant" yes "$detail"
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/3 results, child's path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  if [[ $PAIR_RC == 0 ]]; then runs_it "forked client" "$variant" "$(verdict 1 "$PAIR_PACKETS")" "$detail"
   else runs_it "forked client" "$variant" no "$detail; $(grep -v '^$' "$LOGS/probe-$variant-fork.client.err" | tail -n 1)"; fi
 
   iperf3_run "probe-$variant-iperf3" "$variant" 2
-  detail="exit $IPERF_RC$([[ $IPERF_RC == 124 ]] && echo " = hung, killed after ${LIMIT} s"), ${IPERF_MBITS:-no} Mbit/s received, rdma packets $IPERF_PACKETS"
-  if [[ $IPERF_RC == 0 && -n $IPERF_MBITS ]]; then runs_it iperf3 "$variant" yes "$detail"; CAN_IPERF+=("$variant")
+  detail="exit $IPERF_RC$(hung_note "$IPERF_RC"), ${IPERF_MBITS:-no} Mbit/s received, rdma packets $IPERF_PACKETS${IPERF_LEFT:+, left behind: $IPERF_LEFT}"
+  if [[ $IPERF_RC == 0 ]] && positive "$IPERF_MBITS"; then runs_it iperf3 "$variant" "$(verdict 1 "$IPERF_PACKETS")" "$detail"; CAN_IPERF+=("$variant")
   else runs_it iperf3 "$variant" no "$detail; $(grep -hv '^$' "$LOGS/probe-$variant-iperf3.client.err" "$LOGS/probe-$variant-iperf3.server.err" 2>/dev/null | tail -n 1)"; fi
 
   redis_run "probe-$variant-redis" "$variant" 4
-  detail="benchmark exit $REDIS_RC (124 = stopped at the window's end, as meant), ${REDIS_RPS:-no} SET/s, rdma packets $REDIS_PACKETS"
-  if [[ -n $REDIS_RPS ]] && awk -v r="$REDIS_RPS" 'BEGIN { exit !(r > 0) }'; then runs_it redis-benchmark "$variant" yes "$detail"; CAN_REDIS+=("$variant")
+  detail="benchmark exit $REDIS_RC (124 = stopped at the window's end, as meant), ${REDIS_RPS:-no} SET/s, rdma packets $REDIS_PACKETS${REDIS_LEFT:+, left behind: $REDIS_LEFT}"
+  if positive "$REDIS_RPS"; then runs_it redis-benchmark "$variant" "$(verdict 1 "$REDIS_PACKETS")" "$detail"; CAN_REDIS+=("$variant")
   else runs_it redis-benchmark "$variant" no "$detail; $(grep -hv '^$' "$LOGS/probe-$variant-redis.client.err" "$LOGS/probe-$variant-redis.server.err" 2>/dev/null | tail -n 1)"; fi
 done
 echo "bench-rsocket: probes done in $(( $(date +%s) - started )) s"
 
 # ------------------------------------------------------------------ rounds
+SANDIRECT_LOG_LEVEL=
 can() { local want=$1; shift; for v in "$@"; do [[ $v == "$want" ]] && return 0; done; return 1; }
 for round in $(seq "$ROUNDS"); do
   # Rotate the order, so warm-up and drift hit every system alike.
@@ -188,12 +257,12 @@ for round in $(seq "$ROUNDS"); do
     can "$variant" "${CAN_SOCKETS[@]}" && pair_figures "$round" "$variant"
     if can "$variant" "${CAN_IPERF[@]}"; then
       iperf3_run "r$round-$variant-iperf3" "$variant" "$IPERF_SECONDS"
-      [[ $IPERF_RC == 0 && -n $IPERF_MBITS ]] && echo "$round $variant iperf3 $IPERF_MBITS" >>"$RAW" ||
+      [[ $IPERF_RC == 0 ]] && positive "$IPERF_MBITS" && echo "$round $variant iperf3 $IPERF_MBITS" >>"$RAW" ||
         echo "round $round: $variant iperf3 failed (exit $IPERF_RC)"
     fi
     if can "$variant" "${CAN_REDIS[@]}"; then
       redis_run "r$round-$variant-redis" "$variant" "$REDIS_SECONDS"
-      [[ -n $REDIS_RPS ]] && echo "$round $variant redis-set $REDIS_RPS" >>"$RAW" ||
+      positive "$REDIS_RPS" && echo "$round $variant redis-set $REDIS_RPS" >>"$RAW" ||
         echo "round $round: $variant redis-benchmark gave no rate (exit $REDIS_RC)"
     fi
   done
