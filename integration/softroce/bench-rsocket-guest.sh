@@ -14,14 +14,13 @@ RSPRELOAD=${SANDIRECT_RSPRELOAD:-/usr/lib/x86_64-linux-gnu/rsocket/librspreload.
 mkdir -p "$OUT"; LOGS=$OUT/logs; mkdir -p "$LOGS"
 RAW=$OUT/raw.txt; RUNS=$OUT/runs.txt; : >"$RAW"; : >"$RUNS"
 
+# Every program runs under `timeout` (LIMIT seconds): a system that cannot run it shows up as a
+# hang bounded here (exit 124), not as a stuck benchmark.
 if [[ $QUICK == --quick ]]; then
-  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-2}; SLICE_MS=150; IPERF_SECONDS=2; REDIS_SECONDS=3
+  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-2}; SLICE_MS=150; IPERF_SECONDS=2; REDIS_SECONDS=3; LIMIT=20
 else
-  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-5}; SLICE_MS=400; IPERF_SECONDS=4; REDIS_SECONDS=6
+  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-4}; SLICE_MS=300; IPERF_SECONDS=3; REDIS_SECONDS=5; LIMIT=30
 fi
-# Every program runs under `timeout`: a system that cannot run it shows up as a hang bounded
-# here (exit 124), not as a stuck benchmark.
-LIMIT=60
 
 VARIANTS=(tcp rsocket sandirect)
 # (A subset, e.g. SANDIRECT_BENCH_VARIANTS=sandirect, while investigating one system.)
