@@ -17,14 +17,14 @@ RAW=$OUT/raw.txt; RUNS=$OUT/runs.txt; : >"$RAW"; : >"$RUNS"
 # Every program runs under `timeout` (LIMIT seconds): a system that cannot run it shows up as a
 # hang bounded here (exit 124), not as a stuck benchmark.
 if [[ $QUICK == --quick ]]; then
-  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-2}; SLICE_MS=150; IPERF_SECONDS=2; REDIS_SECONDS=3; LIMIT=20
+  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-1}; SLICE_MS=150; IPERF_SECONDS=2; REDIS_SECONDS=3; LIMIT=20
 else
   ROUNDS=${SANDIRECT_BENCH_ROUNDS:-4}; SLICE_MS=300; IPERF_SECONDS=3; REDIS_SECONDS=5; LIMIT=30
 fi
 
 VARIANTS=(tcp rsocket sandirect)
 # (A subset, e.g. SANDIRECT_BENCH_VARIANTS=sandirect, while investigating one system.)
-read -ra PROBED <<<"${SANDIRECT_BENCH_VARIANTS:-${VARIANTS[*]}}"
+read -ra MEASURED <<<"${SANDIRECT_BENCH_VARIANTS:-${VARIANTS[*]}}"
 # sandirect logs at debug level in the probes (their logs explain an outcome), not in the rounds.
 SANDIRECT_LOG_LEVEL=debug
 # with_variant VARIANT CMD...: runs CMD as that system runs it (nothing preloaded for tcp).
@@ -102,13 +102,20 @@ pair() {
   local start; start=$(date +%s.%N)
   with_variant "$variant" timeout -k 5 "$LIMIT" "$B" "${server_args[@]}" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   local server=$!
-  PAIR_LISTENER=n/a; PAIR_OUT=""; PAIR_RC=125
+  PAIR_LISTENER=n/a; PAIR_OUT=""; PAIR_RC=125; PAIR_QPS=0
   if wait_for "$LOGS/$name.server.out" '^port ' "$server"; then
     local port; port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
     PAIR_LISTENER=$(kernel_listener "$port")
+    # The queue pairs the pair's processes hold while the client runs (`rdma resource`): the
+    # evidence of an RDMA path on siw too, which has no packet counters.
+    ( while :; do rdma resource show qp 2>/dev/null | grep -c 'comm bench_sockets'; sleep 0.5; done ) \
+      >"$LOGS/$name.qps" &
+    local sampler=$!
     bounded with_variant "$variant" timeout -k 5 "$LIMIT" "$B" --role client --address "$S" --port "$port" "$@" \
       >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
     PAIR_RC=$?
+    kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+    PAIR_QPS=$(sort -n "$LOGS/$name.qps" | tail -n 1)
     PAIR_OUT=$(cat "$LOGS/$name.client.out")
     # What is still running after a client timed out (a fork child, a stuck server), and where.
     [[ $PAIR_RC == 124 || $PAIR_RC == 137 ]] && for pid in $(pgrep -f "$B" 2>/dev/null); do
@@ -190,11 +197,12 @@ redis_run() {
 started=$(date +%s)
 echo "bench-rsocket: fabric ${SANDIRECT_VM_FABRIC:-?}, $ROUNDS rounds, slice ${SLICE_MS} ms, iperf3 ${IPERF_SECONDS} s, redis ${REDIS_SECONDS} s; rsocket = $RSPRELOAD"
 
-# verdict EXIT_OK(0/1) PACKETS: "yes" when it ran and the RDMA devices carried packets, "TCP"
-# when it ran on kernel TCP only (rxe counts packets; on siw, "yes" means it ran), else "no".
+# verdict EXIT_OK(0/1) PACKETS [QPS]: "yes" when it ran and the RDMA devices carried packets,
+# "TCP" when it ran on kernel TCP only (rxe counts packets; siw does not: there the bench_sockets
+# pairs count the queue pairs they held, and iperf3/redis "yes" only means it ran), else "no".
 verdict() {
   if [[ $1 != 1 ]]; then echo no
-  elif [[ $2 == 0 ]]; then echo TCP
+  elif [[ $2 == 0 || ( $2 == n/a && ${3:-} == 0 ) ]]; then echo TCP
   else echo yes; fi
 }
 hung_note() {
@@ -209,28 +217,33 @@ positive() { [[ -n $1 ]] && awk -v x="$1" 'BEGIN { exit !(x > 0) }'; }
 # One line per (program, system) in $RUNS: "program|variant|verdict|detail".
 runs_it() { echo "$1|$2|$3|$4" >>"$RUNS"; echo "runs it? $1 under $2: $3 ($4)"; }
 CAN_SOCKETS=(); CAN_IPERF=(); CAN_REDIS=()
+# Kernel TCP runs them all (it is the control, and its probes would cost a minute under TCG).
+for variant in "${MEASURED[@]}"; do
+  [[ $variant == tcp ]] && { CAN_SOCKETS+=(tcp); CAN_IPERF+=(tcp); CAN_REDIS+=(tcp); }
+done
 # Every 15 s, what runs and where it waits: the record of a stuck run (the guest's limit ends it).
 ( while sleep 15; do date +%T; ps -eo pid,ppid,stat,wchan:28,etimes,args --sort=pid | awk '$1 != 2 && $2 != 2'; done ) \
   >"$LOGS/ps-every-15s.txt" 2>&1 &
 watcher=$!
 trap 'kill "$watcher" 2>/dev/null' EXIT
-for variant in "${PROBED[@]}"; do
+for variant in "${MEASURED[@]}"; do
+  [[ $variant == tcp ]] && continue
   # C-style sockets pair (the figures' program): does it run, and over what?
   pair "probe-$variant-sockets" "$variant" --c-sockets --source "$C" --slice-ms 20 --tests rtt,65536
-  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
-  if [[ $PAIR_RC == 0 ]]; then runs_it "C sockets pair" "$variant" "$(verdict 1 "$PAIR_PACKETS")" "$detail"; CAN_SOCKETS+=("$variant")
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  if [[ $PAIR_RC == 0 ]]; then runs_it "C sockets pair" "$variant" "$(verdict 1 "$PAIR_PACKETS" "$PAIR_QPS")" "$detail"; CAN_SOCKETS+=("$variant")
   else runs_it "C sockets pair" "$variant" no "$detail; $(tail -n 1 "$LOGS/probe-$variant-sockets.client.err")"; fi
 
   # Rust std::net: SOCK_CLOEXEC sockets, accept4 (a std::net listener; the client socket made
   # as std::net makes it, bound to the client address).
   pair "probe-$variant-stdnet" "$variant" --source "$C" --slice-ms 20 --tests rtt,65536
-  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
-  runs_it "Rust std::net pair" "$variant" "$(verdict "$([[ $PAIR_RC == 0 ]] && echo 1)" "$PAIR_PACKETS")" "$detail"
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  runs_it "Rust std::net pair" "$variant" "$(verdict "$([[ $PAIR_RC == 0 ]] && echo 1)" "$PAIR_PACKETS" "$PAIR_QPS")" "$detail"
 
   # A forked client: the first test in the parent, the rest in its fork child.
   pair "probe-$variant-fork" "$variant" --c-sockets --source "$C" --slice-ms 20 --tests rtt,65536,rtt --fork-after-first
-  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/3 results, child's path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), rdma packets $PAIR_PACKETS, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
-  if [[ $PAIR_RC == 0 ]]; then runs_it "forked client" "$variant" "$(verdict 1 "$PAIR_PACKETS")" "$detail"
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/3 results, child's path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  if [[ $PAIR_RC == 0 ]]; then runs_it "forked client" "$variant" "$(verdict 1 "$PAIR_PACKETS" "$PAIR_QPS")" "$detail"
   else runs_it "forked client" "$variant" no "$detail; $(grep -v '^$' "$LOGS/probe-$variant-fork.client.err" | tail -n 1)"; fi
 
   iperf3_run "probe-$variant-iperf3" "$variant" 2

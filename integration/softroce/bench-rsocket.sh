@@ -8,7 +8,7 @@
 #
 #   usage: integration/softroce/bench-rsocket.sh [--quick] [rxe] [siw]   (default: rxe)
 #
-#   --quick   2 short rounds (a CI-sized proof that the script works, ~4 min per fabric);
+#   --quick   1 short round (a CI-sized proof that the script works, ~4 min per fabric);
 #             the default is 4 rounds (~10 min per fabric)
 #
 # Builds libsandirect.so, libsandirect_verbs.so and bench_sockets (release) on the host; the
