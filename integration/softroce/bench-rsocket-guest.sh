@@ -106,9 +106,9 @@ pair() {
   if wait_for "$LOGS/$name.server.out" '^port ' "$server"; then
     local port; port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
     PAIR_LISTENER=$(kernel_listener "$port")
-    # The queue pairs the pair's processes hold while the client runs (`rdma resource`): the
-    # evidence of an RDMA path on siw too, which has no packet counters.
-    ( while :; do rdma resource show qp 2>/dev/null | grep -c 'comm bench_sockets'; sleep 0.5; done ) \
+    # The user queue pairs that exist while the client runs (`rdma resource`; nothing else
+    # runs meanwhile): the evidence of an RDMA path on siw too, which has no packet counters.
+    ( while :; do rdma resource show qp 2>/dev/null | grep -c ' pid '; sleep 0.5; done ) \
       >"$LOGS/$name.qps" &
     local sampler=$!
     bounded with_variant "$variant" timeout -k 5 "$LIMIT" "$B" --role client --address "$S" --port "$port" "$@" \
@@ -197,11 +197,12 @@ redis_run() {
 started=$(date +%s)
 echo "bench-rsocket: fabric ${SANDIRECT_VM_FABRIC:-?}, $ROUNDS rounds, slice ${SLICE_MS} ms, iperf3 ${IPERF_SECONDS} s, redis ${REDIS_SECONDS} s; rsocket = $RSPRELOAD"
 
-# verdict EXIT_OK(0/1) PACKETS [QPS]: "yes" when it ran and the RDMA devices carried packets,
+# verdict EXIT_OK(0/1) PACKETS [QPS [PATH]]: "yes" when it ran and the RDMA devices carried packets,
 # "TCP" when it ran on kernel TCP only (rxe counts packets; siw does not: there the bench_sockets
 # pairs count the queue pairs they held, and iperf3/redis "yes" only means it ran), else "no".
 verdict() {
   if [[ $1 != 1 ]]; then echo no
+  elif [[ ${4:-} == SAN-verbs ]]; then echo yes   # sandirect's own record of the path
   elif [[ $2 == 0 || ( $2 == n/a && ${3:-} == 0 ) ]]; then echo TCP
   else echo yes; fi
 }
@@ -230,29 +231,29 @@ for variant in "${MEASURED[@]}"; do
   [[ $variant == tcp ]] && continue
   # C-style sockets pair (the figures' program): does it run, and over what?
   pair "probe-$variant-sockets" "$variant" --c-sockets --source "$C" --slice-ms 20 --tests rtt,65536
-  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
-  if [[ $PAIR_RC == 0 ]]; then runs_it "C sockets pair" "$variant" "$(verdict 1 "$PAIR_PACKETS" "$PAIR_QPS")" "$detail"; CAN_SOCKETS+=("$variant")
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, still running at the end, killed: $PAIR_LEFT}"
+  if [[ $PAIR_RC == 0 ]]; then runs_it "C sockets pair" "$variant" "$(verdict 1 "$PAIR_PACKETS" "$PAIR_QPS" "$(sed -n 's/^path //p' <<<"$PAIR_OUT")")" "$detail"; CAN_SOCKETS+=("$variant")
   else runs_it "C sockets pair" "$variant" no "$detail; $(tail -n 1 "$LOGS/probe-$variant-sockets.client.err")"; fi
 
   # Rust std::net: SOCK_CLOEXEC sockets, accept4 (a std::net listener; the client socket made
   # as std::net makes it, bound to the client address).
   pair "probe-$variant-stdnet" "$variant" --source "$C" --slice-ms 20 --tests rtt,65536
-  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
-  runs_it "Rust std::net pair" "$variant" "$(verdict "$([[ $PAIR_RC == 0 ]] && echo 1)" "$PAIR_PACKETS" "$PAIR_QPS")" "$detail"
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/2 results, path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), kernel listener $PAIR_LISTENER, rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, still running at the end, killed: $PAIR_LEFT}"
+  runs_it "Rust std::net pair" "$variant" "$(verdict "$([[ $PAIR_RC == 0 ]] && echo 1)" "$PAIR_PACKETS" "$PAIR_QPS" "$(sed -n 's/^path //p' <<<"$PAIR_OUT")")" "$detail"
 
   # A forked client: the first test in the parent, the rest in its fork child.
   pair "probe-$variant-fork" "$variant" --c-sockets --source "$C" --slice-ms 20 --tests rtt,65536,rtt --fork-after-first
-  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/3 results, child's path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, left behind: $PAIR_LEFT}"
+  detail="exit $PAIR_RC$(hung_note "$PAIR_RC"), $(grep -c '^result ' <<<"$PAIR_OUT")/3 results, child's path $(sed -n 's/^path //p' <<<"$PAIR_OUT"), rdma packets $PAIR_PACKETS, most QPs held ${PAIR_QPS:-0}, ${PAIR_SECONDS%.*} s${PAIR_LEFT:+, still running at the end, killed: $PAIR_LEFT}"
   if [[ $PAIR_RC == 0 ]]; then runs_it "forked client" "$variant" "$(verdict 1 "$PAIR_PACKETS" "$PAIR_QPS")" "$detail"
   else runs_it "forked client" "$variant" no "$detail; $(grep -v '^$' "$LOGS/probe-$variant-fork.client.err" | tail -n 1)"; fi
 
   iperf3_run "probe-$variant-iperf3" "$variant" 2
-  detail="exit $IPERF_RC$(hung_note "$IPERF_RC"), ${IPERF_MBITS:-no} Mbit/s received, rdma packets $IPERF_PACKETS${IPERF_LEFT:+, left behind: $IPERF_LEFT}"
+  detail="exit $IPERF_RC$(hung_note "$IPERF_RC"), ${IPERF_MBITS:-no} Mbit/s received, rdma packets $IPERF_PACKETS${IPERF_LEFT:+, still running at the end, killed: $IPERF_LEFT}"
   if [[ $IPERF_RC == 0 ]] && positive "$IPERF_MBITS"; then runs_it iperf3 "$variant" "$(verdict 1 "$IPERF_PACKETS")" "$detail"; CAN_IPERF+=("$variant")
   else runs_it iperf3 "$variant" no "$detail; $(grep -hv '^$' "$LOGS/probe-$variant-iperf3.client.err" "$LOGS/probe-$variant-iperf3.server.err" 2>/dev/null | tail -n 1)"; fi
 
   redis_run "probe-$variant-redis" "$variant" 4
-  detail="benchmark exit $REDIS_RC (124 = stopped at the window's end, as meant), ${REDIS_RPS:-no} SET/s, rdma packets $REDIS_PACKETS${REDIS_LEFT:+, left behind: $REDIS_LEFT}"
+  detail="benchmark exit $REDIS_RC (124 = stopped at the window's end, as meant), ${REDIS_RPS:-no} SET/s, rdma packets $REDIS_PACKETS${REDIS_LEFT:+, still running at the end, killed: $REDIS_LEFT}"
   if positive "$REDIS_RPS"; then runs_it redis-benchmark "$variant" "$(verdict 1 "$REDIS_PACKETS")" "$detail"; CAN_REDIS+=("$variant")
   else runs_it redis-benchmark "$variant" no "$detail; $(grep -hv '^$' "$LOGS/probe-$variant-redis.client.err" "$LOGS/probe-$variant-redis.server.err" 2>/dev/null | tail -n 1)"; fi
 done
