@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench-rsocket-guest.sh - runs inside the soft-RDMA guest (see bench-rsocket.sh): kernel TCP,
 # rsocket's preload (librspreload.so) and sandirect over verbs, side by side across the guest's
-# two addresses. First a "runs it?" probe of each program under each system, then interleaved
-# rounds of the figures, then the tables (bench-rsocket-table.py).
+# two addresses. First a "runs it?" probe of each program under rsocket and sandirect, then
+# interleaved rounds of the figures, then the tables (bench-rsocket-table.py).
 #
 #   usage: bench-rsocket-guest.sh TARGET_PROFILE_DIR OUT_DIR [--quick]
 set -uo pipefail

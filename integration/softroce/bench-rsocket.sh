@@ -9,7 +9,7 @@
 #   usage: integration/softroce/bench-rsocket.sh [--quick] [rxe] [siw]   (default: rxe)
 #
 #   --quick   1 short round (a CI-sized proof that the script works, ~4 min per fabric);
-#             the default is 4 rounds (~10 min per fabric)
+#             the default is 4 rounds (~7 min per fabric)
 #
 # Builds libsandirect.so, libsandirect_verbs.so and bench_sockets (release) on the host; the
 # guest runs bench-rsocket-guest.sh; raw figures and logs stay in
