@@ -15,7 +15,10 @@
 //! benchmark prints; it never fails a build (exit status 0 unless it could not run at all).
 //!
 //! `bench_sockets [--quick] [--seconds N] [--preload PATH]` (the orchestrator). The same binary
-//! is the server and the client of every pair (`--role server|client`, internal).
+//! is the server and the client of every pair (`--role server|client`). The roles also run by
+//! hand across two addresses, with C-style sockets and a chosen test list, for the side-by-side
+//! run with rsocket in the soft-RDMA guest (`integration/softroce/bench-rsocket.sh`); see
+//! `USAGE` below.
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
@@ -229,14 +232,20 @@ struct Run {
 
 fn run_test(transport: &mut dyn Transport, test: Test, count: u64) -> io::Result<Run> {
     let size = test.size();
-    let mut message: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let sent: Vec<u8> = (0..size).map(|i| i as u8).collect();
+    let mut echo = sent.clone();
     transport.send(&encode_header(test.code(), size, count))?;
     let cpu_before = cpu_time_ns();
     let start = Instant::now();
     for _ in 0..count {
-        transport.send(&message)?;
+        transport.send(&sent)?;
         if test == Test::PingPong {
-            transport.receive(&mut message)?;
+            transport.receive(&mut echo)?;
+            // A 64-byte compare per round trip: the figures are only worth something if the
+            // bytes came back intact.
+            if echo != sent {
+                return Err(io::Error::other("the echo differs from the message sent"));
+            }
         }
     }
     let mut ack = [0u8; 16];
@@ -263,13 +272,13 @@ fn run_test(transport: &mut dyn Transport, test: Test, count: u64) -> io::Result
     })
 }
 
-/// Runs every test: calibration runs (also the warm-up) growing from one message until they
-/// last an eighth of `slice`, then the measured run scaled to `slice`. Prints one `result`
-/// line per test.
-fn client(transport: &mut dyn Transport, slice: Duration) -> io::Result<()> {
+/// Runs `tests`: for each, calibration runs (also the warm-up) growing from one message until
+/// they last an eighth of `slice`, then the measured run scaled to `slice`. Prints one
+/// `result` line per test. The session stays open ([`end_session`] ends it).
+fn client(transport: &mut dyn Transport, slice: Duration, tests: &[Test]) -> io::Result<()> {
     const MOST_MESSAGES: f64 = 50_000_000.0;
     let slice_ns = slice.as_nanos() as f64;
-    for test in Test::all() {
+    for &test in tests {
         let mut count = 1u64;
         let calibration = loop {
             let run = run_test(transport, test, count)?;
@@ -293,8 +302,12 @@ fn client(transport: &mut dyn Transport, slice: Duration) -> io::Result<()> {
             run.server_cpu_ns
         );
     }
-    transport.send(&encode_header(0, 0, 0))?;
     Ok(())
+}
+
+/// Tells the server that no test follows.
+fn end_session(transport: &mut dyn Transport) -> io::Result<()> {
+    transport.send(&encode_header(0, 0, 0))
 }
 
 /// The data path the interposer recorded for this process's connected sockets ("none" when
@@ -330,10 +343,20 @@ fn role_main(args: &Arguments) -> io::Result<()> {
     let slice = args.slice;
     match (args.role.as_deref(), &args.ring) {
         (Some("server"), None) => {
-            let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-            println!("port {}", listener.local_addr()?.port());
-            io::stdout().flush()?;
-            let (mut stream, _) = listener.accept()?;
+            let mut stream = match args.sockets {
+                SocketStyle::Std => {
+                    let listener = TcpListener::bind((args.address, 0))?;
+                    println!("port {}", listener.local_addr()?.port());
+                    io::stdout().flush()?;
+                    listener.accept()?.0
+                }
+                SocketStyle::C => {
+                    let listener = c_sockets::listen(args.address)?;
+                    println!("port {}", listener.local_addr()?.port());
+                    io::stdout().flush()?;
+                    c_sockets::accept(&listener)?
+                }
+            };
             stream.set_nodelay(true)?;
             serve(&mut stream)
         }
@@ -347,19 +370,181 @@ fn role_main(args: &Arguments) -> io::Result<()> {
             let port = args
                 .port
                 .ok_or_else(|| io::Error::other("client needs --port"))?;
-            let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port))?;
+            let mut stream = match (args.sockets, args.source) {
+                (SocketStyle::Std, None) => TcpStream::connect((args.address, port))?,
+                (style, source) => c_sockets::connect(style, source, args.address, port)?,
+            };
             stream.set_nodelay(true)?;
-            client(&mut stream, slice)?;
+            if args.fork_after_first && args.tests.len() > 1 {
+                return forked_client(stream, slice, &args.tests);
+            }
+            client(&mut stream, slice, &args.tests)?;
+            end_session(&mut stream)?;
             println!("path {}", own_published_path());
             Ok(())
         }
         (Some("client"), Some(ring)) => {
             let mut end = RingEnd::open(ring, ring::Side::Client)?;
-            client(&mut end, slice)?;
+            client(&mut end, slice, &args.tests)?;
+            end_session(&mut end)?;
             println!("path raw-ring");
             Ok(())
         }
         _ => Err(io::Error::other("--role must be server or client")),
+    }
+}
+
+/// A forked client (a pre-forking program's pattern): the first test runs in this process,
+/// which then forks; the child runs the other tests on the inherited connection and ends the
+/// session, while the parent closes its copy and waits for the child. The child prints the
+/// data path it saw.
+fn forked_client(mut stream: TcpStream, slice: Duration, tests: &[Test]) -> io::Result<()> {
+    client(&mut stream, slice, &tests[..1])?;
+    io::stdout().flush()?;
+    // SAFETY: this process has a single thread (the role processes start none), so the child
+    // may run any code; it only uses the inherited connection and exits.
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if child == 0 {
+        client(&mut stream, slice, &tests[1..])?;
+        end_session(&mut stream)?;
+        println!("path {}", own_published_path());
+        io::stdout().flush()?;
+        return Ok(());
+    }
+    drop(stream);
+    let mut status = 0;
+    // SAFETY: waiting for our own child, with a valid pointer for its status.
+    if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+        return Err(io::Error::last_os_error());
+    }
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::other(format!(
+            "the forked child failed (wait status {status:#x})"
+        )))
+    }
+}
+
+/// How the role processes make their TCP sockets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SocketStyle {
+    /// Rust `std::net`'s way (the default): `SOCK_CLOEXEC` in the socket type, `accept4`.
+    Std,
+    /// A C program's way: `socket(AF_INET, SOCK_STREAM, 0)` and `accept` — what rsocket's
+    /// preload (`librspreload.so`) takes over, unlike `std::net`'s sockets.
+    C,
+}
+
+/// Sockets made with the libc calls a C program uses, wrapped in `std::net` types for I/O
+/// (whose reads and writes are `recv`/`send`).
+mod c_sockets {
+    use std::io;
+    use std::net::{Ipv4Addr, TcpListener, TcpStream};
+    use std::os::fd::{AsRawFd, FromRawFd};
+
+    use super::SocketStyle;
+
+    fn sockaddr(ip: Ipv4Addr, port: u16) -> libc::sockaddr_in {
+        libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: port.to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(ip).to_be(),
+            },
+            sin_zero: [0; 8],
+        }
+    }
+
+    const SOCKADDR_LEN: libc::socklen_t = core::mem::size_of::<libc::sockaddr_in>() as _;
+
+    /// A TCP socket of `style`, owned by a `TcpStream` (closed when dropped).
+    fn socket(style: SocketStyle) -> io::Result<TcpStream> {
+        let flags = match style {
+            SocketStyle::Std => libc::SOCK_CLOEXEC,
+            SocketStyle::C => 0,
+        };
+        // SAFETY: plain socket call with constant arguments.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | flags, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh socket that nothing else owns.
+        Ok(unsafe { TcpStream::from_raw_fd(fd) })
+    }
+
+    fn bind(socket: &impl AsRawFd, ip: Ipv4Addr, port: u16) -> io::Result<()> {
+        let address = sockaddr(ip, port);
+        // SAFETY: a valid sockaddr_in of SOCKADDR_LEN bytes.
+        let rc = unsafe {
+            libc::bind(
+                socket.as_raw_fd(),
+                (&address as *const libc::sockaddr_in).cast(),
+                SOCKADDR_LEN,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// A listener on `ip`, an ephemeral port.
+    pub fn listen(ip: Ipv4Addr) -> io::Result<TcpListener> {
+        let socket = socket(SocketStyle::C)?;
+        bind(&socket, ip, 0)?;
+        // SAFETY: listen on a socket we own.
+        if unsafe { libc::listen(socket.as_raw_fd(), 16) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: moving ownership of the descriptor from the stream to the listener.
+        Ok(unsafe { TcpListener::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(socket)) })
+    }
+
+    /// One connection from `listener`, by `accept` (not `accept4`).
+    pub fn accept(listener: &TcpListener) -> io::Result<TcpStream> {
+        // SAFETY: accept without asking for the peer's address.
+        let fd = unsafe {
+            libc::accept(
+                listener.as_raw_fd(),
+                core::ptr::null_mut(),
+                core::ptr::null_mut(),
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fd is the accepted connection, owned by nobody else.
+        Ok(unsafe { TcpStream::from_raw_fd(fd) })
+    }
+
+    /// A connection to `ip:port` from a socket of `style`, bound to `source` first if given.
+    pub fn connect(
+        style: SocketStyle,
+        source: Option<Ipv4Addr>,
+        ip: Ipv4Addr,
+        port: u16,
+    ) -> io::Result<TcpStream> {
+        let socket = socket(style)?;
+        if let Some(source) = source {
+            bind(&socket, source, 0)?;
+        }
+        let peer = sockaddr(ip, port);
+        // SAFETY: a valid sockaddr_in of SOCKADDR_LEN bytes.
+        let rc = unsafe {
+            libc::connect(
+                socket.as_raw_fd(),
+                (&peer as *const libc::sockaddr_in).cast(),
+                SOCKADDR_LEN,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(socket)
     }
 }
 
@@ -376,6 +561,34 @@ struct Arguments {
     port: Option<u16>,
     ring: Option<PathBuf>,
     slice: Duration,
+    /// Server: the address to listen on; client: the server's address.
+    address: Ipv4Addr,
+    /// Client: the local address to bind before connecting.
+    source: Option<Ipv4Addr>,
+    sockets: SocketStyle,
+    /// Client: the tests to run, in order.
+    tests: Vec<Test>,
+    /// Client: fork after the first test; the child runs the others.
+    fork_after_first: bool,
+}
+
+/// `rtt` or a stream message size in bytes (at most the largest of [`STREAM_SIZES`]).
+fn parse_test(word: &str) -> Result<Test, String> {
+    if word == "rtt" {
+        return Ok(Test::PingPong);
+    }
+    let largest = STREAM_SIZES.iter().copied().max().unwrap_or(RTT_SIZE);
+    match word.parse::<usize>() {
+        Ok(size) if (1..=largest).contains(&size) => Ok(Test::Stream(size)),
+        _ => Err(format!(
+            "bad test {word:?}: rtt or a stream size of 1..={largest} bytes"
+        )),
+    }
+}
+
+fn parse_address(text: &str, name: &str) -> Result<Ipv4Addr, String> {
+    text.parse()
+        .map_err(|_| format!("{name} needs an IPv4 address"))
 }
 
 fn parse_arguments() -> Result<Arguments, String> {
@@ -387,6 +600,11 @@ fn parse_arguments() -> Result<Arguments, String> {
         port: None,
         ring: None,
         slice: Duration::from_millis(100),
+        address: Ipv4Addr::LOCALHOST,
+        source: None,
+        sockets: SocketStyle::Std,
+        tests: Test::all(),
+        fork_after_first: false,
     };
     let mut words = std::env::args().skip(1);
     while let Some(word) = words.next() {
@@ -404,17 +622,29 @@ fn parse_arguments() -> Result<Arguments, String> {
                 let ms: u64 = value("--slice-ms")?.parse().map_err(|_| "bad --slice-ms")?;
                 args.slice = Duration::from_millis(ms.max(1));
             }
-            "-h" | "--help" => {
-                return Err(
-                    "usage: bench_sockets [--quick] [--seconds N] [--preload libsandirect.so]"
-                        .into(),
-                )
+            "--address" => args.address = parse_address(&value("--address")?, "--address")?,
+            "--source" => args.source = Some(parse_address(&value("--source")?, "--source")?),
+            "--c-sockets" => args.sockets = SocketStyle::C,
+            "--tests" => {
+                args.tests = value("--tests")?
+                    .split(',')
+                    .map(parse_test)
+                    .collect::<Result<_, _>>()?
             }
+            "--fork-after-first" => args.fork_after_first = true,
+            "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
     Ok(args)
 }
+
+const USAGE: &str = "usage: bench_sockets [--quick] [--seconds N] [--preload libsandirect.so]
+   or: bench_sockets --role server [--address IP] [--c-sockets]       (prints \"port N\")
+   or: bench_sockets --role client --port N [--address IP] [--source IP] [--c-sockets]
+                     [--tests rtt,SIZE,...] [--slice-ms MS] [--fork-after-first]
+       (one pair by hand, e.g. across two hosts; the client prints \"result CODE SIZE COUNT
+       ELAPSED_NS CLIENT_CPU_NS SERVER_CPU_NS\" per test, then \"path P\")";
 
 /// A child of the orchestrator, killed if still running when dropped.
 struct Worker(Child);
