@@ -18,7 +18,7 @@ fabrics=("$@"); [[ ${#fabrics[@]} -gt 0 ]] || fabrics=(rxe siw)
 t0=$(date +%s)
 # (Separate calls: `--bin` would restrict every selected package to that binary.)
 cargo build ${CARGO_BUILD_FLAGS:-} -p sandirect-preload -p san-verbs -p sandirect-cli >&2
-cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost >&2
+cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost --bin app_stdnet --bin app_kv >&2
 target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 profile="$target/debug"
 [[ -x "$profile/san_xhost" && -f "$profile/libsandirect.so" && -f "$profile/libsandirect_verbs.so" ]] ||
