@@ -454,7 +454,10 @@ fn fork_server(listener: TcpListener, connections: usize) -> std::io::Result<()>
         // (`stream` moved into the closure: the parent's copy is closed when fork_into
         // returns.)
     }
-    let failed = children.into_iter().filter(|&pid| !child_succeeded(pid)).count();
+    let failed = children
+        .into_iter()
+        .filter(|&pid| !child_succeeded(pid))
+        .count();
     if failed > 0 {
         return Err(std::io::Error::other(format!(
             "{failed} of {connections} children failed"
