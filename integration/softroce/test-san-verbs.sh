@@ -6,9 +6,10 @@
 #
 #   usage: integration/softroce/test-san-verbs.sh [rxe] [siw]     (default: both)
 #
-# Builds libsandirect.so, libsandirect_verbs.so and san_xhost on the host; the guest runs
-# san-verbs-guest.sh. Exit status 0 only if every fabric passed. SANDIRECT_SAN_VERBS_BYTES
-# sets the stream size (default 8 MiB).
+# Builds libsandirect.so, libsandirect_verbs.so, san_xhost, san_memory, app_stdnet and app_kv
+# on the host; the guest runs san-verbs-guest.sh, then san-verbs-memory-guest.sh (the
+# registration cache under mapping changes, ENOBUFS under RLIMIT_MEMLOCK). Exit status 0 only if every fabric passed.
+# SANDIRECT_SAN_VERBS_BYTES sets the stream size (default 8 MiB).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -18,10 +19,10 @@ fabrics=("$@"); [[ ${#fabrics[@]} -gt 0 ]] || fabrics=(rxe siw)
 t0=$(date +%s)
 # (Separate calls: `--bin` would restrict every selected package to that binary.)
 cargo build ${CARGO_BUILD_FLAGS:-} -p sandirect-preload -p san-verbs -p sandirect-cli >&2
-cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost --bin app_stdnet --bin app_kv >&2
+cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost --bin san_memory --bin app_stdnet --bin app_kv >&2
 target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 profile="$target/debug"
-[[ -x "$profile/san_xhost" && -f "$profile/libsandirect.so" && -f "$profile/libsandirect_verbs.so" ]] ||
+[[ -x "$profile/san_xhost" && -x "$profile/san_memory" && -x "$profile/app_stdnet" && -x "$profile/app_kv" && -f "$profile/libsandirect.so" && -f "$profile/libsandirect_verbs.so" ]] ||
   { echo "test-san-verbs: build products missing in $profile" >&2; exit 1; }
 echo "test-san-verbs: built in $(( $(date +%s) - t0 )) s"
 case "$(realpath "$profile")" in
@@ -36,12 +37,15 @@ for fabric in "${fabrics[@]}"; do
   start=$(date +%s)
   set +e
   SANDIRECT_VM_TIMEOUT=${SANDIRECT_VM_TIMEOUT:-600} "$HERE/run-in-vm.sh" "${flag[@]}" -- \
-    bash "$HERE/san-verbs-guest.sh" "$(realpath "$profile")" "${SANDIRECT_SAN_VERBS_BYTES:-8388608}" 2>&1 | tee "$log"
+    bash -c 'bash "$1" "$3" "$4"; a=$?; bash "$2" "$3"; b=$?; exit $(( a != 0 || b != 0 ))' guest \
+    "$HERE/san-verbs-guest.sh" "$HERE/san-verbs-memory-guest.sh" \
+    "$(realpath "$profile")" "${SANDIRECT_SAN_VERBS_BYTES:-8388608}" 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
   set -e
   took=$(( $(date +%s) - start ))
-  passed=$(sed -n 's/^san-verbs: \([0-9]*\) passed, \([0-9]*\) failed.*/\1/p' "$log" | tail -n 1)
-  failed=$(sed -n 's/^san-verbs: \([0-9]*\) passed, \([0-9]*\) failed.*/\2/p' "$log" | tail -n 1)
+  # Both guest scripts' summaries (san-verbs-guest.sh, san-verbs-memory-guest.sh), added up.
+  passed=$(sed -n 's/^san-verbs\(-memory\)\{0,1\}: \([0-9]*\) passed, \([0-9]*\) failed.*/\2/p' "$log" | awk '{n += $1} END {print n + 0}')
+  failed=$(sed -n 's/^san-verbs\(-memory\)\{0,1\}: \([0-9]*\) passed, \([0-9]*\) failed.*/\3/p' "$log" | awk '{n += $1} END {print n + 0}')
   rm -f "$log"
   passed=${passed:-0}; failed=${failed:-0}
   [[ $status == 0 || $failed != 0 ]] || failed=1

@@ -31,6 +31,7 @@ pub fn errno_name(errno: c_int) -> String {
         libc::EFAULT => "EFAULT",
         libc::ESPIPE => "ESPIPE",
         libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::ENOBUFS => "ENOBUFS",
         other => return format!("errno{other}"),
     };
     name.to_owned()
@@ -131,6 +132,61 @@ pub fn published_path_where(
                 other => other.label().to_owned(),
             },
         )
+}
+
+/// The byte counters (indexed by [`preload_core::record::Counter`]) this process published
+/// for its connected socket `fd`; `None` natively or when nothing is published.
+pub fn published_counters_of_fd(fd: c_int) -> Option<[u64; 6]> {
+    use preload_core::record::SocketState;
+    let dir = preload_core::stats::default_dir()?;
+    let connections = preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
+        .ok()?
+        .ok()?;
+    connections
+        .iter()
+        .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
+        .find(|c| c.fd == fd)
+        .map(|c| c.counters)
+}
+
+/// A TCP socket bound to `local`:0 and connected to `server` (what a client with a source
+/// address does; the kernel picks the port at bind): the cross-host programs of the VM tests
+/// pick which of the guest's two addresses they send from.
+pub fn connect_from(
+    local: std::net::Ipv4Addr,
+    server: std::net::SocketAddr,
+) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(server) = server else {
+        return Err(std::io::Error::other("IPv4 only"));
+    };
+    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from(ip).to_be(),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = core::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: plain socket(2); the descriptor is owned by the stream below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let stream = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let bind = sockaddr(local, 0);
+    // SAFETY: a valid sockaddr_in of `len` bytes.
+    if unsafe { libc::bind(fd, (&bind as *const libc::sockaddr_in).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let peer = sockaddr(*server.ip(), server.port());
+    // SAFETY: as above.
+    if unsafe { libc::connect(fd, (&peer as *const libc::sockaddr_in).cast(), len) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(stream)
 }
 
 #[cfg(test)]

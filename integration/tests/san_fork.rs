@@ -131,18 +131,37 @@ fn a_posix_spawn_child_gets_the_socket_with_the_unread_san_bytes_on_stdin() {
     assert_downgraded_after_san(&client);
 }
 
-/// A peer that makes no socket call cannot answer the downgrade: fork waits at most its
-/// budget (1 s) and the parent's connection stays exact (it downgrades when the peer calls).
-#[test]
-fn fork_with_an_idle_peer_is_bounded_and_the_parent_stays_exact() {
-    let (server, client) = conversation("idle-peer");
-    assert_server_was_on_san(&server);
-    let fork_ms: u64 = server
+fn fork_ms(server: &str) -> u64 {
+    server
         .rsplit("fork_ms=")
         .next()
         .and_then(|n| n.trim().parse().ok())
-        .expect("fork_ms");
-    assert!(fork_ms < 1500, "fork took {fork_ms} ms: {server}");
+        .expect("fork_ms")
+}
+
+/// A peer busy elsewhere (no socket call for 1.5 s) still answers the downgrade at once,
+/// through its nudge responder: the fork does not wait out its budget, and the child that
+/// takes the connection over reads every byte (before, the child's copy was reset).
+#[test]
+fn a_forked_child_takes_over_a_connection_whose_peer_is_idle() {
+    let (server, client) = conversation("idle-peer");
+    assert_server_was_on_san(&server);
+    let fork_ms = fork_ms(&server);
+    assert!(fork_ms < 500, "fork took {fork_ms} ms: {server}");
+    assert_downgraded_after_san(&client);
+}
+
+/// A peer that cannot answer at all (stopped) costs the fork its bounded budget (1 s); the
+/// connection stays with the parent and the conversation stays exact.
+#[test]
+fn fork_with_a_stopped_peer_is_bounded_and_the_parent_stays_exact() {
+    let (server, client) = conversation("stopped-peer");
+    assert_server_was_on_san(&server);
+    let fork_ms = fork_ms(&server);
+    assert!(
+        (900..1500).contains(&fork_ms),
+        "fork took {fork_ms} ms: {server}"
+    );
     assert!(client.contains("client ok"), "{client}");
 }
 

@@ -264,11 +264,15 @@ if sys.argv[1] == "server":
     subprocess.run(["/bin/sh", "-c", "printf from-child"], stdout=conn.fileno(), check=True)
     conn.sendall(b"|" + request)
     conn.close()
-    # A second connection, still on the SAN, written to by a shell that system() runs.
+    # A second connection, still on the SAN, written to by a shell that system() runs; the
+    # shell also reads the request that arrived over the SAN (in the stash after the
+    # downgrade: system() hands it to the shell, which hands it to head).
     second, _ = listener.accept()
     second.sendall(second.recv(10).upper())
+    time.sleep(0.2)  # REQUEST2 arrives over the SAN and waits, unread
     os.set_inheritable(second.fileno(), True)
-    os.system("printf from-system >&%d" % second.fileno())
+    fd = second.fileno()
+    os.system("printf from-system: >&%d; head -c 8 <&%d >&%d" % (fd, fd, fd))
     second.sendall(b"|end")
     second.close()
 else:
@@ -285,6 +289,8 @@ else:
     print("client got", reply.decode())
     second = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
     second.sendall(b"again")
+    assert second.recv(10) == b"AGAIN"
+    second.sendall(b"REQUEST2")
     reply = b""
     while True:
         data = second.recv(100)
@@ -304,7 +310,110 @@ fn python_subprocesses_of_a_server_holding_a_san_connection() {
         "{client_report}"
     );
     assert!(
-        client_report.contains("second got AGAINfrom-system|end"),
+        client_report.contains("second got from-system:REQUEST2|end"),
+        "{client_report}"
+    );
+}
+
+/// A server that answers at once and then makes no call for a while (it sleeps): the answer
+/// must reach the client now, not at the server's next call. The answer could not leave at
+/// once (the client's `Hello`, which brings the credits, was not there yet); the client's
+/// `Hello` now nudges the server's process to transmit it. Before, the client waited for the
+/// server's next call (here 0.8 s; most rounds stalled).
+const ANSWER_THEN_IDLE_PY: &str = r#"
+import socket, sys, time
+ROUNDS = 8
+if sys.argv[1] == "server":
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    for _ in range(ROUNDS):
+        conn, _ = listener.accept()
+        conn.sendall(conn.recv(10).upper())
+        time.sleep(0.8)
+        conn.close()
+else:
+    worst = 0.0
+    for _ in range(ROUNDS):
+        conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+        started = time.monotonic()
+        conn.sendall(b"hi")
+        assert conn.recv(10) == b"HI"
+        worst = max(worst, time.monotonic() - started)
+        assert conn.recv(10) == b""
+        conn.close()
+    print("worst answer after %.3f s" % worst, flush=True)
+"#;
+
+#[test]
+fn an_answer_written_just_before_the_server_goes_idle_arrives_at_once() {
+    let dirs = Dirs::new("answer-then-idle");
+    let (_, client_report) = python_pair(
+        &dirs,
+        "answer_then_idle.py",
+        ANSWER_THEN_IDLE_PY,
+        &[],
+        &[],
+        true,
+    );
+    let worst: f64 = client_report
+        .rsplit("worst answer after ")
+        .next()
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no timing: {client_report}"));
+    // The server's next call comes 0.8 s later; a delivery that waited for it fails.
+    assert!(worst < 0.5, "{client_report}");
+}
+
+/// A program that blocks a signal in its (only) thread after connecting, and takes it with
+/// `sigwait` (as programs using `signalfd` do), must get the signal: the library's own
+/// threads (the nudge responder that every SAN connection starts) block every signal.
+/// Before, a process-directed SIGUSR1 was delivered to our thread, whose default action
+/// killed the process.
+const SIGNALS_PY: &str = r#"
+import os, signal, socket, sys, time
+if sys.argv[1] == "server":
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    conn, _ = listener.accept()
+    data = conn.recv(100)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    os.kill(os.getpid(), signal.SIGUSR1)
+    got = signal.sigwait({signal.SIGUSR1})
+    conn.sendall(b"server took " + signal.Signals(got).name.encode() + b" after " + data)
+    conn.close()
+else:
+    conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    conn.sendall(b"hello")
+    reply = conn.recv(100)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    got = signal.sigwait({signal.SIGUSR1})
+    # The thread names itself once it runs: look for a while.
+    for _ in range(200):
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        if "sandirect-nudge" in names:
+            break
+        time.sleep(0.01)
+    print(reply.decode(), "| client took", signal.Signals(got).name, "| threads", names, flush=True)
+"#;
+
+#[test]
+fn signals_blocked_by_the_application_stay_its_own_with_san_connections() {
+    let dirs = Dirs::new("signals");
+    let (_, client_report) = python_pair(&dirs, "signals.py", SIGNALS_PY, &[], &[], true);
+    assert!(
+        client_report.contains("server took SIGUSR1 after hello | client took SIGUSR1"),
+        "{client_report}"
+    );
+    // The SAN connection started our responder thread: the signal had a thread of ours to
+    // land on.
+    assert!(
+        client_report.contains("'sandirect-nudge'"),
         "{client_report}"
     );
 }

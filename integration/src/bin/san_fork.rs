@@ -21,8 +21,12 @@
 //!   `stdin=sock`) and execs `exec-child 50`.
 //! * `spawn-exec` — like `exec`, but by `posix_spawn` with a `dup2` file action onto fd 0
 //!   (what Rust's `Command::stdin(socket)` does): the new image serves from its stdin.
-//! * `idle-peer` — the client makes no socket call while the server forks (a child that
-//!   leaves at once): fork waits a bounded time, the parent keeps serving.
+//! * `idle-peer` — like `handoff`, but the client makes no socket call for 1.5 s while the
+//!   server forks: its nudge responder answers the downgrade, so the fork is quick and the
+//!   child serves.
+//! * `stopped-peer` — the server stops the client (SIGSTOP; its pid found in the published
+//!   records), forks a child that leaves at once, and continues the client: nobody can
+//!   answer, so fork waits its bounded budget and the parent keeps serving.
 //!
 //! Conversation: client sends R0 (1 KiB), server answers A0 (1 KiB) — by then both ends are on
 //! the SAN — client sends R1 (200 KiB in 20 KiB writes, inline), server (after the fork, in the child for handoff/exec)
@@ -106,6 +110,44 @@ fn published(port: u16) -> String {
                 format!("path={path} bypass={} san_bytes={san}", c.bypass.label())
             },
         )
+}
+
+/// The pid of another process that published a connection whose local port is `port`.
+fn published_pid_with_local_port(port: u16) -> Option<libc::pid_t> {
+    let dir = preload_core::stats::default_dir()?;
+    std::fs::read_dir(&dir).ok()?.flatten().find_map(|entry| {
+        let pid: libc::pid_t = entry.file_name().to_str()?.parse().ok()?;
+        let connections = preload_core::stats::read_file(&entry.path()).ok()?.ok()?;
+        (pid as u32 != std::process::id()
+            && connections
+                .iter()
+                .any(|c| c.local.is_some_and(|a| a.port() == port)))
+        .then_some(pid)
+    })
+}
+
+/// Waits (bounded) until every thread of process `pid` is in the stopped state.
+fn all_threads_stopped(pid: libc::pid_t, limit: Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    let stopped = || {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return false;
+        };
+        tasks.flatten().all(|task| {
+            std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+                // The state follows the parenthesised command name.
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('T'))
+            })
+        })
+    };
+    while std::time::Instant::now() < deadline {
+        if stopped() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
 }
 
 /// The part of the conversation after the fork (or exec).
@@ -256,8 +298,32 @@ fn server(mode: &str) {
             );
         }
         "idle-peer" => {
-            // The client makes no socket call for 1.5 s: it cannot answer the downgrade, so
-            // fork waits its bounded budget and the parent keeps the connection.
+            // The client makes no socket call for 1.5 s; its responder thread answers.
+            let started = std::time::Instant::now();
+            // SAFETY: fork; the child only uses the socket and exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                serve_rest(stream);
+                std::process::exit(0);
+            }
+            let fork_ms = started.elapsed().as_millis();
+            drop(stream);
+            let status = wait_child(pid);
+            if status != 0 {
+                fail(&format!("child exited with {status}"));
+            }
+            println!("server ok mode={mode} before_fork=[{before}] fork_ms={fork_ms}");
+        }
+        "stopped-peer" => {
+            let peer_port = stream.peer_addr().unwrap().port();
+            let client = published_pid_with_local_port(peer_port)
+                .unwrap_or_else(|| fail("the client's published record was not found"));
+            // SAFETY: kill(2) of the client process of this test.
+            unsafe { libc::kill(client, libc::SIGSTOP) };
+            // kill() returns before every thread of the target has stopped.
+            if !all_threads_stopped(client, Duration::from_secs(5)) {
+                fail("the client did not stop");
+            }
             let started = std::time::Instant::now();
             // SAFETY: fork; the child leaves at once.
             let pid = unsafe { libc::fork() };
@@ -266,6 +332,8 @@ fn server(mode: &str) {
                 unsafe { libc::_exit(0) };
             }
             let fork_ms = started.elapsed().as_millis();
+            // SAFETY: as above.
+            unsafe { libc::kill(client, libc::SIGCONT) };
             serve_rest(stream);
             let status = wait_child(pid);
             if status != 0 {

@@ -40,7 +40,6 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::FromRawFd;
 
 use preload_core::record::{Counter, DataPath, SocketState};
 
@@ -223,48 +222,13 @@ fn serve_stream(mut stream: TcpStream) -> std::io::Result<String> {
     ))
 }
 
-/// A TCP socket bound to `local`:0 and connected to `server` (what a client with a source
-/// address does; the kernel picks the port at bind).
-fn connect_from(local: std::net::Ipv4Addr, server: SocketAddr) -> std::io::Result<TcpStream> {
-    let SocketAddr::V4(server) = server else {
-        return Err(std::io::Error::other("IPv4 only"));
-    };
-    let sockaddr = |ip: std::net::Ipv4Addr, port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from(ip).to_be(),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = core::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: plain socket(2); the descriptor is owned by the stream below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor owned by nobody else.
-    let stream = unsafe { TcpStream::from_raw_fd(fd) };
-    let bind = sockaddr(local, 0);
-    // SAFETY: a valid sockaddr_in of `len` bytes.
-    if unsafe { libc::bind(fd, (&bind as *const libc::sockaddr_in).cast(), len) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let peer = sockaddr(*server.ip(), server.port());
-    // SAFETY: as above.
-    if unsafe { libc::connect(fd, (&peer as *const libc::sockaddr_in).cast(), len) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(stream)
-}
-
 fn client(
     server: SocketAddr,
     local: std::net::Ipv4Addr,
     bytes: usize,
     chunk: usize,
 ) -> std::io::Result<String> {
-    let mut stream = connect_from(local, server)?;
+    let mut stream = integration::connect_from(local, server)?;
     read_banner(&mut stream)?;
     converse(stream, bytes, chunk)
 }
@@ -337,7 +301,7 @@ fn sink(listener: TcpListener) -> std::io::Result<String> {
 }
 
 fn flood(server: SocketAddr, local: std::net::Ipv4Addr) -> std::io::Result<String> {
-    let mut stream = connect_from(local, server)?;
+    let mut stream = integration::connect_from(local, server)?;
     println!("connected");
     std::io::stdout().flush()?;
     let chunk = pattern(64 << 10);
@@ -381,7 +345,7 @@ fn send(
     bytes: usize,
     chunk: usize,
 ) -> std::io::Result<String> {
-    let mut stream = connect_from(local, server)?;
+    let mut stream = integration::connect_from(local, server)?;
     let local_port = stream.local_addr()?.port();
     let mut generator = Pattern::new();
     let mut sum = Checksum::new();
@@ -474,7 +438,7 @@ fn fork_client(
     bytes: usize,
     chunk: usize,
 ) -> std::io::Result<()> {
-    let mut stream = connect_from(local, server)?;
+    let mut stream = integration::connect_from(local, server)?;
     read_banner(&mut stream)?;
     let pid = fork_into(move || converse(stream, bytes, chunk))?;
     if child_succeeded(pid) {

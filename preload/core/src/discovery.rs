@@ -242,7 +242,7 @@ fn socket_name(fd: BorrowedFd<'_>, peer: bool) -> Result<SocketAddr, DiscoveryEr
     socket_addr_from_raw(&storage, len)
 }
 
-fn effective_uid() -> u32 {
+pub(crate) fn effective_uid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() }
 }
@@ -311,16 +311,35 @@ fn marker_address(uid: u32, addr: SocketAddr) -> (libc::sockaddr_un, libc::sockl
     // Cannot fail: the capacity covers the longest uid, IPv6 text and port (SocketAddr's
     // Display prints `[v6]:port` without scope for a canonical address).
     let _ = write!(name, "sandirect/{uid}/L/{addr}");
+    abstract_address(name.as_bytes())
+}
+
+/// The abstract-namespace Unix socket address named `name` (at most 107 bytes: longer names
+/// are cut, which the fixed-capacity callers never reach).
+pub(crate) fn abstract_address(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     // SAFETY: plain data, zero is valid.
     let mut sun: libc::sockaddr_un = unsafe { core::mem::zeroed() };
     sun.sun_family = libc::AF_UNIX as libc::sa_family_t;
     // sun_path[0] stays NUL: the abstract namespace. The name is not NUL-terminated; its length
     // is carried by the address length.
-    for (dst, &src) in sun.sun_path[1..].iter_mut().zip(name.as_bytes()) {
+    let mut written = 0;
+    for (dst, &src) in sun.sun_path[1..].iter_mut().zip(name) {
         *dst = src as libc::c_char;
+        written += 1;
     }
-    let len = size_of::<libc::sa_family_t>() + 1 + name.len;
+    let len = size_of::<libc::sa_family_t>() + 1 + written;
     (sun, len as libc::socklen_t)
+}
+
+/// Capacity of a [`nudge_address`] name: `sandirect/` + uid (10) + `/N/` + pid (10).
+const NUDGE_NAME_CAPACITY: usize = 40;
+
+/// The abstract address where process `pid` of user `uid` takes nudges (see `san::nudge`).
+pub(crate) fn nudge_address(uid: u32, pid: u32) -> (libc::sockaddr_un, libc::socklen_t) {
+    let mut name = StackStr::<NUDGE_NAME_CAPACITY>::new();
+    // Cannot fail: the capacity covers the longest uid and pid.
+    let _ = write!(name, "sandirect/{uid}/N/{pid}");
+    abstract_address(name.as_bytes())
 }
 
 /// The marker's addresses for a listener bound to `bound`, exact first.

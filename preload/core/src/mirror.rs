@@ -179,10 +179,15 @@ pub struct MirrorWords {
     /// Set by the owner of `M` while an edge-triggered epoll registration watches it: the peer
     /// then writes a token for every arrival, not only for the rising edge.
     edge_per_arrival: AtomicU32,
+    /// Set by the owner of `M` when it left the application's call with stream bytes it could
+    /// not transmit yet (no credits, or the handshake not done): nobody in its process may
+    /// call in for a long time, so the peer, when it next transmits (its `Hello`, returned
+    /// credits), nudges the owner's process to move them (`san::nudge`).
+    progress_wanted: AtomicU32,
 }
 
 // Both processes map these words: their layout is part of the segment format.
-const _: () = assert!(size_of::<MirrorWords>() == 12 && core::mem::align_of::<MirrorWords>() == 4);
+const _: () = assert!(size_of::<MirrorWords>() == 16 && core::mem::align_of::<MirrorWords>() == 4);
 
 /// Most tokens queued in `M` at once in the edge-per-arrival mode. Far below what `K`'s send
 /// buffer holds (each one-byte token costs one skb), so a token write never meets `EAGAIN`;
@@ -196,7 +201,33 @@ impl MirrorWords {
             readable: AtomicU32::new(0),
             write_lowered: AtomicU32::new(0),
             edge_per_arrival: AtomicU32::new(0),
+            progress_wanted: AtomicU32::new(0),
         }
+    }
+
+    /// The owner's side: whether it waits for the peer's help to transmit what it queued
+    /// (see the field). A store only when the value changes.
+    ///
+    /// Setting it is followed by a full fence: the owner then re-checks its inbound queue,
+    /// and the peer, which publishes there before [`MirrorWords::take_progress_wanted`],
+    /// either sees the word or has its message seen.
+    pub fn set_progress_wanted(&self, wanted: bool) {
+        let wanted = u32::from(wanted);
+        if self.progress_wanted.load(Ordering::Relaxed) != wanted {
+            self.progress_wanted.store(wanted, Ordering::Release);
+        }
+        if wanted != 0 {
+            fence(Ordering::SeqCst);
+        }
+    }
+
+    /// The peer's side, after publishing what it transmitted: true (once) if the owner asked
+    /// for a nudge since the last call.
+    pub fn take_progress_wanted(&self) -> bool {
+        // Pairs with the fence in `set_progress_wanted`.
+        fence(Ordering::SeqCst);
+        self.progress_wanted.load(Ordering::Relaxed) != 0
+            && self.progress_wanted.swap(0, Ordering::AcqRel) != 0
     }
 
     /// Whether `M` is raised readable (unclaimed tokens counted; diagnostics).

@@ -1310,36 +1310,62 @@ unsafe fn san_sendfile(
 ) -> Option<ssize_t> {
     const CHUNK: usize = 64 << 10;
     let mut chunk = vec![0u8; count.min(CHUNK)];
-    let read = if offset.is_null() {
-        // SAFETY: `chunk` is writable for its length.
-        unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), chunk.len()) }
-    } else {
-        // SAFETY: as above; `offset` is valid per the contract.
-        unsafe {
-            libc::pread64(
-                in_fd,
-                chunk.as_mut_ptr().cast(),
-                chunk.len(),
-                offset.read_unaligned(),
-            )
+    // As the kernel's: as much as the socket takes, up to `count`. A short count must mean
+    // "no room now" (an edge-triggered caller then waits for EPOLLOUT, as nginx does), so
+    // one chunk is not where it stops.
+    let mut total: usize = 0;
+    while total < count {
+        let want = (count - total).min(chunk.len());
+        let read = if offset.is_null() {
+            // SAFETY: `chunk` is writable for `want <= len` bytes.
+            unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), want) }
+        } else {
+            // SAFETY: as above; `offset` is valid per the contract.
+            unsafe {
+                libc::pread64(
+                    in_fd,
+                    chunk.as_mut_ptr().cast(),
+                    want,
+                    offset.read_unaligned(),
+                )
+            }
+        };
+        if read <= 0 {
+            return Some(if total > 0 { total as ssize_t } else { read });
         }
-    };
-    if read <= 0 {
-        return Some(read);
-    }
-    let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
-    let sent = crate::san::send_iov(out_fd, index, &bufs, 0)?;
-    if sent > 0 {
+        let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
+        let Some(sent) = crate::san::send_iov(out_fd, index, &bufs, 0) else {
+            // No longer a SAN socket (downgraded meanwhile): the caller's kernel path sends
+            // the rest; give back what was read and not sent.
+            if offset.is_null() {
+                // SAFETY: plain lseek on the caller's fd.
+                unsafe { libc::lseek64(in_fd, -(read as i64), libc::SEEK_CUR) };
+            }
+            return if total > 0 {
+                Some(total as ssize_t)
+            } else {
+                None
+            };
+        };
+        if sent < 0 {
+            return Some(if total > 0 { total as ssize_t } else { sent });
+        }
         if offset.is_null() {
             // Give back what was read but not sent, so the file position matches.
-            // SAFETY: plain lseek on the caller's fd.
-            unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+            if sent < read {
+                // SAFETY: plain lseek on the caller's fd.
+                unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+            }
         } else {
             // SAFETY: valid per the contract.
             unsafe { offset.write_unaligned(offset.read_unaligned() + sent as i64) };
         }
+        total += sent as usize;
+        if sent < read {
+            break;
+        }
     }
-    Some(sent)
+    Some(total as ssize_t)
 }
 
 // ---- readiness ------------------------------------------------------------------------------
@@ -1408,14 +1434,14 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
         // SAFETY: forwarded.
         return unsafe { real::poll(fds, nfds, timeout) };
     }
-    // Sliced like the epoll waits (see `SAN_WAIT_SLICE_MS`).
+    // Sliced like the epoll waits (see `runtime::wait_slice_ms`).
     let deadline = (timeout >= 0)
         .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
     loop {
-        let slice = deadline.map_or(SAN_WAIT_SLICE_MS, |d| {
+        let slice = deadline.map_or(crate::runtime::wait_slice_ms(), |d| {
             d.saturating_duration_since(std::time::Instant::now())
                 .as_millis()
-                .min(SAN_WAIT_SLICE_MS as u128) as c_int
+                .min(crate::runtime::wait_slice_ms() as u128) as c_int
         });
         // SAFETY: forwarded; `fds` is the caller's array.
         let rc = unsafe { with_mirrors(fds, nfds, || real::poll(fds, nfds, slice)) };
@@ -1443,16 +1469,9 @@ pub unsafe fn ppoll(
     unsafe { with_mirrors(fds, nfds, || real::ppoll(fds, nfds, timeout, sigmask)) }
 }
 
-/// Longest single kernel wait while SAN sockets are alive: after it, every SAN socket of the
-/// process is serviced once (`san::service_all`), so a wake-up the mirrors failed to deliver
-/// costs at most this much latency instead of a hang. A signal that lands between two slices
-/// (a few µs of servicing) does not interrupt the wait; an odd length keeps that window from
-/// lining up with round-numbered timers.
-const SAN_WAIT_SLICE_MS: c_int = 239;
-
 /// An epoll wait with SAN sockets alive: connections with both ends in this process are
 /// driven first (see `san::assist_all_in_process`), the kernel wait is cut into slices
-/// (see [`SAN_WAIT_SLICE_MS`]), and events that only reflect a handshake or credit token of
+/// (see [`crate::runtime::wait_slice_ms`]), and events that only reflect a handshake or credit token of
 /// a SAN mirror are dropped (`san::correct_epoll_events`); a wait left with no event goes on
 /// until the caller's timeout (`timeout_ms < 0`: none).
 ///
@@ -1477,10 +1496,10 @@ unsafe fn epoll_wait_with_san(
             let _guard = ReentrancyGuard::enter();
             crate::san::assist_all_in_process();
         }
-        let left = deadline.map_or(SAN_WAIT_SLICE_MS, |d| {
+        let left = deadline.map_or(crate::runtime::wait_slice_ms(), |d| {
             d.saturating_duration_since(std::time::Instant::now())
                 .as_millis()
-                .min(SAN_WAIT_SLICE_MS as u128) as c_int
+                .min(crate::runtime::wait_slice_ms() as u128) as c_int
         });
         let n = call(left);
         if n < 0 || n > maxevents {
@@ -1858,95 +1877,140 @@ unsafe fn spawn_with(
                     .is_some_and(|index| passed.contains(&index))
         };
         crate::san::downgrade_all(Some(&survives));
-        // The child's descriptors holding a stashed socket: inherited as they are, or dup2
-        // targets of a stashed source.
-        let mut entries = Vec::new();
-        table().for_each_in(0, c_int::MAX, |fd, entry| {
-            // SAFETY: F_GETFD only reads the descriptor's flags.
-            let fd_flags = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
-            if entry.socket_index().is_some() && fd_flags >= 0 && fd_flags & libc::FD_CLOEXEC == 0 {
-                if let Some((memfd, inode)) = crate::san::stash_of(fd) {
-                    entries.push((fd, memfd, inode));
-                }
-            }
-        });
-        for &(source, target) in dup2s.unwrap_or_default() {
-            if let Some((memfd, inode)) = crate::san::stash_of(source) {
-                entries.retain(|&(fd, _, _)| fd != target);
-                entries.push((target, memfd, inode));
-            }
-        }
-        crate::san::pass_on(&entries, false)
-            .and_then(|value| {
-                std::ffi::CString::new(format!("{}={value}", crate::san::STASH_ENV)).ok()
-            })
-            .map(|ours| {
-                let mut memfds: Vec<c_int> = entries.iter().map(|&(_, memfd, _)| memfd).collect();
-                memfds.dedup();
-                (ours, memfds)
-            })
+        stash_environment(dup2s.unwrap_or_default())
     };
-    let Some((ours, memfds)) = prepared else {
+    let Some(stashes) = prepared else {
         return call(envp);
     };
-    for &memfd in &memfds {
-        // SAFETY: our own memfd, inheritable only for this call.
-        unsafe { libc::fcntl(memfd, libc::F_SETFD, 0) };
-    }
     // SAFETY: the caller's environment array.
-    let env = unsafe { environment_with(envp.cast(), &ours) };
-    let rc = call(env.as_ptr().cast());
-    let _errno = errno::Preserved::save();
-    for &memfd in &memfds {
-        // SAFETY: as above.
-        unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    }
-    rc
+    let env = unsafe { environment_with(envp.cast(), &stashes.variable) };
+    stashes.inheritable_during(|| call(env.as_ptr().cast()))
 }
 
-/// Before `system`/`popen`, which spawn through glibc's internal `posix_spawn` (no preload
-/// sees it): the SAN sockets the shell inherits (without close-on-exec) are downgraded to
-/// kernel TCP. Their stashes cannot travel (no environment of our own to pass): bytes a
-/// stash holds stay readable in this process only.
-fn before_shell() {
-    if crate::san::live_sockets() == 0 || guard::is_inside() {
-        return;
-    }
-    bookkeeping(|| {
-        let inherited = inherited_indices();
-        if inherited.is_empty() {
-            return;
+/// Stashes to hand to a child's image: the `SANDIRECT_STASHES=…` entry and the memfds it
+/// names (made inheritable only while the child is spawned, see
+/// [`ChildStashes::inheritable_during`]).
+struct ChildStashes {
+    variable: std::ffi::CString,
+    memfds: Vec<c_int>,
+}
+
+impl ChildStashes {
+    fn inheritable_during<T>(&self, call: impl FnOnce() -> T) -> T {
+        for &memfd in &self.memfds {
+            // SAFETY: our own memfd, inheritable only for this call.
+            unsafe { libc::fcntl(memfd, libc::F_SETFD, 0) };
         }
+        let result = call();
+        let _errno = errno::Preserved::save();
+        for &memfd in &self.memfds {
+            // SAFETY: as above.
+            unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        }
+        result
+    }
+}
+
+/// The stashes a child receives (after the downgrade): those of its inherited descriptors
+/// (no close-on-exec) and of the sources of `dup2s` (source, target) file actions. `None`
+/// when no stash holds bytes for it. Inside the guard.
+fn stash_environment(dup2s: &[(c_int, c_int)]) -> Option<ChildStashes> {
+    // The child's descriptors holding a stashed socket: inherited as they are, or dup2
+    // targets of a stashed source.
+    let mut entries = Vec::new();
+    table().for_each_in(0, c_int::MAX, |fd, entry| {
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let fd_flags = unsafe { real::fcntl(fd, libc::F_GETFD, 0) };
+        if entry.socket_index().is_some() && fd_flags >= 0 && fd_flags & libc::FD_CLOEXEC == 0 {
+            if let Some((memfd, inode)) = crate::san::stash_of(fd) {
+                entries.push((fd, memfd, inode));
+            }
+        }
+    });
+    for &(source, target) in dup2s {
+        if let Some((memfd, inode)) = crate::san::stash_of(source) {
+            entries.retain(|&(fd, _, _)| fd != target);
+            entries.push((target, memfd, inode));
+        }
+    }
+    let value = crate::san::pass_on(&entries, false)?;
+    let variable = std::ffi::CString::new(format!("{}={value}", crate::san::STASH_ENV)).ok()?;
+    let mut memfds: Vec<c_int> = entries.iter().map(|&(_, memfd, _)| memfd).collect();
+    memfds.sort_unstable();
+    memfds.dedup();
+    Some(ChildStashes { variable, memfds })
+}
+
+/// Around `system`/`popen`, which spawn the shell through glibc's internal `posix_spawn` (no
+/// preload sees it): the SAN sockets the shell inherits (without close-on-exec) are
+/// downgraded to kernel TCP first, and stashes holding bytes for them reach the shell (a
+/// preloaded image, which hands them on to its own children) through the environment glibc
+/// passes: `environ` itself, swapped for a copy with our entry for the duration of the call.
+///
+/// The swap is a pointer store; a thread reading the environment meanwhile sees either array,
+/// both valid (ours is leaked, not freed: other threads may still hold it, and this happens
+/// only when stashes hold bytes). A `setenv` racing with the call may be lost (POSIX already
+/// forbids `setenv` concurrently with other threads).
+fn around_shell<T>(call: impl FnOnce() -> T) -> T {
+    if crate::san::live_sockets() == 0 || guard::is_inside() {
+        return call();
+    }
+    let prepared = {
+        let _errno = errno::Preserved::save();
+        let _guard = ReentrancyGuard::enter();
+        let inherited = inherited_indices();
         let survives = |fd: c_int| {
             table()
                 .lookup(fd)
                 .socket_index()
                 .is_some_and(|index| inherited.contains(&index))
         };
-        crate::san::downgrade_all(Some(&survives));
-    });
+        if inherited.is_empty() {
+            None
+        } else {
+            crate::san::downgrade_all(Some(&survives));
+            stash_environment(&[])
+        }
+    };
+    let Some(stashes) = prepared else {
+        return call();
+    };
+    let original = process_environment();
+    let variable: &'static std::ffi::CStr = Box::leak(stashes.variable.clone().into_boxed_c_str());
+    // SAFETY: the process environment array (NULL-terminated by contract).
+    let ours: &'static [*const libc::c_char] =
+        Vec::leak(unsafe { environment_with(original, variable) });
+    // SAFETY: a pointer store to libc's `environ`; the array and its strings outlive the call.
+    unsafe { core::ptr::addr_of_mut!(environ).write(ours.as_ptr()) };
+    let result = stashes.inheritable_during(call);
+    // Restore only if nobody replaced it meanwhile (a racing setenv keeps its own array).
+    // SAFETY: as above.
+    unsafe {
+        if core::ptr::addr_of!(environ).read() == ours.as_ptr() {
+            core::ptr::addr_of_mut!(environ).write(original);
+        }
+    }
+    result
 }
 
-/// `system(3)`: the SAN sockets the shell inherits are downgraded first (`before_shell`).
+/// `system(3)`: see `around_shell`.
 ///
 /// # Safety
 /// As the C function.
 #[inline(always)]
 pub unsafe fn system(command: *const libc::c_char) -> c_int {
-    before_shell();
     // SAFETY: forwarded.
-    unsafe { real::system(command) }
+    around_shell(|| unsafe { real::system(command) })
 }
 
-/// `popen(3)`: as `system`.
+/// `popen(3)`: see `around_shell`.
 ///
 /// # Safety
 /// As the C function.
 #[inline(always)]
 pub unsafe fn popen(command: *const libc::c_char, mode: *const libc::c_char) -> *mut libc::FILE {
-    before_shell();
     // SAFETY: forwarded.
-    unsafe { real::popen(command, mode) }
+    around_shell(|| unsafe { real::popen(command, mode) })
 }
 
 /// `posix_spawn(3)`: the SAN sockets the child receives are downgraded first, their stashes
@@ -2023,6 +2087,7 @@ unsafe fn environment_with(
 }
 
 extern "C" {
+    /// libc's process environment.
     static mut environ: *const *const libc::c_char;
 }
 

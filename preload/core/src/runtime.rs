@@ -8,6 +8,7 @@
 //! | `SANDIRECT_CONFIG` | path | the rules file ([`crate::config`]) |
 //! | `SANDIRECT_LOG` | `error`, `warn`, `info`, `debug`, `trace` | `tracing` output on stderr (off by default, and then free) |
 //! | `SANDIRECT_STAT_DIR` | path or `off` | where live connections are published (default `/dev/shm/sandirect-$UID`) |
+//! | `SANDIRECT_WAIT_SLICE_MS` | 1..=600000 (default 239) | longest single kernel wait while SAN sockets are alive ([`wait_slice_ms`]); tests set it high to prove that no wake-up depends on the slices |
 //!
 //! # Lifetime
 //!
@@ -153,6 +154,14 @@ fn init_guarded(argv0: Option<&CStr>) {
     // On unless turned off: `SANDIRECT_SAN=0` keeps every connection on kernel TCP (the
     // interposer still tracks and counts them).
     let san = std::env::var("SANDIRECT_SAN").map_or(true, |value| value != "0");
+    if let Ok(value) = std::env::var("SANDIRECT_WAIT_SLICE_MS") {
+        match value.parse::<c_int>() {
+            Ok(ms) if (1..=600_000).contains(&ms) => WAIT_SLICE_MS.store(ms, Ordering::Relaxed),
+            _ => eprintln!(
+                "sandirect: SANDIRECT_WAIT_SLICE_MS={value:?} is not 1..=600000; using {DEFAULT_WAIT_SLICE_MS}"
+            ),
+        }
+    }
     let _ = SETTINGS.set(Settings {
         mode,
         program,
@@ -168,6 +177,23 @@ fn init_guarded(argv0: Option<&CStr>) {
         std::env::remove_var(crate::san::STASH_ENV);
         crate::san::adopt_stashes(&stashes.to_string_lossy());
     }
+}
+
+/// The default of [`wait_slice_ms`]: odd, so that the servicing between slices does not line
+/// up with round-numbered timers.
+const DEFAULT_WAIT_SLICE_MS: c_int = 239;
+
+static WAIT_SLICE_MS: core::sync::atomic::AtomicI32 =
+    core::sync::atomic::AtomicI32::new(DEFAULT_WAIT_SLICE_MS);
+
+/// Longest single kernel wait (epoll, poll, a blocking SAN call) while SAN sockets are alive:
+/// after it every SAN socket of the process is serviced once, so that a wake-up that never
+/// came would cost this much latency instead of a hang. Every wake-up the tests know of is
+/// delivered without it (they run with `SANDIRECT_WAIT_SLICE_MS=600000` in CI); it stays as
+/// a safety net. A signal that lands between two slices (a few µs of servicing) does not
+/// interrupt the wait.
+pub fn wait_slice_ms() -> c_int {
+    WAIT_SLICE_MS.load(Ordering::Relaxed)
 }
 
 /// Reads and parses a rules file; the message names file and line.
@@ -206,6 +232,31 @@ pub fn in_vfork_child() -> bool {
     let noted = PROCESS_ID.load(Ordering::Relaxed);
     // SAFETY: getpid has no preconditions (no cache since glibc 2.25).
     noted != 0 && noted != unsafe { libc::getpid() }
+}
+
+/// Starts one of the library's own threads (the verbs service, the nudge responder) with
+/// every signal blocked, so that a signal sent to the process is never delivered on it: the
+/// application's handlers expect its own threads, and a program that blocks a signal in all
+/// of its threads to take it with `sigwait`/`signalfd` would otherwise lose it to ours (the
+/// new thread inherits the mask of its creator, which is restored right after). False when
+/// the thread could not be created.
+pub fn spawn_internal_thread(name: &str, body: impl FnOnce() + Send + 'static) -> bool {
+    // SAFETY: sigset_t is plain data; sigfillset initialises it.
+    let mut all: libc::sigset_t = unsafe { core::mem::zeroed() };
+    // SAFETY: as above.
+    let mut previous: libc::sigset_t = unsafe { core::mem::zeroed() };
+    // SAFETY: sigfillset writes the set; pthread_sigmask reads `all` and writes `previous`.
+    unsafe {
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut previous);
+    }
+    let started = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(body)
+        .is_ok();
+    // SAFETY: restores this thread's mask as it was.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &previous, core::ptr::null_mut()) };
+    started
 }
 
 /// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.

@@ -53,6 +53,11 @@ const WINDOW: usize = 1;
 /// Bound on RDMA operations waiting in the outbound queue.
 const MAX_QUEUED_RDMA: usize = 1024;
 
+/// How long the liveness check after a hang-up waits for the peer's exit to show (see
+/// [`ShmConnection::check_liveness_soon`]). Paid once per hang-up, and only while the peer
+/// still looks alive.
+const HANGUP_EXIT_GRACE_MS: libc::c_int = 50;
+
 /// Tunables of a connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConnectionConfig {
@@ -241,6 +246,9 @@ pub struct ShmConnection {
     last_liveness_check: Instant,
     /// Set by [`ShmConnection::check_liveness_soon`].
     liveness_due: bool,
+    /// Set with `liveness_due`: the next liveness check waits up to
+    /// [`HANGUP_EXIT_GRACE_MS`] for the peer's exit.
+    hangup_seen: bool,
     peer_gone: AtomicBool,
     /// Our bell as of the start of the last `poll_completions`: `wait` reports anything the
     /// peer published since then, even if it landed before `wait` was called.
@@ -313,6 +321,7 @@ impl ShmConnection {
             self_cma: true,
             last_liveness_check: Instant::now(),
             liveness_due: false,
+            hangup_seen: false,
             peer_gone: AtomicBool::new(false),
             bell_seen: AtomicU32::new(0),
             counters: Counters::default(),
@@ -869,6 +878,7 @@ impl ShmConnection {
     /// only once the interval passed, and an edge-triggered waiter gets no second event.
     pub fn check_liveness_soon(&mut self) {
         self.liveness_due = true;
+        self.hangup_seen = true;
     }
 
     /// Checks the peer's closed word and (at most every `liveness_interval`, or when asked
@@ -896,7 +906,14 @@ impl ShmConnection {
         }
         self.liveness_due = false;
         self.last_liveness_check = now;
-        if self.peer_dead() {
+        // Once per hang-up: a dying peer's descriptors close a moment before its exit shows,
+        // and an edge-triggered waiter that saw the hang-up gets no second event.
+        let grace_ms = if core::mem::take(&mut self.hangup_seen) {
+            HANGUP_EXIT_GRACE_MS
+        } else {
+            0
+        };
+        if self.peer_dead(grace_ms) {
             self.process_inbound();
             self.go_down(CompletionError::RetryExceeded);
         }
@@ -946,6 +963,15 @@ impl ShmConnection {
     }
 
     /// Shared state that calls for a poll: an undelivered ring entry, a fresh attach, a close.
+    /// Whether something the peer published is waiting for our next drive: a message in our
+    /// inbound ring (data, credits) or a finished copy. No state changes (unlike
+    /// [`ShmConnection::prepare_to_block`]): a sender about to report "no room" re-checks this
+    /// after announcing that it waits, since credits already in the ring raise nothing.
+    pub fn has_input(&self) -> bool {
+        !self.completions.is_empty()
+            || self.my_control().inbound_head.0[RING].load(Ordering::Acquire) != self.my_ring_tail
+    }
+
     fn has_news(&self) -> bool {
         self.my_control().inbound_head.0[RING].load(Ordering::Acquire) != self.my_ring_tail
             || (self.peer.is_none() && self.segment.is_attached())
@@ -959,11 +985,11 @@ impl ShmConnection {
                     != 0)
     }
 
-    fn peer_dead(&self) -> bool {
+    fn peer_dead(&self, grace_ms: libc::c_int) -> bool {
         match &self.peer {
             Some(Peer {
                 pidfd: Some(pidfd), ..
-            }) => sys::pidfd_exited(pidfd),
+            }) => sys::pidfd_exited_within(pidfd, grace_ms),
             Some(Peer { pid, pidfd: None }) => !sys::process_exists(*pid),
             None => false,
         }
@@ -1066,7 +1092,7 @@ impl ShmConnection {
                 return WaitResult::Notified;
             }
             if woke == FutexWait::TimedOut {
-                if self.peer_dead() {
+                if self.peer_dead(0) {
                     self.peer_gone.store(true, Ordering::Relaxed);
                     return WaitResult::Disconnected;
                 }

@@ -393,15 +393,17 @@ pub fn relocate_internal_fd(fd: OwnedFd) -> OwnedFd {
 }
 
 /// True when the process behind `pidfd` has exited (a pidfd polls readable from then on,
-/// zombies included — which `kill(pid, 0)` would still report alive).
-pub(crate) fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+/// zombies included — which `kill(pid, 0)` would still report alive), waiting up to
+/// `timeout_ms` for it (a dying process closes its descriptors before it becomes a zombie:
+/// a hang-up on a descriptor it held can come a moment before its pidfd turns readable).
+pub(crate) fn pidfd_exited_within(pidfd: &OwnedFd, timeout_ms: libc::c_int) -> bool {
     let mut pfd = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,
         revents: 0,
     };
-    // SAFETY: one valid pollfd, zero timeout.
-    let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
+    // SAFETY: one valid pollfd; a bounded timeout.
+    let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
     rc > 0 && pfd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
 }
 

@@ -19,8 +19,10 @@ use crate::record::{flags, Bypass, DataPath, SocketState};
 use crate::registry::registry;
 
 /// How long `fork()`/`exec()` wait for all peers to answer the downgrade. A peer answers in
-/// its next socket call (a blocked or polling peer at once); one that does not call within
-/// this time leaves that connection to the parent only (see `Known limits` in `san`).
+/// its next socket call (a blocked or polling peer at once) or, when its application makes
+/// none, through its nudge responder (`nudge`); one that still does not answer within this
+/// time (stopped, or without a responder) leaves that connection to the parent only (see
+/// `Known limits` in `san`).
 pub const FORK_BUDGET: Duration = Duration::from_millis(1000);
 
 /// How long a client waits for the acceptor's switch marker before reading TCP again.
@@ -202,6 +204,11 @@ fn into_stash(fd: c_int, index: u32, slot: &mut Option<SanObject>, received: &[u
     let Some(SanObject::Socket(mut socket)) = slot.take() else {
         return;
     };
+    tracing::debug!(
+        fd,
+        bytes = received.len(),
+        "downgrade complete: unread bytes stashed"
+    );
     epoll_back_to_tcp(index, fd, &mut socket);
     socket.close(Some(fd), false, Duration::ZERO);
     super::forget_name(index);
@@ -294,8 +301,10 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
         }
     }
     let deadline = Instant::now() + FORK_BUDGET;
+    let mut next_nudge = Instant::now();
     loop {
         let mut mirrors: Vec<libc::pollfd> = Vec::new();
+        let mut waiting_for: Vec<u32> = Vec::new();
         for item in draining.iter_mut().filter(|item| !item.done) {
             let mut slot = lock(item.index);
             if drain_step(item, &mut slot) {
@@ -309,12 +318,22 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
                         revents: 0,
                     });
                 }
+                waiting_for.extend(socket.peer_process());
             } else {
                 item.done = true;
             }
         }
         if draining.iter().all(|item| item.done) || Instant::now() >= deadline {
             break;
+        }
+        if Instant::now() >= next_nudge {
+            // A peer that makes no socket call answers through its responder thread.
+            waiting_for.sort_unstable();
+            waiting_for.dedup();
+            for &pid in &waiting_for {
+                super::nudge::nudge(pid);
+            }
+            next_nudge = Instant::now() + super::nudge::NUDGE_INTERVAL;
         }
         super::io::assist_all_in_process();
         // SAFETY: `mirrors` is a valid array; short sleeps keep the loop cheap and bounded.

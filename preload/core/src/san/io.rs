@@ -19,8 +19,10 @@ use crate::{errno, real};
 use switch::session::SendTicket;
 
 /// Longest single sleep: bounds how long a missed wake-up (or a peer death the mirror did not
-/// show) can go unnoticed. Odd on purpose (see `ops::SAN_WAIT_SLICE_MS`).
-const WAIT_SLICE: Duration = Duration::from_millis(239);
+/// show) could go unnoticed (see `runtime::wait_slice_ms`).
+fn wait_slice() -> Duration {
+    Duration::from_millis(crate::runtime::wait_slice_ms() as u64)
+}
 
 /// Longest wait of a nonblocking read that consumed the switch marker (see `recv_iov`).
 const HANDSHAKE_WAIT: Duration = Duration::from_millis(50);
@@ -147,10 +149,10 @@ fn block(
     }
     let now = Instant::now();
     let slice = deadline
-        .map_or(WAIT_SLICE, |d| {
-            d.saturating_duration_since(now).min(WAIT_SLICE)
+        .map_or(wait_slice(), |d| {
+            d.saturating_duration_since(now).min(wait_slice())
         })
-        .min(fds.cap.unwrap_or(WAIT_SLICE));
+        .min(fds.cap.unwrap_or(wait_slice()));
     // SAFETY: `count` valid pollfds.
     let rc = unsafe {
         real::poll(
@@ -306,6 +308,7 @@ pub fn service_all() {
             if let Some(SanObject::Socket(socket)) = slot.as_mut() {
                 if socket.phase == Phase::Switched {
                     socket.service();
+                    socket.leaving_call();
                 }
             }
         }
@@ -421,6 +424,14 @@ pub(super) fn repoint_epoll_registrations(index: u32, from: c_int, to: c_int) ->
 /// `send`/`write`/`writev`/`sendmsg` on a SAN socket. `None`: not (or no longer) a SAN
 /// socket — the caller makes the real call.
 pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+    let sent = send_iov_inner(fd, index, bufs, send_flags);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        socket.leaving_call();
+    }
+    sent
+}
+
+fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
     if orphaned(index) {
         return Some(fail(libc::ECONNRESET));
     }
@@ -536,21 +547,23 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
                     socket.prepare_wait(libc::POLLOUT)
                 }
                 Err(libc::EAGAIN) => {
-                    if done > 0 && nonblocking {
-                        return Some(done as isize);
-                    }
                     if nonblocking {
+                        // A short count, like EAGAIN, tells an edge-triggered caller to wait
+                        // for EPOLLOUT: `M` must be lowered so that the peer's returned room
+                        // makes that edge (room that appeared meanwhile: send on).
                         if socket.lower_writable() {
-                            return Some(fail(libc::EAGAIN));
+                            return Some(if done > 0 {
+                                done as isize
+                            } else {
+                                fail(libc::EAGAIN)
+                            });
                         }
                         continue;
                     }
-                    if socket.absorb_if_stalled(&mut stalled_since, None) {
-                        continue;
+                    match socket.blocked_send_wait(&mut stalled_since) {
+                        Some(wait) => Some(wait),
+                        None => continue,
                     }
-                    let mut wait = socket.prepare_send_wait();
-                    socket.absorb_if_stalled(&mut stalled_since, wait.as_mut());
-                    wait
                 }
                 Err(code) => return Some(send_failed(done, code, send_flags)),
             }
@@ -612,12 +625,10 @@ fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usi
             // The completion message raises our writability (every message from the peer
             // does); unread data, which only the application can consume once this send
             // returns, must not keep the wait awake (but a stalled peer's is absorbed).
-            if socket.absorb_if_stalled(&mut stalled_since, None) {
-                continue;
+            match socket.blocked_send_wait(&mut stalled_since) {
+                Some(wait) => Some(wait),
+                None => continue,
             }
-            let mut wait = socket.prepare_send_wait();
-            socket.absorb_if_stalled(&mut stalled_since, wait.as_mut());
-            wait
         };
         let _ = block(index, fd, wait, None);
     }

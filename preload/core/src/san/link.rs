@@ -58,6 +58,15 @@ impl Link {
         }
     }
 
+    /// Shm: a message or completion waits for our next drive. Verbs: false (completions are
+    /// watched by the service thread, which raises the mirror).
+    pub(crate) fn has_input(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.has_input(),
+            Link::Verbs(_) => false,
+        }
+    }
+
     /// Shm: check the peer's liveness at the next drive (the kernel reported hang-up on a
     /// descriptor the peer held). Verbs: the CM disconnect or a QP error reports a dead peer.
     pub(crate) fn check_liveness_soon(&mut self) {

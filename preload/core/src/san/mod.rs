@@ -53,9 +53,11 @@
 //!   application's descriptor numbers are those it would get without the preload; a program
 //!   that `dup2`s onto those high numbers closes one of ours (that connection then fails).
 //! * fork and exec downgrade every SAN connection to kernel TCP first (`downgrade`,
-//!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. A peer that
-//!   makes no socket call for a second cannot answer: that connection stays with the parent
-//!   (it downgrades when the peer calls) and the child's copy fails with `ECONNRESET`.
+//!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. An idle peer
+//!   answers through its nudge responder (`nudge`); one that cannot answer for a second
+//!   (stopped, or a verbs peer on another host that makes no call) leaves that connection
+//!   with the parent (it downgrades when the peer calls) and the child's copy fails with
+//!   `ECONNRESET`.
 //!   `vfork` downgrades every SAN connection first (the child may pass any socket on) and
 //!   its child's hook calls are the kernel calls alone; `posix_spawn` downgrades those the
 //!   child receives, `system`/`popen` those without `FD_CLOEXEC` (their stashes stay
@@ -70,9 +72,12 @@
 //! turns it off) registers the application's buffer through the process-wide registration
 //! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
-//! through the segment's window into the sink the peer advertised. The call returns when the
-//! session reports the send complete (a short count is legal). A refused registration is
-//! `ENOBUFS` with nothing sent. Nonblocking sends always go inline.
+//! through the segment's window into the sink the peer advertised. Over verbs the threshold
+//! is 1 MiB and the peer RDMA-READs the buffer, or, when it does not offer reads
+//! (`SANDIRECT_SAN_RDMA_READ=0`), we RDMA-WRITE it into its sink. The call returns when the
+//! session reports the send complete (a short count is legal). A refused registration (over
+//! verbs: `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`) is `ENOBUFS` with nothing sent; the bytes
+//! before and after it keep their order. Nonblocking sends always go inline.
 //!
 //! The receiver registers the application's buffer when the next bytes are a rendezvous
 //! segment and receives min(buffer, remaining) bytes into it; `MSG_PEEK` reads them without
@@ -90,6 +95,7 @@ mod downgrade;
 mod exchange;
 mod io;
 mod link;
+mod nudge;
 mod registrations;
 mod socket;
 mod stash;
@@ -211,6 +217,9 @@ struct Provider {
     dir: PathBuf,
     /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
     rendezvous: bool,
+    /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
+    /// (`SANDIRECT_SAN_RDMA_READ`).
+    rdma_read: bool,
 }
 
 /// Turns the rendezvous off when set to `0` (large sends then go inline, like small ones).
@@ -220,6 +229,17 @@ const RENDEZVOUS_ENV: &str = "SANDIRECT_SAN_RENDEZVOUS";
 /// larger of both sides', so one side turning it off turns it off for the connection).
 fn rendezvous_enabled() -> bool {
     provider().is_some_and(|p| p.rendezvous)
+}
+
+/// Set to `0`, a verbs connection does not offer to RDMA-READ rendezvous sends: its peer then
+/// RDMA-WRITEs them into sinks this side advertises (WRITE mode), from a registration with
+/// local rights only. Soft-RoCE under emulation moves a WRITE several times faster than a READ;
+/// the VM tests use it to put the sender's cached local registrations to the test.
+const RDMA_READ_ENV: &str = "SANDIRECT_SAN_RDMA_READ";
+
+/// Whether this process's verbs connections offer READ-mode rendezvous (see [`RDMA_READ_ENV`]).
+fn rdma_read_enabled() -> bool {
+    provider().is_none_or(|p| p.rdma_read)
 }
 
 static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
@@ -239,6 +259,7 @@ fn provider() -> Option<&'static Provider> {
                     negative: NegativeCache::new(NegativeCacheConfig::default()),
                     dir: dir.path().to_path_buf(),
                     rendezvous: std::env::var_os(RENDEZVOUS_ENV).is_none_or(|v| v != "0"),
+                    rdma_read: std::env::var_os(RDMA_READ_ENV).is_none_or(|v| v != "0"),
                 }),
                 Err(error) => {
                     tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");
@@ -315,6 +336,10 @@ fn forget_name(index: u32) {
 }
 
 fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
+    if socket.is_intra_host() {
+        // A fork in the peer process needs our answer even while the application is idle.
+        nudge::ensure_responder();
+    }
     {
         let mut names = by_name();
         names.retain(|&(_, i)| i != index);
@@ -633,8 +658,10 @@ pub fn on_shutdown(fd: c_int, index: u32, how: c_int) {
 /// The child's inherited SAN sockets are marked `after-fork`; their I/O fails with
 /// `ECONNRESET` and their close only closes the fd: the child never touches the shared
 /// segment, the mutex (another thread may have held it at fork) or the peer's mirror.
-/// Syscall-free and lock-free: runs in the atfork child handler.
+/// Lock-free, and no syscall but closing the inherited nudge socket: runs in the atfork child
+/// handler.
 pub fn after_fork_in_child() {
+    nudge::after_fork_in_child();
     registry().for_each_live(|_, record| {
         // A stash holder is plain TCP plus shared memory: it works in both processes.
         if record.flags() & flags::SAN != 0 && record.flags() & flags::STASHED == 0 {

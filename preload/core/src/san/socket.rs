@@ -211,6 +211,17 @@ pub(crate) struct WaitFds {
     pub cap: Option<Duration>,
 }
 
+/// What [`SanSocket::absorb_if_stalled`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stall {
+    /// None of the peer's data waits unread (or we hold as much as we absorb).
+    None,
+    /// The peer's data waits unread, not long enough to absorb it (or nothing moved).
+    PeerDataWaits,
+    /// Some of it moved into our receive buffer: the peer can go on.
+    Absorbed,
+}
+
 /// A SAN socket.
 pub(crate) struct SanSocket {
     pub side: Side,
@@ -260,6 +271,10 @@ pub(crate) struct SanSocket {
     /// An eventfd the blocked threads also poll: a thread whose call made progress (consumed
     /// the mirror token, took in credits or data) rings it so the others re-check.
     local_bell: Option<OwnedFd>,
+    /// Polled by threads waiting while the client is pending (their wait is on the TCP
+    /// socket); rung once when the socket switches, since the switch marker another thread
+    /// consumed will not wake them. Never polled after the switch, so it is not reset.
+    pending_bell: Option<OwnedFd>,
     released: Vec<MrHandleId>,
     /// The driver's scratch buffers, kept so that a data call allocates nothing for them.
     pump: Pump,
@@ -331,6 +346,7 @@ impl SanSocket {
             waiters: 0,
             watched: false,
             local_bell: None,
+            pending_bell: None,
             released: Vec::new(),
             pump: Pump::new(),
             owner: next_owner(),
@@ -434,6 +450,15 @@ impl SanSocket {
         }
     }
 
+    /// Wakes the threads that wait on this socket as a pending client (see `pending_bell`).
+    fn ring_pending_bell(&self) {
+        if let Some(bell) = self.pending_bell.as_ref() {
+            let one = 1u64;
+            // SAFETY: an 8-byte write to our eventfd.
+            unsafe { libc::write(bell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
     /// Client: true once the acceptor attached (the switch may happen now).
     pub(crate) fn peer_attached(&self) -> bool {
         self.conn.as_ref().is_some_and(Link::peer_attached)
@@ -485,6 +510,7 @@ impl SanSocket {
         self.mirror = Some(our_mirror);
         self.page = Some(page);
         self.phase = Phase::Switched;
+        self.ring_pending_bell();
         // Our Hello (and the receives it needs) must wake the acceptor.
         self.data_to_announce = true;
         // A shutdown the application made while pending (a TCP FIN the acceptor may never
@@ -706,8 +732,58 @@ impl SanSocket {
             }
             self.peer.raise_writable();
         }
+        if sent {
+            self.nudge_stalled_peer();
+        }
+        if !self.has_untransmitted() {
+            self.set_progress_wanted(false);
+        }
         self.mirror_fin();
         self.raise_own_mirror();
+    }
+
+    /// Stream bytes we hold that have not left yet (no credits, or still handshaking).
+    fn has_untransmitted(&self) -> bool {
+        !self.early.is_empty()
+            || self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.send_queue_len() > 0)
+    }
+
+    fn set_progress_wanted(&self, wanted: bool) {
+        if let Some(mirror) = self.mirror.as_ref() {
+            mirror.words().set_progress_wanted(wanted);
+        }
+    }
+
+    /// Called as control returns to the application (and after a responder's servicing):
+    /// bytes we could not transmit would wait for its next call, which may never come
+    /// (a server that answered and went idle); the peer nudges us when it transmits
+    /// what unblocks them (see `MirrorWords`).
+    pub(crate) fn leaving_call(&mut self) {
+        if !self.has_untransmitted() || !self.is_intra_host() {
+            return;
+        }
+        self.set_progress_wanted(true);
+        // What the peer published before it could see the word (credits, its `Hello`) nudges
+        // nobody: drive it now (which clears the word if everything leaves).
+        if self.conn.as_ref().is_some_and(Link::has_input) {
+            self.service();
+        }
+    }
+
+    /// We just transmitted (our `Hello`, credits, data): if the peer is waiting for that to
+    /// move bytes its application left queued, nudge its process.
+    fn nudge_stalled_peer(&self) {
+        let Some((_, words)) = self.peer.get() else {
+            return;
+        };
+        if words.take_progress_wanted() {
+            if let Some(pid) = self.peer_process() {
+                super::nudge::nudge(pid);
+            }
+        }
     }
 
     /// Once our FIN has left (nothing queued before it), shuts the peer's `K` for writing
@@ -814,24 +890,17 @@ impl SanSocket {
     /// that each write megabytes before reading (an echo client writing a whole request)
     /// through, as loopback TCP does; after [`STALL_BEFORE_REJECT`] a rendezvous at the head
     /// is turned down (its sender sends the rest inline, which is absorbed). `stalled_since`
-    /// belongs to the caller's blocking call. Returns whether bytes moved; sets `cap` on
-    /// `wait` while a stall lasts, so the absorption keeps pace with the peer.
-    pub(crate) fn absorb_if_stalled(
-        &mut self,
-        stalled_since: &mut Option<Instant>,
-        wait: Option<&mut WaitFds>,
-    ) -> bool {
+    /// belongs to the caller's blocking call. While a stall lasts the caller's waits are cut
+    /// short ([`SanSocket::blocked_send_wait`]), so the absorption keeps pace with the peer.
+    fn absorb_if_stalled(&mut self, stalled_since: &mut Option<Instant>) -> Stall {
         let pending = self.session.as_ref().map_or(0, |s| s.recv_pending_bytes());
         if pending == 0 || self.restored.len() >= ABSORB_LIMIT {
-            return false;
+            return Stall::None;
         }
         let since = *stalled_since.get_or_insert_with(Instant::now);
-        if let Some(wait) = wait {
-            wait.cap = Some(STALL_POLL);
-        }
         let stalled = since.elapsed();
         if stalled < STALL_BEFORE_ABSORB {
-            return false;
+            return Stall::PeerDataWaits;
         }
         let reject_rendezvous = stalled >= STALL_BEFORE_REJECT;
         let mut moved = false;
@@ -860,8 +929,27 @@ impl SanSocket {
         if moved {
             self.data_to_announce = true;
             self.service();
+            return Stall::Absorbed;
         }
-        moved
+        Stall::PeerDataWaits
+    }
+
+    /// A blocking sender that found no room: absorbs a stalled peer's unread data (see
+    /// `absorb_if_stalled`) or prepares the wait for room, cut into short polls while the
+    /// peer's data waits unread (the stall is timed from the first). `None`: retry at once.
+    pub(crate) fn blocked_send_wait(
+        &mut self,
+        stalled_since: &mut Option<Instant>,
+    ) -> Option<WaitFds> {
+        let stall = self.absorb_if_stalled(stalled_since);
+        if stall == Stall::Absorbed {
+            return None;
+        }
+        let mut wait = self.prepare_send_wait()?;
+        if stall == Stall::PeerDataWaits {
+            wait.cap = Some(STALL_POLL);
+        }
+        Some(wait)
     }
 
     /// A downgrade drained `bytes` but the peer did not finish it in time: they are read
@@ -945,6 +1033,21 @@ impl SanSocket {
             self.released.clear();
         }
         progress.is_ok_and(|p| p.messages_sent > 0)
+    }
+
+    /// True for a connection to a process on this host (the `shm` provider).
+    pub(crate) fn is_intra_host(&self) -> bool {
+        self.conn
+            .as_ref()
+            .is_some_and(|link| link.verbs().is_none())
+    }
+
+    /// The peer's pid when it is another process on this host (the one to nudge).
+    pub(crate) fn peer_process(&self) -> Option<u32> {
+        self.conn
+            .as_ref()
+            .and_then(Link::peer_pid)
+            .filter(|&pid| pid != std::process::id())
     }
 
     /// True when the peer is this very process (both ends of an in-process connection).
@@ -1324,15 +1427,19 @@ impl SanSocket {
             return true;
         };
         let session = self.session.as_ref();
+        let conn = self.conn.as_ref();
         let early_room = self.early.len() < EARLY_LIMIT;
         let lowered = mirror.lower_writable(|| {
-            session.is_some_and(|s| {
-                if s.state() == SessionState::Handshaking {
-                    early_room
-                } else {
-                    s.readiness().writable
-                }
-            })
+            // Credits the peer already put in our ring raised nothing (we were not lowered
+            // yet): they count as room, found by the caller's next drive.
+            conn.is_some_and(Link::has_input)
+                || session.is_some_and(|s| {
+                    if s.state() == SessionState::Handshaking {
+                        early_room
+                    } else {
+                        s.readiness().writable
+                    }
+                })
         });
         !matches!(lowered, Ok(WriteLowering::StillWritable))
     }
@@ -1355,16 +1462,16 @@ impl SanSocket {
     /// and lowers the mirror. `None`: news arrived, do not block.
     pub(crate) fn prepare_wait(&mut self, tcp_events: i16) -> Option<WaitFds> {
         if self.phase == Phase::Pending {
-            return Some(Self::tcp_wait(tcp_events));
+            if self.pending_bell.is_none() {
+                self.pending_bell = new_eventfd();
+            }
+            return Some(WaitFds {
+                bell: self.pending_bell.as_ref().map(AsRawFd::as_raw_fd),
+                ..Self::tcp_wait(tcp_events)
+            });
         }
         if self.local_bell.is_none() {
-            // SAFETY: plain eventfd(2); the result is owned below.
-            let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-            if raw >= 0 {
-                // SAFETY: a fresh descriptor owned by nobody else.
-                let bell = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-                self.local_bell = Some(crate::mirror::relocate_internal_fd(bell));
-            }
+            self.local_bell = new_eventfd();
         }
         let conn = self.conn.as_ref()?;
         if conn.wait(Duration::ZERO) == san_shm::WaitResult::Notified {
@@ -1650,7 +1757,9 @@ impl SanSocket {
             .and_then(Link::verbs_mut)
             .ok_or(SetupError::Resource)?;
         link.set_own_mirror(k, SideWords::new(page.clone(), 0));
-        let capabilities = link.capabilities();
+        let mut capabilities = link.capabilities();
+        // Not offering to read makes the peer's rendezvous sends WRITE mode.
+        capabilities.rdma_read &= super::rdma_read_enabled();
         let config = SessionConfig {
             rendezvous_threshold: if super::rendezvous_enabled() {
                 VERBS_RENDEZVOUS_THRESHOLD
@@ -1668,6 +1777,7 @@ impl SanSocket {
         self.mirror = Some(mirror);
         self.page = Some(page);
         self.phase = Phase::Switched;
+        self.ring_pending_bell();
         // Our Hello goes out at the next service.
         self.data_to_announce = true;
         Ok(())
@@ -1745,4 +1855,16 @@ impl SanSocket {
     pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
         self.conn.as_ref().and_then(Link::verbs)
     }
+}
+
+/// A nonblocking, close-on-exec eventfd above the application's descriptor numbers.
+fn new_eventfd() -> Option<OwnedFd> {
+    // SAFETY: plain eventfd(2); the result is owned below.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let bell = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    Some(crate::mirror::relocate_internal_fd(bell))
 }

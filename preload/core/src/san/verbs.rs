@@ -706,12 +706,7 @@ fn service() -> Option<&'static Service> {
 
 fn start_thread() -> bool {
     static STARTED: OnceLock<bool> = OnceLock::new();
-    *STARTED.get_or_init(|| {
-        std::thread::Builder::new()
-            .name("sandirect-verbs".into())
-            .spawn(service_loop)
-            .is_ok()
-    })
+    *STARTED.get_or_init(|| crate::runtime::spawn_internal_thread("sandirect-verbs", service_loop))
 }
 
 impl Service {

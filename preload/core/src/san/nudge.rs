@@ -1,0 +1,321 @@
+//! Nudges: making a peer process answer a downgrade while its application makes no socket
+//! call.
+//!
+//! Before `fork()` every SAN connection is moved back to kernel TCP, and that takes the peer's
+//! part: its session must send its own `Downgrade` (see `downgrade`). A peer answers in its
+//! next socket call, and a peer blocked on the socket is woken through its mirror at once; but
+//! one that is busy or asleep elsewhere (computing, `sleep()`, waiting on a pipe) makes no call,
+//! and the fork used to wait its whole budget and leave the connection to the parent.
+//!
+//! So every process with an intra-host SAN connection keeps one **responder** thread, blocked
+//! in `recvmsg` on an abstract Unix datagram socket named `\0sandirect/<euid>/N/<pid>`: it
+//! costs nothing until a nudge arrives (no timer, no spinning), and then services every SAN
+//! socket of the process once (`io::service_all`: the same work an application call or a wait
+//! slice does), which answers a pending `Downgrade`. A forking process nudges the pid of every
+//! peer it waits for, again every [`NUDGE_INTERVAL`] while the answer is missing (an answer
+//! may need several rounds when credits are short).
+//!
+//! **Trust.** The socket has `SO_PASSCRED`: a datagram whose sender is not our effective uid
+//! is dropped unread. Anyone may bind a free abstract name, so a squatter can take nudges
+//! away; the fork then waits its budget as before (the connection stays exact, with the
+//! parent). The worst a nudge can do is make us service our sockets once more.
+//!
+//! **Lifetime.** Started on the first intra-host SAN connection of a process (not in the
+//! constructor: most programs never need it). A fork child inherits the descriptor but not the
+//! thread; the child handler closes its copy and the child starts its own on its first SAN
+//! connection. The descriptor is close-on-exec and sits above the application's numbers.
+
+use core::mem::{size_of, zeroed};
+use core::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::time::Duration;
+
+use crate::discovery::{effective_uid, nudge_address};
+use crate::guard::ReentrancyGuard;
+use crate::real;
+
+/// How often a forking process repeats its nudge while a peer has not answered.
+pub(crate) const NUDGE_INTERVAL: Duration = Duration::from_millis(20);
+
+/// The responder's socket in this process (-1: none).
+static RESPONDER_FD: AtomicI32 = AtomicI32::new(-1);
+/// The pid whose responder was set up (or tried): a fork child sees its parent's and sets up
+/// its own.
+static RESPONDER_PID: AtomicU32 = AtomicU32::new(0);
+
+/// Makes sure this process answers nudges: on first use per process, binds the nudge name and
+/// starts the responder thread. Called as an intra-host SAN connection is installed.
+pub(crate) fn ensure_responder() {
+    let pid = std::process::id();
+    let claimed = RESPONDER_PID.load(Ordering::Acquire);
+    if claimed == pid {
+        return;
+    }
+    // One thread sets up per process; a failed set-up is not retried (the fork then waits
+    // its budget for idle peers, as it would without nudges).
+    if RESPONDER_PID
+        .compare_exchange(claimed, pid, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return;
+    }
+    match bind_nudge_socket(pid) {
+        Ok(socket) => {
+            let raw = socket.into_raw_fd();
+            RESPONDER_FD.store(raw, Ordering::Release);
+            // The new thread's own start-up (std's thread bookkeeping) happens before we
+            // return: the application's steady state must see no allocation of ours.
+            let ready = ReadySignal::new();
+            let signal = ready.as_ref().map(ReadySignal::fd);
+            let started = crate::runtime::spawn_internal_thread("sandirect-nudge", move || {
+                if let Some(fd) = signal {
+                    ReadySignal::ring(fd);
+                }
+                respond(raw)
+            });
+            if !started {
+                tracing::debug!("nudge responder: thread not started");
+                close_responder_socket();
+            } else if let Some(ready) = ready {
+                ready.wait(1000);
+            }
+        }
+        Err(op) => {
+            tracing::debug!(
+                op,
+                errno = crate::errno::get(),
+                "nudge responder not set up: idle peers cannot be hurried"
+            );
+        }
+    }
+}
+
+/// The bound, credential-passing socket of process `pid`, or the call that failed.
+fn bind_nudge_socket(pid: u32) -> Result<OwnedFd, &'static str> {
+    // SAFETY: plain socket(2) through the real symbol.
+    let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err("socket");
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let socket = crate::mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(raw) });
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&socket);
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt(2) reads one int.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PASSCRED,
+            (&on as *const libc::c_int).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err("setsockopt(SO_PASSCRED)");
+    }
+    let (address, len) = nudge_address(effective_uid(), pid);
+    // SAFETY: bind(2) reads `len` bytes of `address`.
+    let rc = unsafe { real::bind(fd, (&address as *const libc::sockaddr_un).cast(), len) };
+    if rc != 0 {
+        return Err("bind");
+    }
+    Ok(socket)
+}
+
+fn close_responder_socket() {
+    let fd = RESPONDER_FD.swap(-1, Ordering::AcqRel);
+    if fd >= 0 {
+        // SAFETY: our own descriptor, taken out of the static first so it closes once.
+        unsafe { libc::close(fd) };
+    }
+}
+
+/// fork child: the responder thread was not copied; close the inherited socket so the name
+/// dies with the parent. Async-signal-safe (one atomic swap, one `close`).
+pub(crate) fn after_fork_in_child() {
+    close_responder_socket();
+}
+
+/// The responder thread: waits for nudges, then services every SAN socket once per batch.
+fn respond(fd: libc::c_int) {
+    // Our own calls (recvmsg, and everything servicing does) must not go through the hooks'
+    // SAN logic.
+    let _inside = ReentrancyGuard::enter();
+    let uid = effective_uid();
+    loop {
+        match receive(fd, uid, 0) {
+            Received::Nudge => {}
+            Received::Ignored | Received::Interrupted => continue,
+            Received::Closed => return,
+        }
+        // Nudges that queued meanwhile are served by this same round.
+        while matches!(
+            receive(fd, uid, libc::MSG_DONTWAIT),
+            Received::Nudge | Received::Ignored
+        ) {}
+        super::io::service_all();
+    }
+}
+
+enum Received {
+    /// A nudge from a process of our user.
+    Nudge,
+    /// A datagram without our user's credentials: dropped.
+    Ignored,
+    /// EINTR, or nothing queued (`MSG_DONTWAIT`).
+    Interrupted,
+    /// The socket is gone (closed behind our back): the thread ends.
+    Closed,
+}
+
+fn receive(fd: libc::c_int, uid: u32, flags: libc::c_int) -> Received {
+    let mut byte = 0u8;
+    let mut iov = libc::iovec {
+        iov_base: (&mut byte as *mut u8).cast(),
+        iov_len: 1,
+    };
+    // Room for one SCM_CREDENTIALS message, 8-byte aligned.
+    let mut control = [0u64; 8];
+    // SAFETY: plain data, zero is valid.
+    let mut message: libc::msghdr = unsafe { zeroed() };
+    message.msg_iov = &mut iov;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = size_of::<[u64; 8]>();
+    // SAFETY: recvmsg(2) writes at most one byte and `msg_controllen` bytes of control data
+    // into the buffers above, which outlive the call.
+    let n = unsafe { real::recvmsg(fd, &mut message, flags) };
+    if n < 0 {
+        return match crate::errno::get() {
+            libc::EINTR | libc::EAGAIN => Received::Interrupted,
+            libc::EBADF | libc::ENOTSOCK => Received::Closed,
+            _ => {
+                // Unexpected: back off rather than spin on a failing call.
+                std::thread::sleep(Duration::from_millis(10));
+                Received::Interrupted
+            }
+        };
+    }
+    if sender_uid(&message) == Some(uid) {
+        Received::Nudge
+    } else {
+        Received::Ignored
+    }
+}
+
+/// The uid of the SCM_CREDENTIALS message in `message`'s control data.
+fn sender_uid(message: &libc::msghdr) -> Option<u32> {
+    // SAFETY: the CMSG macros walk the control buffer recvmsg filled, within its length.
+    let mut header = unsafe { libc::CMSG_FIRSTHDR(message) };
+    while !header.is_null() {
+        // SAFETY: a non-null header returned by CMSG_FIRSTHDR/NXTHDR lies within the buffer.
+        let cmsg = unsafe { &*header };
+        if cmsg.cmsg_level == libc::SOL_SOCKET
+            && cmsg.cmsg_type == libc::SCM_CREDENTIALS
+            && cmsg.cmsg_len as usize >= libc_cmsg_len(size_of::<libc::ucred>())
+        {
+            // SAFETY: the message carries a whole `ucred` (length checked); it may be
+            // unaligned in the byte buffer, hence read_unaligned.
+            let cred: libc::ucred =
+                unsafe { core::ptr::read_unaligned(libc::CMSG_DATA(header).cast::<libc::ucred>()) };
+            return Some(cred.uid);
+        }
+        // SAFETY: as above.
+        header = unsafe { libc::CMSG_NXTHDR(message, header) };
+    }
+    None
+}
+
+fn libc_cmsg_len(payload: usize) -> usize {
+    // SAFETY: CMSG_LEN is arithmetic only.
+    unsafe { libc::CMSG_LEN(payload as u32) as usize }
+}
+
+/// Asks process `pid` (of our user, on this host) to service its SAN sockets now. Best effort:
+/// a process without a responder just does not answer sooner.
+pub(crate) fn nudge(pid: u32) {
+    let Some(fd) = sender() else {
+        return;
+    };
+    let (address, len) = nudge_address(effective_uid(), pid);
+    // SAFETY: sendto(2) reads one byte and `len` bytes of `address`.
+    unsafe {
+        real::sendto(
+            fd,
+            [0u8].as_ptr().cast(),
+            1,
+            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            (&address as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+}
+
+/// The unbound datagram socket nudges are sent from (made on first use, kept: forks are rare
+/// but may come in bursts, e.g. a pre-forking server).
+fn sender() -> Option<libc::c_int> {
+    static SENDER: AtomicI32 = AtomicI32::new(-1);
+    let fd = SENDER.load(Ordering::Acquire);
+    if fd >= 0 {
+        return Some(fd);
+    }
+    // SAFETY: plain socket(2) through the real symbol.
+    let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let socket = crate::mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(raw) });
+    let raw = socket.into_raw_fd();
+    match SENDER.compare_exchange(-1, raw, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => Some(raw),
+        Err(theirs) => {
+            // SAFETY: ours, lost the race: close it.
+            unsafe { libc::close(raw) };
+            Some(theirs)
+        }
+    }
+}
+
+/// A one-shot "started" signal from a new thread (an eventfd: no allocation on either side).
+struct ReadySignal(OwnedFd);
+
+impl ReadySignal {
+    fn new() -> Option<ReadySignal> {
+        // SAFETY: plain eventfd(2).
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        (raw >= 0).then(|| {
+            // SAFETY: a fresh descriptor owned by nobody else.
+            let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+            ReadySignal(crate::mirror::relocate_internal_fd(owned))
+        })
+    }
+
+    fn fd(&self) -> libc::c_int {
+        std::os::fd::AsRawFd::as_raw_fd(&self.0)
+    }
+
+    /// From the new thread. The descriptor stays open until [`ReadySignal::wait`] returns.
+    fn ring(fd: libc::c_int) {
+        let one = 1u64;
+        // SAFETY: an 8-byte write to the eventfd.
+        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    }
+
+    /// Waits (bounded) for the ring. The descriptor is closed once rung; a thread that has
+    /// not rung in time keeps it (leaked), so its late write can never hit a number the
+    /// application got meanwhile.
+    fn wait(self, timeout_ms: libc::c_int) {
+        let mut pfd = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, bounded timeout.
+        let rc = unsafe { real::poll(&mut pfd, 1, timeout_ms) };
+        if rc != 1 {
+            core::mem::forget(self);
+        }
+    }
+}
