@@ -4,13 +4,14 @@
 //! bytes. Then it prints `holding` and keeps its connections open until stdin closes, so the
 //! test can read their data path from the published records while they are live.
 //!
-//! Usage: `app_kv redis|memcached PORT CONNECTIONS KEYS SEED`
+//! Usage: `app_kv redis|memcached PORT CONNECTIONS KEYS SEED [HOST]` (HOST: the server's IPv4
+//! address, default loopback; the cross-host verbs tests name the other address).
 //!
 //! Every reply byte comes from the server, so parsing never panics: malformed or unexpected
 //! replies are errors that name what was expected.
 
 use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
-use std::net::{Ipv4Addr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::process::ExitCode;
 use std::sync::{mpsc, Arc, Barrier};
 
@@ -27,6 +28,7 @@ enum Protocol {
 #[derive(Clone, Copy, Debug)]
 struct Settings {
     protocol: Protocol,
+    host: IpAddr,
     port: u16,
     connections: usize,
     keys: usize,
@@ -35,8 +37,16 @@ struct Settings {
 
 fn parse_arguments() -> Result<Settings, String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [protocol, port, connections, keys, seed] = args.as_slice() else {
-        return Err("usage: app_kv redis|memcached PORT CONNECTIONS KEYS SEED".into());
+    let (host, args) = match args.as_slice() {
+        [rest @ .., host] if rest.len() == 5 => (
+            host.parse::<IpAddr>()
+                .map_err(|_| format!("HOST must be an IP address, not {host:?}"))?,
+            rest,
+        ),
+        all => (IpAddr::V4(Ipv4Addr::LOCALHOST), all),
+    };
+    let [protocol, port, connections, keys, seed] = args else {
+        return Err("usage: app_kv redis|memcached PORT CONNECTIONS KEYS SEED [HOST]".into());
     };
     let number = |text: &str, what: &str| -> Result<u64, String> {
         text.parse()
@@ -52,6 +62,7 @@ fn parse_arguments() -> Result<Settings, String> {
     let keys = number(keys, "KEYS")?.clamp(1, 100_000) as usize;
     Ok(Settings {
         protocol,
+        host,
         port,
         connections,
         keys,
@@ -91,7 +102,7 @@ fn protocol_error(message: String) -> io::Error {
 
 impl Client {
     fn connect(settings: &Settings) -> io::Result<Client> {
-        let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, settings.port))?;
+        let stream = TcpStream::connect((settings.host, settings.port))?;
         stream.set_nodelay(true)?;
         Ok(Client {
             protocol: settings.protocol,

@@ -7,7 +7,22 @@
 //! san_xhost client ADDR:PORT LOCAL BYTES [CHUNK]  # binds LOCAL:0, streams BYTES, checks the echo
 //! san_xhost sink ADDR                 # as server, but reads until end-of-file or an error
 //! san_xhost flood ADDR:PORT LOCAL     # as client, but writes until an error
+//! san_xhost receiver ADDR             # as server, one way: reads until end-of-file
+//! san_xhost sender ADDR:PORT LOCAL BYTES [CHUNK]  # as client, one way: streams BYTES
+//! san_xhost fork-server ADDR N        # accepts N clients, forks a child per connection
+//! san_xhost fork-client ADDR:PORT LOCAL BYTES [CHUNK]  # as client, the I/O in a fork child
 //! ```
+//!
+//! `receiver`/`sender` move BYTES one way (no echo, nothing held in memory: the pattern is
+//! generated and both sides checksum as the bytes go), then the receiver answers with one
+//! byte so the sender knows everything arrived before it reads its counters.
+//!
+//! `fork-server` is the classic forking server: the parent accepts, forks, closes its copy and
+//! accepts the next; the child serves the connection as `server` does (banner, echo) and
+//! prints its `server ok` line. `fork-client` connects and reads the banner in the parent,
+//! then forks: the child streams and checks the echo, the parent closes its copy. The path
+//! they report is the child's (a fork moves SAN connections back to TCP first:
+//! `docs/ARCHITECTURE.md`, "fork and exec").
 //!
 //! `sink`/`flood` are for peer-death tests: each prints `accepted`/`connected` once the
 //! connection is up and `<side> stopped: <how>` at the end; kill one side and time the other.
@@ -19,40 +34,136 @@
 //! reads before streaming, so both directions start with the acceptor's bytes and the
 //! client's bytes cross while the connection may still be switching.
 //!
-//! Each side prints `<side> ok bytes=N checksum=X path=P tcp=S/R san=S/R`: the data path and
-//! byte counters the interposer published for the connection (`tcp` and zeros natively).
+//! Each side prints `<side> ok bytes=N checksum=X path=P tcp=S/R san=S/R rdv=S/R reason=W`:
+//! the data path, byte counters and TCP reason (`-`, `downgraded`, …) the interposer published
+//! for the connection (`tcp`, zeros and `-` natively).
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 
 use preload_core::record::{Counter, DataPath, SocketState};
 
 const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJK";
 
+/// The test stream: a xorshift sequence, eight bytes per step, generated piece by piece (a
+/// 256 MiB stream is never held in memory; word steps keep the debug build fast enough for
+/// the emulated guest).
+struct Pattern {
+    state: u64,
+    /// The current word and how many of its bytes were handed out.
+    word: [u8; 8],
+    used: usize,
+}
+
+impl Pattern {
+    fn new() -> Pattern {
+        Pattern {
+            state: 0x9e37_79b9_7f4a_7c15,
+            word: [0; 8],
+            used: 8,
+        }
+    }
+
+    fn next_word(&mut self) -> [u8; 8] {
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        self.state.to_le_bytes()
+    }
+
+    fn fill(&mut self, out: &mut [u8]) {
+        let leftover = (8 - self.used).min(out.len());
+        out[..leftover].copy_from_slice(&self.word[self.used..self.used + leftover]);
+        self.used += leftover;
+        let mut words = out[leftover..].chunks_exact_mut(8);
+        for word in &mut words {
+            word.copy_from_slice(&self.next_word());
+        }
+        let tail = words.into_remainder();
+        if !tail.is_empty() {
+            self.word = self.next_word();
+            tail.copy_from_slice(&self.word[..tail.len()]);
+            self.used = tail.len();
+        }
+    }
+}
+
 fn pattern(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    let mut data = vec![0u8; len];
+    Pattern::new().fill(&mut data);
+    data
+}
+
+/// An FNV-1a-style checksum over little-endian 64-bit words, fed piece by piece (the pieces
+/// may split words anywhere): order-sensitive, so a reordered or duplicated chunk changes it.
+struct Checksum {
+    hash: u64,
+    pending: [u8; 8],
+    pending_len: usize,
+}
+
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+impl Checksum {
+    fn new() -> Checksum {
+        Checksum {
+            hash: 0xcbf2_9ce4_8422_2325,
+            pending: [0; 8],
+            pending_len: 0,
+        }
+    }
+
+    fn mix(hash: u64, word: u64) -> u64 {
+        (hash ^ word).wrapping_mul(FNV_PRIME).rotate_left(23)
+    }
+
+    fn feed(&mut self, mut data: &[u8]) {
+        if self.pending_len > 0 {
+            let take = (8 - self.pending_len).min(data.len());
+            self.pending[self.pending_len..self.pending_len + take].copy_from_slice(&data[..take]);
+            self.pending_len += take;
+            data = &data[take..];
+            if self.pending_len < 8 {
+                return;
+            }
+            self.hash = Self::mix(self.hash, u64::from_le_bytes(self.pending));
+            self.pending_len = 0;
+        }
+        let mut words = data.chunks_exact(8);
+        for word in &mut words {
+            let word: [u8; 8] = word.try_into().unwrap_or_default();
+            self.hash = Self::mix(self.hash, u64::from_le_bytes(word));
+        }
+        let tail = words.remainder();
+        self.pending[..tail.len()].copy_from_slice(tail);
+        self.pending_len = tail.len();
+    }
+
+    /// The checksum of everything fed so far (a partial last word counts with its length).
+    fn value(&self) -> u64 {
+        if self.pending_len == 0 {
+            return self.hash;
+        }
+        let mut last = [0u8; 8];
+        last[..self.pending_len].copy_from_slice(&self.pending[..self.pending_len]);
+        Self::mix(
+            Self::mix(self.hash, u64::from_le_bytes(last)),
+            self.pending_len as u64,
+        )
+    }
 }
 
 fn checksum(data: &[u8]) -> u64 {
-    // FNV-1a: order-sensitive, so a reordered or duplicated chunk changes it.
-    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    let mut sum = Checksum::new();
+    sum.feed(data);
+    sum.value()
 }
 
 /// What the interposer published for this process's connection on local port `port`:
 /// `path=P tcp=SENT/RECEIVED san=SENT/RECEIVED` (SAN bytes: inline plus rendezvous), or
 /// `path=tcp` with zero counts when nothing is published (natively).
 fn published(port: u16) -> String {
-    let none = || "path=tcp tcp=0/0 san=0/0 rdv=0/0".to_owned();
+    let none = || "path=tcp tcp=0/0 san=0/0 rdv=0/0 reason=-".to_owned();
     let Some(dir) = preload_core::stats::default_dir() else {
         return none();
     };
@@ -72,19 +183,24 @@ fn published(port: u16) -> String {
             };
             let n = |counter: Counter| c.counters[counter as usize];
             format!(
-                "path={path} tcp={}/{} san={}/{} rdv={}/{}",
+                "path={path} tcp={}/{} san={}/{} rdv={}/{} reason={}",
                 n(Counter::TcpSent),
                 n(Counter::TcpReceived),
                 n(Counter::SanInlineSent) + n(Counter::SanRendezvousSent),
                 n(Counter::SanInlineReceived) + n(Counter::SanRendezvousReceived),
                 n(Counter::SanRendezvousSent),
                 n(Counter::SanRendezvousReceived),
+                c.bypass.label(),
             )
         })
 }
 
 fn serve(listener: TcpListener) -> std::io::Result<String> {
-    let (mut stream, _) = listener.accept()?;
+    let (stream, _) = listener.accept()?;
+    serve_stream(stream)
+}
+
+fn serve_stream(mut stream: TcpStream) -> std::io::Result<String> {
     let local_port = stream.local_addr()?.port();
     stream.write_all(BANNER)?;
     let mut received = Vec::new();
@@ -113,12 +229,22 @@ fn client(
     chunk: usize,
 ) -> std::io::Result<String> {
     let mut stream = integration::connect_from(local, server)?;
-    let local_port = stream.local_addr()?.port();
+    read_banner(&mut stream)?;
+    converse(stream, bytes, chunk)
+}
+
+fn read_banner(stream: &mut TcpStream) -> std::io::Result<()> {
     let mut banner = [0u8; 64];
     stream.read_exact(&mut banner)?;
     if &banner != BANNER {
         return Err(std::io::Error::other("banner corrupted"));
     }
+    Ok(())
+}
+
+/// The client's side after the banner: streams the pattern, checks the echo.
+fn converse(mut stream: TcpStream, bytes: usize, chunk: usize) -> std::io::Result<String> {
+    let local_port = stream.local_addr()?.port();
     let data = pattern(bytes);
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
@@ -187,6 +313,141 @@ fn flood(server: SocketAddr, local: std::net::Ipv4Addr) -> std::io::Result<Strin
     Ok(stopped("client", result))
 }
 
+/// One way, receiving side: checksums everything until end-of-file, then answers one byte.
+fn receive(listener: TcpListener) -> std::io::Result<String> {
+    let (mut stream, _) = listener.accept()?;
+    let local_port = stream.local_addr()?.port();
+    let mut sum = Checksum::new();
+    let mut total = 0usize;
+    let mut buf = vec![0u8; 256 << 10];
+    loop {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        sum.feed(&buf[..n]);
+        total += n;
+    }
+    let report = published(local_port);
+    stream.write_all(b"!")?;
+    stream.shutdown(Shutdown::Write)?;
+    Ok(format!(
+        "server ok bytes={total} checksum={:016x} {report}",
+        sum.value()
+    ))
+}
+
+/// One way, sending side: streams BYTES of the pattern in CHUNK-byte writes, shuts down
+/// writing and waits for the receiver's one-byte answer.
+fn send(
+    server: SocketAddr,
+    local: std::net::Ipv4Addr,
+    bytes: usize,
+    chunk: usize,
+) -> std::io::Result<String> {
+    let mut stream = integration::connect_from(local, server)?;
+    let local_port = stream.local_addr()?.port();
+    let mut generator = Pattern::new();
+    let mut sum = Checksum::new();
+    let mut piece = vec![0u8; chunk.clamp(1, 8 << 20)];
+    let mut sent = 0usize;
+    while sent < bytes {
+        let len = piece.len().min(bytes - sent);
+        generator.fill(&mut piece[..len]);
+        sum.feed(&piece[..len]);
+        stream.write_all(&piece[..len])?;
+        sent += len;
+    }
+    stream.shutdown(Shutdown::Write)?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer)?;
+    if answer != b"!" {
+        return Err(std::io::Error::other(format!(
+            "receiver answered {answer:?}, not one '!'"
+        )));
+    }
+    let report = published(local_port);
+    Ok(format!(
+        "client ok bytes={sent} checksum={:016x} {report}",
+        sum.value()
+    ))
+}
+
+/// Forks; the child runs `child` and leaves with its status (its line printed and flushed),
+/// never returning. Returns the child's pid in the parent.
+fn fork_into(child: impl FnOnce() -> std::io::Result<String>) -> std::io::Result<libc::pid_t> {
+    std::io::stdout().flush()?;
+    // SAFETY: fork(2); the child only runs the closure below and leaves through _exit.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if pid > 0 {
+        return Ok(pid);
+    }
+    let status = match child() {
+        Ok(line) => {
+            println!("{line}");
+            0
+        }
+        Err(error) => {
+            eprintln!("san_xhost child: {error}");
+            1
+        }
+    };
+    let _ = std::io::stdout().flush();
+    // SAFETY: leaves the child without running the parent's exit handlers twice.
+    unsafe { libc::_exit(status) }
+}
+
+/// Waits for `pid`; true when it exited with status 0.
+fn child_succeeded(pid: libc::pid_t) -> bool {
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our own child with a valid status pointer.
+    let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+    rc == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+}
+
+/// The forking server: accept in the parent, fork, the child serves, the parent closes its
+/// copy and accepts the next. Fails unless every child served its connection.
+fn fork_server(listener: TcpListener, connections: usize) -> std::io::Result<()> {
+    let mut children = Vec::new();
+    for _ in 0..connections {
+        let (stream, _) = listener.accept()?;
+        children.push(fork_into(move || serve_stream(stream))?);
+        // (`stream` moved into the closure: the parent's copy is closed when fork_into
+        // returns.)
+    }
+    let failed = children
+        .into_iter()
+        .filter(|&pid| !child_succeeded(pid))
+        .count();
+    if failed > 0 {
+        return Err(std::io::Error::other(format!(
+            "{failed} of {connections} children failed"
+        )));
+    }
+    Ok(())
+}
+
+/// The forking client: connects and reads the banner (the connection is up, and on the SAN
+/// when both sides are preloaded), then forks; the child converses, the parent closes.
+fn fork_client(
+    server: SocketAddr,
+    local: std::net::Ipv4Addr,
+    bytes: usize,
+    chunk: usize,
+) -> std::io::Result<()> {
+    let mut stream = integration::connect_from(local, server)?;
+    read_banner(&mut stream)?;
+    let pid = fork_into(move || converse(stream, bytes, chunk))?;
+    if child_succeeded(pid) {
+        Ok(())
+    } else {
+        Err(std::io::Error::other("the client child failed"))
+    }
+}
+
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or_default();
@@ -217,9 +478,39 @@ fn main() -> std::io::Result<()> {
             let local = arg(3).parse().map_err(std::io::Error::other)?;
             println!("{}", flood(server, local)?);
         }
+        "receiver" => {
+            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
+            let listener = TcpListener::bind((ip, 0))?;
+            println!("port {}", listener.local_addr()?.port());
+            std::io::stdout().flush()?;
+            println!("{}", receive(listener)?);
+        }
+        "sender" => {
+            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
+            let local = arg(3).parse().map_err(std::io::Error::other)?;
+            let bytes = arg(4).parse().map_err(std::io::Error::other)?;
+            let chunk = arg(5).parse().unwrap_or(24_000);
+            println!("{}", send(server, local, bytes, chunk)?);
+        }
+        "fork-server" => {
+            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
+            let connections = arg(3).parse().unwrap_or(1);
+            let listener = TcpListener::bind((ip, 0))?;
+            println!("port {}", listener.local_addr()?.port());
+            std::io::stdout().flush()?;
+            fork_server(listener, connections)?;
+        }
+        "fork-client" => {
+            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
+            let local = arg(3).parse().map_err(std::io::Error::other)?;
+            let bytes = arg(4).parse().map_err(std::io::Error::other)?;
+            let chunk = arg(5).parse().unwrap_or(24_000);
+            fork_client(server, local, bytes, chunk)?;
+        }
         other => {
             eprintln!(
-                "usage: san_xhost server ADDR | client ADDR:PORT LOCAL BYTES (got {other:?})"
+                "usage: san_xhost server|sink|receiver|fork-server ADDR [N] | \
+                 client|flood|sender|fork-client ADDR:PORT LOCAL [BYTES [CHUNK]] (got {other:?})"
             );
             std::process::exit(2);
         }

@@ -33,6 +33,11 @@ pub const HEADER_BYTES: usize = 4096;
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SANDIR01");
 /// `FileHeader::version`.
 pub const VERSION: u32 = 1;
+/// How long a thread waits for another one to finish [`Registry`] initialisation before its
+/// socket goes untracked.
+const INIT_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Yields before that wait turns to short sleeps.
+const INIT_YIELDS: u32 = 1000;
 
 /// The start of a stats file.
 #[repr(C)]
@@ -200,7 +205,13 @@ impl Registry {
 
     /// Sets up the backing on first use. Bounded wait if another thread is doing it.
     fn ensure_init(&'static self) -> bool {
-        for _ in 0..10_000 {
+        // Another thread may be creating the stats file (the first sockets of a program
+        // that connects from several threads at once). That is a few file-system calls,
+        // which a fixed number of yields did not outlast under emulation: a thread gave up
+        // and its connection went untracked, plain TCP. Wait by time instead, yielding
+        // first, then sleeping briefly; bounded, so a stuck creator costs one socket.
+        let mut since: Option<std::time::Instant> = None;
+        for round in 0u32.. {
             match self.init.compare_exchange(
                 INIT_NONE,
                 INIT_BUSY,
@@ -217,8 +228,16 @@ impl Registry {
                     return true;
                 }
                 Err(INIT_BUSY) => {
-                    // SAFETY: sched_yield has no preconditions.
-                    unsafe { libc::sched_yield() };
+                    let started = *since.get_or_insert_with(std::time::Instant::now);
+                    if started.elapsed() >= INIT_WAIT {
+                        return false;
+                    }
+                    if round < INIT_YIELDS {
+                        // SAFETY: sched_yield has no preconditions.
+                        unsafe { libc::sched_yield() };
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_micros(200));
+                    }
                 }
                 Err(_) => return true,
             }

@@ -254,7 +254,19 @@ impl VerbsConnection {
     /// Arms the completion channel. Returns `false` when completions are already pending
     /// (poll them instead of blocking).
     pub fn arm(&mut self) -> bool {
-        if !self.ready.is_empty() || self.drain_cq() > 0 {
+        // The CQ's notification is one-shot: an event waiting on the channel means it fired
+        // and must be requested again. Without consuming (and acknowledging) that event here,
+        // a caller that drained the completions without blocking (`poll_completions` found
+        // some) would keep `armed` set over a disarmed CQ, and the next completion would
+        // raise no event: an edge-triggered watcher of `fd` then never wakes.
+        if self.cq.consume_events() > 0 {
+            self.armed = false;
+        }
+        // The same for connection events: one left unread keeps `fd` readable without a
+        // new edge, and a disconnect must reach the caller's next drive.
+        let was_down = self.is_down();
+        self.process_events();
+        if self.is_down() != was_down || !self.ready.is_empty() || self.drain_cq() > 0 {
             return false;
         }
         if !self.armed {

@@ -720,6 +720,60 @@ fn completion_wait_sleeps_in_the_kernel_and_wakes_on_arrival() {
     );
 }
 
+/// Whether `fd` is readable within `timeout`.
+fn readable_within(fd: std::os::fd::RawFd, timeout: Duration) -> bool {
+    let mut entry = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    // SAFETY: one valid pollfd entry.
+    let n = unsafe { libc::poll(&mut entry, 1, ms) };
+    assert!(n >= 0, "poll failed");
+    n == 1
+}
+
+#[test]
+#[ignore = "needs an RDMA device (integration/softroce/test-verbs.sh)"]
+fn an_event_loop_that_drains_without_waiting_is_woken_by_every_arrival() {
+    // The preload's service thread: it sleeps on `fd()` (edge-triggered), drains with
+    // `poll_completions` (never `wait`), then re-arms. Every successful `arm()` must leave
+    // `fd()` quiet until the next arrival, and that arrival must make it readable; a
+    // stale channel event left over from the previous round would hide the next one.
+    const ROUNDS: u64 = 8;
+    let (server, client) = (server_domain(), client_domain());
+    let (mut srv, mut cli, _, _) = connected_pair(&server, &client, b"", b"");
+    assert!(srv.arm(), "nothing is pending on a fresh connection");
+    for round in 0..ROUNDS {
+        assert!(
+            !readable_within(srv.fd(), Duration::ZERO),
+            "round {round}: fd readable right after a successful arm"
+        );
+        send(&mut cli, round, format!("message {round}").as_bytes());
+        assert!(
+            readable_within(srv.fd(), STEP_TIMEOUT),
+            "round {round}: the arrival did not make the armed fd readable"
+        );
+        let mut out = Vec::new();
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        while srv.poll_completions(&mut out, 1) == 0 {
+            assert!(Instant::now() < deadline, "round {round}: no completion");
+            thread::sleep(Duration::from_millis(1));
+        }
+        let CompletionKind::Recv { slot, len } = out[0].kind else {
+            panic!("round {round}: expected a receive, got {:?}", out[0]);
+        };
+        assert_eq!(
+            srv.recv_slot(slot, len),
+            format!("message {round}").as_bytes()
+        );
+        srv.post_recv(WrId(u64::from(slot.0)), slot)
+            .expect("repost");
+        assert!(srv.arm(), "round {round}: nothing else is pending");
+    }
+}
+
 /// Waits (bounded) for the next completion of a connection behind the C ABI.
 fn next_loaded_completion(conn: &mut LoadedConnection) -> san_api::Completion {
     let deadline = Instant::now() + STEP_TIMEOUT;

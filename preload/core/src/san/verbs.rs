@@ -523,10 +523,13 @@ impl VerbsLink {
     }
 
     /// The service thread, on an event of this connection: consumes the channel events and
-    /// connection events (completions stay queued for the session's drive).
+    /// connection events (completions stay queued for the session's drive). Never blocks:
+    /// the socket's lock is held, and an event whose completions the application's thread
+    /// already took must not keep that thread waiting (a 1 ms wait here did, on every such
+    /// event).
     pub(crate) fn collect_events(&mut self) {
         if let Some(conn) = self.conn.as_mut() {
-            conn.wait(Some(Duration::from_millis(1)));
+            conn.wait(Some(Duration::ZERO));
         }
     }
 
