@@ -120,10 +120,21 @@ fn expect(report: &str, side: &str, bytes: usize, path: &str) {
     );
 }
 
-/// Runs `script` (written into the test's directory as `name`) as a preloaded server
-/// (`server SERVER_ARGS…`, printing its port first) and a preloaded client (`client PORT
-/// CLIENT_ARGS…`); returns (server report, client report). With `client_output` false the
-/// client's output is not kept (a client that kills itself).
+/// Put before every `python_pair` script: the server's listener, its port announced.
+const PYTHON_PRELUDE: &str = r#"
+import socket as _socket
+def listen_announced():
+    listener = _socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    print(listener.getsockname()[1], flush=True)
+    return listener
+"#;
+
+/// Runs `script` (written into the test's directory as `name`, after [`PYTHON_PRELUDE`]) as
+/// a preloaded server (`server SERVER_ARGS…`, printing its port first) and a preloaded client
+/// (`client PORT CLIENT_ARGS…`); returns (server report, client report). With
+/// `client_output` false the client's output is not kept (a client that kills itself).
 fn python_pair(
     dirs: &Dirs,
     name: &str,
@@ -133,7 +144,7 @@ fn python_pair(
     client_output: bool,
 ) -> (String, String) {
     let path = dirs.stat.parent().unwrap().join(name);
-    std::fs::write(&path, script).unwrap();
+    std::fs::write(&path, format!("{PYTHON_PRELUDE}{script}")).unwrap();
     let mut server = command("python3", true, dirs)
         .arg(&path)
         .arg("server")
@@ -251,10 +262,7 @@ fn sockets_with_high_numbers_and_a_dup2_copy_work_over_the_san() {
 const SUBPROCESS_PY: &str = r#"
 import os, socket, subprocess, sys, time
 if sys.argv[1] == "server":
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    print(listener.getsockname()[1], flush=True)
+    listener = listen_announced()
     conn, _ = listener.accept()
     conn.sendall(conn.recv(10).upper())
     time.sleep(0.2)  # the request arrives over the SAN and waits, unread
@@ -324,10 +332,7 @@ const ANSWER_THEN_IDLE_PY: &str = r#"
 import socket, sys, time
 ROUNDS = 8
 if sys.argv[1] == "server":
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    print(listener.getsockname()[1], flush=True)
+    listener = listen_announced()
     for _ in range(ROUNDS):
         conn, _ = listener.accept()
         conn.sendall(conn.recv(10).upper())
@@ -375,10 +380,7 @@ fn an_answer_written_just_before_the_server_goes_idle_arrives_at_once() {
 const SIGNALS_PY: &str = r#"
 import os, signal, socket, sys, time
 if sys.argv[1] == "server":
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    print(listener.getsockname()[1], flush=True)
+    listener = listen_announced()
     conn, _ = listener.accept()
     data = conn.recv(100)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
@@ -426,10 +428,7 @@ fn signals_blocked_by_the_application_stay_its_own_with_san_connections() {
 const EDGE_DEATH_PY: &str = r#"
 import errno, os, select, signal, socket, sys, time
 if sys.argv[1] == "server":
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    print(listener.getsockname()[1], flush=True)
+    listener = listen_announced()
     conn, _ = listener.accept()
     conn.setblocking(False)
     ep = select.epoll()
@@ -480,10 +479,7 @@ fn an_edge_triggered_server_sees_its_killed_client_go() {
 const EDGE_PENDING_GONE_PY: &str = r#"
 import os, select, signal, socket, sys, time
 if sys.argv[1] == "server":
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    print(listener.getsockname()[1], flush=True)
+    listener = listen_announced()
     conn, _ = listener.accept()
     if sys.argv[2] == "blocking":
         # A blocking reader must sleep until the TCP end comes, not spin.

@@ -448,65 +448,62 @@ fn fork_client(
     }
 }
 
+/// Binds a listener on `ip` (an argument) and announces its port on stdout.
+fn listen_announced(ip: &str) -> std::io::Result<TcpListener> {
+    let ip: std::net::IpAddr = ip.parse().map_err(std::io::Error::other)?;
+    let listener = TcpListener::bind((ip, 0))?;
+    println!("port {}", listener.local_addr()?.port());
+    std::io::stdout().flush()?;
+    Ok(listener)
+}
+
+/// Argument `i`, parsed.
+fn parsed<T>(args: &[String], i: usize) -> std::io::Result<T>
+where
+    T: std::str::FromStr,
+    T::Err: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let text = args.get(i).map(String::as_str).unwrap_or_default();
+    text.parse().map_err(std::io::Error::other)
+}
+
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or_default();
+    let chunk = || arg(5).parse().unwrap_or(24_000);
     match arg(1) {
-        "server" => {
-            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let listener = TcpListener::bind((ip, 0))?;
-            println!("port {}", listener.local_addr()?.port());
-            std::io::stdout().flush()?;
-            println!("{}", serve(listener)?);
-        }
-        "client" => {
-            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let local = arg(3).parse().map_err(std::io::Error::other)?;
-            let bytes = arg(4).parse().map_err(std::io::Error::other)?;
-            let chunk = arg(5).parse().unwrap_or(24_000);
-            println!("{}", client(server, local, bytes, chunk)?);
-        }
-        "sink" => {
-            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let listener = TcpListener::bind((ip, 0))?;
-            println!("port {}", listener.local_addr()?.port());
-            std::io::stdout().flush()?;
-            println!("{}", sink(listener)?);
-        }
-        "flood" => {
-            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let local = arg(3).parse().map_err(std::io::Error::other)?;
-            println!("{}", flood(server, local)?);
-        }
-        "receiver" => {
-            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let listener = TcpListener::bind((ip, 0))?;
-            println!("port {}", listener.local_addr()?.port());
-            std::io::stdout().flush()?;
-            println!("{}", receive(listener)?);
-        }
-        "sender" => {
-            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let local = arg(3).parse().map_err(std::io::Error::other)?;
-            let bytes = arg(4).parse().map_err(std::io::Error::other)?;
-            let chunk = arg(5).parse().unwrap_or(24_000);
-            println!("{}", send(server, local, bytes, chunk)?);
-        }
+        "server" => println!("{}", serve(listen_announced(arg(2))?)?),
+        "sink" => println!("{}", sink(listen_announced(arg(2))?)?),
+        "receiver" => println!("{}", receive(listen_announced(arg(2))?)?),
         "fork-server" => {
-            let ip: std::net::IpAddr = arg(2).parse().map_err(std::io::Error::other)?;
             let connections = arg(3).parse().unwrap_or(1);
-            let listener = TcpListener::bind((ip, 0))?;
-            println!("port {}", listener.local_addr()?.port());
-            std::io::stdout().flush()?;
-            fork_server(listener, connections)?;
+            fork_server(listen_announced(arg(2))?, connections)?;
         }
-        "fork-client" => {
-            let server: SocketAddr = arg(2).parse().map_err(std::io::Error::other)?;
-            let local = arg(3).parse().map_err(std::io::Error::other)?;
-            let bytes = arg(4).parse().map_err(std::io::Error::other)?;
-            let chunk = arg(5).parse().unwrap_or(24_000);
-            fork_client(server, local, bytes, chunk)?;
-        }
+        "client" => println!(
+            "{}",
+            client(
+                parsed(&args, 2)?,
+                parsed(&args, 3)?,
+                parsed(&args, 4)?,
+                chunk()
+            )?
+        ),
+        "flood" => println!("{}", flood(parsed(&args, 2)?, parsed(&args, 3)?)?),
+        "sender" => println!(
+            "{}",
+            send(
+                parsed(&args, 2)?,
+                parsed(&args, 3)?,
+                parsed(&args, 4)?,
+                chunk()
+            )?
+        ),
+        "fork-client" => fork_client(
+            parsed(&args, 2)?,
+            parsed(&args, 3)?,
+            parsed(&args, 4)?,
+            chunk(),
+        )?,
         other => {
             eprintln!(
                 "usage: san_xhost server|sink|receiver|fork-server ADDR [N] | \

@@ -370,14 +370,7 @@ impl SanSocket {
         let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
         let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
             .map_err(|_| SetupError::Resource)?;
-        let peer = Arc::new(PeerMirror::default());
-        let conn = ShmConnection::with_doorbell(
-            segment,
-            registrations.lock().domain().ok_or(SetupError::Resource)?,
-            connection_config(),
-            Box::new(MirrorDoorbell(peer.clone())),
-        )
-        .map_err(|_| SetupError::Resource)?;
+        let (conn, peer) = shm_connection(segment, registrations)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer);
         socket.exchange = Some(listener);
         Ok(socket)
@@ -407,14 +400,7 @@ impl SanSocket {
         // it needs is queued on the exchange.
         let segment = ShmSegment::attach(dir, name.as_str()).map_err(|_| SetupError::PeerPlain)?;
         let _ = segment.unlink();
-        let peer = Arc::new(PeerMirror::default());
-        let conn = ShmConnection::with_doorbell(
-            segment,
-            registrations.lock().domain().ok_or(SetupError::Resource)?,
-            connection_config(),
-            Box::new(MirrorDoorbell(peer.clone())),
-        )
-        .map_err(|_| SetupError::Resource)?;
+        let (conn, peer) = shm_connection(segment, registrations)?;
         let session = Session::new(
             Role::Passive,
             session_config(),
@@ -1855,6 +1841,23 @@ impl SanSocket {
     pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
         self.conn.as_ref().and_then(Link::verbs)
     }
+}
+
+/// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known
+/// once the exchange delivered its end: the returned [`PeerMirror`]).
+fn shm_connection(
+    segment: ShmSegment,
+    registrations: &super::registrations::SharedRegistrations,
+) -> Result<(ShmConnection, Arc<PeerMirror>), SetupError> {
+    let peer = Arc::new(PeerMirror::default());
+    let conn = ShmConnection::with_doorbell(
+        segment,
+        registrations.lock().domain().ok_or(SetupError::Resource)?,
+        connection_config(),
+        Box::new(MirrorDoorbell(peer.clone())),
+    )
+    .map_err(|_| SetupError::Resource)?;
+    Ok((conn, peer))
 }
 
 /// A nonblocking, close-on-exec eventfd above the application's descriptor numbers.
