@@ -17,9 +17,9 @@ RAW=$OUT/raw.txt; RUNS=$OUT/runs.txt; : >"$RAW"; : >"$RUNS"
 # Every program runs under `timeout` (LIMIT seconds): a system that cannot run it shows up as a
 # hang bounded here (exit 124), not as a stuck benchmark.
 if [[ $QUICK == --quick ]]; then
-  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-1}; SLICE_MS=150; IPERF_SECONDS=2; REDIS_SECONDS=3; LIMIT=20
+  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-1}; SLICE_MS=150; WARMUP_MS=200; IPERF_SECONDS=2; REDIS_SECONDS=3; LIMIT=20
 else
-  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-4}; SLICE_MS=300; IPERF_SECONDS=3; REDIS_SECONDS=5; LIMIT=30
+  ROUNDS=${SANDIRECT_BENCH_ROUNDS:-4}; SLICE_MS=300; WARMUP_MS=600; IPERF_SECONDS=3; REDIS_SECONDS=5; LIMIT=30
 fi
 
 VARIANTS=(tcp rsocket sandirect)
@@ -133,7 +133,11 @@ pair() {
 # pair_figures ROUND VARIANT: the socket figures of one pair (C-style sockets, bound source).
 pair_figures() {
   local round=$1 variant=$2
-  pair "r$round-$variant-sockets" "$variant" --c-sockets --source "$C" --slice-ms "$SLICE_MS" --tests rtt,65536,1048576
+  # Each test first runs unmeasured for WARMUP_MS: under TCG a new process's code is
+  # translated anew (address-space randomization), which slows its first few hundred
+  # milliseconds several-fold, more for a larger code path (bench_sockets' `warm_up`).
+  pair "r$round-$variant-sockets" "$variant" --c-sockets --source "$C" --slice-ms "$SLICE_MS" \
+    --warmup-ms "$WARMUP_MS" --tests rtt,65536,1048576
   local results; results=$(grep -c '^result ' <<<"$PAIR_OUT")
   if [[ $PAIR_RC != 0 || $results != 3 ]]; then
     echo "round $round: $variant sockets pair failed (exit $PAIR_RC, $results of 3 results)"
@@ -195,7 +199,7 @@ redis_run() {
 }
 
 started=$(date +%s)
-echo "bench-rsocket: fabric ${SANDIRECT_VM_FABRIC:-?}, $ROUNDS rounds, slice ${SLICE_MS} ms, iperf3 ${IPERF_SECONDS} s, redis ${REDIS_SECONDS} s; rsocket = $RSPRELOAD"
+echo "bench-rsocket: fabric ${SANDIRECT_VM_FABRIC:-?}, $ROUNDS rounds, slice ${SLICE_MS} ms after ${WARMUP_MS} ms unmeasured, iperf3 ${IPERF_SECONDS} s, redis ${REDIS_SECONDS} s; rsocket = $RSPRELOAD"
 
 # verdict EXIT_OK(0/1) PACKETS [QPS [PATH]]: "yes" when it ran and the RDMA devices carried packets,
 # "TCP" when it ran on kernel TCP only, else "no". rxe counts packets; siw does not, and there

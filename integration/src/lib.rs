@@ -102,6 +102,15 @@ pub fn profile_dir() -> PathBuf {
     target_dir().join(profile)
 }
 
+/// The connections this process published (`None` natively, or when nothing is published
+/// or the record cannot be read): what the test programs report their own paths from.
+pub fn own_published_connections() -> Option<Vec<preload_core::stats::ConnectionInfo>> {
+    let dir = preload_core::stats::default_dir()?;
+    preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
+        .ok()?
+        .ok()
+}
+
 /// The data path this process published for its connected socket `fd` (`tcp` natively or
 /// when nothing is published; `san-shm` for the intra-host SAN), for the test programs that
 /// report their own paths.
@@ -114,11 +123,7 @@ pub fn published_path_where(
     matches: impl Fn(&preload_core::stats::ConnectionInfo) -> bool,
 ) -> String {
     use preload_core::record::{DataPath, SocketState};
-    let Some(dir) = preload_core::stats::default_dir() else {
-        return "tcp".into();
-    };
-    let path = dir.join(std::process::id().to_string());
-    let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
+    let Some(connections) = own_published_connections() else {
         return "tcp".into();
     };
     connections
@@ -138,11 +143,7 @@ pub fn published_path_where(
 /// for its connected socket `fd`; `None` natively or when nothing is published.
 pub fn published_counters_of_fd(fd: c_int) -> Option<[u64; 6]> {
     use preload_core::record::SocketState;
-    let dir = preload_core::stats::default_dir()?;
-    let connections = preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
-        .ok()?
-        .ok()?;
-    connections
+    own_published_connections()?
         .iter()
         .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
         .find(|c| c.fd == fd)

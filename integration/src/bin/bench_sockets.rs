@@ -272,6 +272,29 @@ fn run_test(transport: &mut dyn Transport, test: Test, count: u64) -> io::Result
     })
 }
 
+/// Runs each of `tests` (once per kind) unmeasured for about `warmup`, before any figure is
+/// taken. Under emulation (TCG) a process's code is translated anew wherever address-space
+/// randomization placed it, so its first few hundred milliseconds run several times slower
+/// than the rest; the larger a system's code path, the longer (measured in the soft-RDMA
+/// guest: a 64-byte round trip over sandirect took 1.5-2.2 ms in the first 300 ms slice of a
+/// process and 0.4-0.6 ms after it, 0.6-0.9 ms in the first slice with randomization off;
+/// rsocket's first slice was 1.5× its later ones). Applied to every variant alike.
+fn warm_up(transport: &mut dyn Transport, warmup: Duration, tests: &[Test]) -> io::Result<()> {
+    let mut seen: Vec<Test> = Vec::new();
+    for &test in tests {
+        if seen.contains(&test) {
+            continue;
+        }
+        seen.push(test);
+        let (mut spent, mut count) = (Duration::ZERO, 1u64);
+        while spent < warmup {
+            spent += Duration::from_nanos(run_test(transport, test, count)?.elapsed_ns);
+            count = (count * 2).min(1 << 20);
+        }
+    }
+    Ok(())
+}
+
 /// Runs `tests`: for each, calibration runs (also the warm-up) growing from one message until
 /// they last an eighth of `slice`, then the measured run scaled to `slice`. Prints one
 /// `result` line per test. The session stays open ([`end_session`] ends it).
@@ -313,11 +336,7 @@ fn end_session(transport: &mut dyn Transport) -> io::Result<()> {
 /// The data path the interposer recorded for this process's connected sockets ("none" when
 /// it is not preloaded or publishes nothing).
 fn own_published_path() -> String {
-    let path = preload_core::stats::default_dir()
-        .map(|dir| dir.join(std::process::id().to_string()))
-        .and_then(|file| preload_core::stats::read_file(&file).ok())
-        .and_then(Result::ok);
-    let Some(connections) = path else {
+    let Some(connections) = integration::own_published_connections() else {
         return "none".into();
     };
     let mut labels: Vec<&str> = connections
@@ -378,6 +397,7 @@ fn role_main(args: &Arguments) -> io::Result<()> {
             if args.fork_after_first && args.tests.len() > 1 {
                 return forked_client(stream, slice, &args.tests);
             }
+            warm_up(&mut stream, args.warmup, &args.tests)?;
             client(&mut stream, slice, &args.tests)?;
             end_session(&mut stream)?;
             println!("path {}", own_published_path());
@@ -570,6 +590,8 @@ struct Arguments {
     tests: Vec<Test>,
     /// Client: fork after the first test; the child runs the others.
     fork_after_first: bool,
+    /// Client: how long each test runs unmeasured first (see [`warm_up`]).
+    warmup: Duration,
 }
 
 /// `rtt` or a stream message size in bytes (at most the largest of [`STREAM_SIZES`]).
@@ -605,6 +627,7 @@ fn parse_arguments() -> Result<Arguments, String> {
         sockets: SocketStyle::Std,
         tests: Test::all(),
         fork_after_first: false,
+        warmup: Duration::ZERO,
     };
     let mut words = std::env::args().skip(1);
     while let Some(word) = words.next() {
@@ -632,6 +655,12 @@ fn parse_arguments() -> Result<Arguments, String> {
                     .collect::<Result<_, _>>()?
             }
             "--fork-after-first" => args.fork_after_first = true,
+            "--warmup-ms" => {
+                let ms: u64 = value("--warmup-ms")?
+                    .parse()
+                    .map_err(|_| "bad --warmup-ms")?;
+                args.warmup = Duration::from_millis(ms);
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -642,7 +671,8 @@ fn parse_arguments() -> Result<Arguments, String> {
 const USAGE: &str = "usage: bench_sockets [--quick] [--seconds N] [--preload libsandirect.so]
    or: bench_sockets --role server [--address IP] [--c-sockets]       (prints \"port N\")
    or: bench_sockets --role client --port N [--address IP] [--source IP] [--c-sockets]
-                     [--tests rtt,SIZE,...] [--slice-ms MS] [--fork-after-first]
+                     [--tests rtt,SIZE,...] [--slice-ms MS] [--warmup-ms MS]
+                     [--fork-after-first]
        (one pair by hand, e.g. across two hosts; the client prints \"result CODE SIZE COUNT
        ELAPSED_NS CLIENT_CPU_NS SERVER_CPU_NS\" per test, then \"path P\")";
 

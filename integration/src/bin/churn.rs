@@ -164,11 +164,7 @@ fn main() {
         "churn: {THREADS} threads x {rounds} rounds done, handler failures {failures}, signals handled: {}",
         HANDLER_RUNS.load(Ordering::Relaxed) > 0
     );
-    let published = preload_core::stats::default_dir()
-        .map(|dir| dir.join(std::process::id().to_string()))
-        .and_then(|path| preload_core::stats::read_file(&path).ok())
-        .and_then(Result::ok);
-    match published {
+    match integration::own_published_connections() {
         None => println!("published: none"),
         Some(live) => {
             let listeners = live

@@ -92,11 +92,7 @@ fn flush(fd: RawFd, conn: &mut Conn) {
 }
 
 fn published_path(fd: RawFd) -> Option<DataPath> {
-    let dir = preload_core::stats::default_dir()?;
-    let connections = preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
-        .ok()?
-        .ok()?;
-    connections
+    integration::own_published_connections()?
         .iter()
         .find(|c| c.fd == fd && c.flags & flags::SERVER != 0)
         .map(|c| c.path)

@@ -80,12 +80,7 @@ fn fail(message: &str) -> ! {
 
 /// The published record of this process's connection with `port` at either end.
 fn published(port: u16) -> String {
-    let Some(dir) = preload_core::stats::default_dir() else {
-        return "bypass=unpublished san_bytes=0".into();
-    };
-    let Ok(Ok(connections)) =
-        preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
-    else {
+    let Some(connections) = integration::own_published_connections() else {
         return "bypass=unpublished san_bytes=0".into();
     };
     connections

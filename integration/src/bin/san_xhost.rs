@@ -164,11 +164,7 @@ fn checksum(data: &[u8]) -> u64 {
 /// `path=tcp` with zero counts when nothing is published (natively).
 fn published(port: u16) -> String {
     let none = || "path=tcp tcp=0/0 san=0/0 rdv=0/0 reason=-".to_owned();
-    let Some(dir) = preload_core::stats::default_dir() else {
-        return none();
-    };
-    let path = dir.join(std::process::id().to_string());
-    let Ok(Ok(connections)) = preload_core::stats::read_file(&path) else {
+    let Some(connections) = integration::own_published_connections() else {
         return none();
     };
     connections

@@ -33,11 +33,7 @@ fn main() -> std::io::Result<()> {
         .recv()
         .map_err(|_| std::io::Error::other("server thread ended before replying"))?;
 
-    let published = preload_core::stats::default_dir()
-        .map(|dir| dir.join(std::process::id().to_string()))
-        .and_then(|path| preload_core::stats::read_file(&path).ok())
-        .and_then(Result::ok);
-    match published {
+    match integration::own_published_connections() {
         None => println!("published: none"),
         Some(connections) => {
             let connected: Vec<_> = connections
@@ -77,11 +73,7 @@ fn report_fork_child() {
     // SAFETY: the child only reads a file, prints and exits.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
-        let own = preload_core::stats::default_dir()
-            .map(|dir| dir.join(std::process::id().to_string()))
-            .and_then(|path| preload_core::stats::read_file(&path).ok())
-            .and_then(Result::ok);
-        match own {
+        match integration::own_published_connections() {
             None => println!("fork child: published none"),
             Some(connections) => {
                 let inherited = connections

@@ -34,6 +34,14 @@ const TAG_SHIFT: u32 = 48;
 const TAG_SEND: u64 = 1;
 const TAG_RECV: u64 = 2;
 const TAG_RDMA: u64 = 3;
+/// A leading part of a split RDMA READ (unsignaled; its low bits index `rdma_ops`).
+const TAG_RDMA_PART: u64 = 4;
+/// Large RDMA READs are posted as parts of at least this size (at most [`MAX_READ_PARTS`]),
+/// so that with the initiator depth we ask for, the peer's READ responses come in bounded
+/// bursts (see `device::READS_IN_FLIGHT`).
+const READ_PART: u64 = 256 * 1024;
+/// Parts one RDMA READ is split into at most (the send queue is sized for them).
+const MAX_READ_PARTS: u64 = 16;
 
 fn encode_wr(tag: u64, index: u16) -> u64 {
     (tag << TAG_SHIFT) | u64::from(index)
@@ -94,6 +102,14 @@ pub struct VerbsConnection {
     ready: VecDeque<Completion>,
     state: LinkState,
     armed: bool,
+    /// A completion was polled while the CQ was armed: its notification fired, so the
+    /// channel holds (or is about to hold) an event, and the CQ must be armed again.
+    /// While armed and not fired, arming costs no system call (see [`Self::arm`]).
+    fired: bool,
+    /// The CQ is armed for solicited events only (see [`Self::arm_solicited`]).
+    armed_solicited: bool,
+    /// The send queue has room to post large RDMA READs in parts.
+    split_reads: bool,
     empty_polls: u32,
     wc: Vec<ibv_wc>,
     spin: Duration,
@@ -171,7 +187,11 @@ impl VerbsConnection {
             return Err(SetupError::WrongDevice);
         }
         let slots = params.slots;
-        let send_depth = u32::from(slots.send_slots) + u32::from(params.rdma_depth);
+        let plain_depth = u32::from(slots.send_slots) + u32::from(params.rdma_depth);
+        // Room for every RDMA op to be a READ split into parts, if the device has it.
+        let parts_depth = u32::from(params.rdma_depth) * (MAX_READ_PARTS as u32 - 1);
+        let split_reads = plain_depth + parts_depth <= device.max_qp_wr;
+        let send_depth = plain_depth + if split_reads { parts_depth } else { 0 };
         let recv_depth = u32::from(slots.recv_slots);
         let cq = CompletionQueue::create(device, send_depth + recv_depth)?;
         // Rebound after the CQ so that, should a later step fail, the id (and its QP)
@@ -207,6 +227,9 @@ impl VerbsConnection {
             ready: VecDeque::new(),
             state: LinkState::Connecting,
             armed: false,
+            fired: false,
+            armed_solicited: false,
+            split_reads,
             empty_polls: 0,
             wc: (0..WC_BATCH).map(|_| zeroed_wc()).collect(),
             spin: DEFAULT_SPIN,
@@ -254,27 +277,68 @@ impl VerbsConnection {
     /// Arms the completion channel. Returns `false` when completions are already pending
     /// (poll them instead of blocking).
     pub fn arm(&mut self) -> bool {
-        // The CQ's notification is one-shot: an event waiting on the channel means it fired
-        // and must be requested again. Without consuming (and acknowledging) that event here,
-        // a caller that drained the completions without blocking (`poll_completions` found
-        // some) would keep `armed` set over a disarmed CQ, and the next completion would
-        // raise no event: an edge-triggered watcher of `fd` then never wakes.
-        if self.cq.consume_events() > 0 {
-            self.armed = false;
+        self.arm_for(false)
+    }
+
+    /// As [`Self::arm`], but the event is raised only by the peer's next message (every
+    /// message we send is solicited) or a failed completion, not by the completion of our
+    /// own sends: a caller waiting for the peer sleeps through the acknowledgements of what
+    /// it just sent (each an extra wake-up per message otherwise). Only for callers whose
+    /// progress does not depend on their own completions (no RDMA operation in flight, send
+    /// slots to spare). A later [`Self::arm`] asks for every completion again.
+    ///
+    /// On iWARP this is [`Self::arm`]: siw raises the solicited event for the sender's own
+    /// completion of a solicited send too, so the mode would spare nothing there.
+    pub fn arm_solicited(&mut self) -> bool {
+        let solicited_only = self.spares_own_sends();
+        self.arm_for(solicited_only)
+    }
+
+    /// Whether [`Self::arm_solicited`] sleeps through our own send completions on this
+    /// device (not on iWARP, see there).
+    pub fn spares_own_sends(&self) -> bool {
+        !self.domain.pd.device.iwarp
+    }
+
+    fn arm_for(&mut self, solicited_only: bool) -> bool {
+        // Armed for every completion serves a solicited-only caller too (extra events at
+        // worst); armed for solicited ones only, a caller that wants all must re-arm.
+        let armed_enough = self.armed && (solicited_only || !self.armed_solicited);
+        if armed_enough && !self.fired {
+            // Armed, and nothing polled since: the notification has not fired for anything
+            // we saw, so it is still requested. A completion that came meanwhile is found
+            // here (and marks it fired). No system call: arming runs after every drive, and
+            // under emulation each call costs tens of microseconds. Connection events are
+            // not looked at here: one makes `fd` readable, and whoever wakes on it collects
+            // them (`wait`).
+            return self.ready.is_empty() && self.drain_cq() == 0 && !self.fired;
         }
-        // The same for connection events: one left unread keeps `fd` readable without a
-        // new edge, and a disconnect must reach the caller's next drive.
-        let was_down = self.is_down();
-        self.process_events();
-        if self.is_down() != was_down || !self.ready.is_empty() || self.drain_cq() > 0 {
+        // The CQ's notification is one-shot: once it fired it must be requested again, and
+        // its event consumed (and acknowledged). Without that, a caller that drained the
+        // completions without blocking (`poll_completions` found some) would keep `armed`
+        // set over a disarmed CQ, and the next completion would raise no event: an
+        // edge-triggered watcher of `fd` then never wakes. (An event not delivered yet is
+        // consumed by a later call; until then it makes `fd` spuriously readable once.)
+        // Only a fired notification left an event to consume (a caller that woke on `fd`
+        // consumed its event in `wait` already); a stray one (a late event, a second
+        // arm's) makes `fd` readable once and is consumed by whoever wakes on it.
+        if self.fired {
+            self.cq.consume_one_event();
+            self.armed = false;
+            self.fired = false;
+        }
+        // Connection events are collected by whoever wakes on `fd` (`wait`), and every 64
+        // empty polls: not here, after every drive (a failing system call each time).
+        if !self.ready.is_empty() || self.drain_cq() > 0 {
             return false;
         }
-        if !self.armed {
-            if self.cq.arm().is_err() {
+        if !self.armed || (self.armed_solicited && !solicited_only) {
+            if self.cq.arm(solicited_only).is_err() {
                 // Cannot arm: make the caller poll rather than sleep forever.
                 return false;
             }
             self.armed = true;
+            self.armed_solicited = solicited_only;
         }
         // A completion that arrived between the drain and the arm raises no event: look
         // once more now that the CQ is armed.
@@ -313,6 +377,30 @@ impl VerbsConnection {
     /// (`None`: no limit). Polls the CQ for the spin budget first, then arms the channel
     /// and sleeps in the kernel, so an idle connection uses no CPU.
     pub fn wait(&mut self, timeout: Option<Duration>) -> WaitOutcome {
+        // A caller that woke on our fd may find its completions already ready and return
+        // below without blocking: consume the channel's event first, or the fd stays
+        // readable (a level-triggered waiter spins; a watch resumed on it reports the same
+        // event again). The next `arm` requests the next one.
+        if self.cq.consume_one_event() {
+            self.armed = false;
+            self.fired = false;
+        }
+        if timeout == Some(Duration::ZERO) {
+            // A non-blocking look (the service thread's collection): no clock reads.
+            if !self.ready.is_empty() || self.drain_cq() > 0 {
+                return WaitOutcome::Ready;
+            }
+            let was_down = self.is_down();
+            self.process_events();
+            if self.is_down() && (!was_down || !self.has_outstanding_work()) {
+                return WaitOutcome::Disconnected;
+            }
+            return if self.arm() {
+                WaitOutcome::TimedOut
+            } else {
+                WaitOutcome::Ready
+            };
+        }
         let start = Instant::now();
         let deadline = timeout.map(|t| {
             start
@@ -356,6 +444,7 @@ impl VerbsConnection {
             }
             if self.cq.consume_events() > 0 {
                 self.armed = false;
+                self.fired = false;
             }
         }
     }
@@ -392,9 +481,20 @@ impl VerbsConnection {
                 self.go_down();
                 return added;
             };
+            if got > 0 && self.armed && !self.armed_solicited {
+                self.fired = true;
+            }
             for index in 0..got {
                 let wc = &self.wc[index];
                 let (wr_id, status, byte_len) = (wc.wr_id, wc.status, wc.byte_len);
+                // Armed for solicited events only: a message received (all are solicited)
+                // or a failure fired the notification; our own sends did not.
+                if self.armed
+                    && self.armed_solicited
+                    && (wr_id >> TAG_SHIFT == TAG_RECV || status != ibv_wc_status::IBV_WC_SUCCESS)
+                {
+                    self.fired = true;
+                }
                 if let Some(completion) = self.complete(wr_id, status, byte_len) {
                     self.ready.push_back(completion);
                     added += 1;
@@ -453,7 +553,10 @@ impl VerbsConnection {
                     status,
                 })
             }
-            TAG_RDMA => {
+            // A leading part completes only when it failed: the READ failed (the QP is
+            // in error, so the op's own completion, flushed later, finds it taken).
+            TAG_RDMA_PART if status.is_ok() => None,
+            TAG_RDMA | TAG_RDMA_PART => {
                 let op = self.rdma_ops.get_mut(usize::from(index))?.take()?;
                 self.free_rdma.push(index);
                 let kind = if op.read {
@@ -556,10 +659,61 @@ impl VerbsConnection {
                 rkey: remote.rkey.0,
             }
         };
+        // A large READ goes in parts; only the last is signaled (the queue executes them in
+        // order, so its completion is the whole READ's).
+        let part = if read && self.split_reads {
+            READ_PART.max(len.div_ceil(MAX_READ_PARTS))
+        } else {
+            len
+        };
+        let mut offset = 0u64;
+        while len - offset > part {
+            let piece = SendOp::Read {
+                remote_addr: remote.addr + offset,
+                rkey: remote.rkey.0,
+            };
+            let piece_sge = rdma_sys::ibv_sge {
+                addr: local.range.addr + offset,
+                // `part` < `len`, which fits in u32.
+                length: part as u32,
+                lkey: resolved.hardware_lkey,
+            };
+            // SAFETY: as for the whole request below (a sub-range of the same ranges).
+            let posted = unsafe {
+                self.qp
+                    .post_send(encode_wr(TAG_RDMA_PART, index), piece, piece_sge, false)
+            };
+            if posted.is_err() && offset == 0 {
+                self.free_rdma.push(index);
+                return Err(PostError::Disconnected);
+            }
+            if posted.is_err() {
+                // Parts already posted cannot be taken back: the connection cannot go on.
+                // Its flushed parts complete with errors, the first reporting the op.
+                self.go_down();
+                self.rdma_ops[usize::from(index)] = Some(RdmaOp { wr_id, read });
+                return Ok(());
+            }
+            offset += part;
+        }
+        let (op, sge) = match op {
+            SendOp::Read { remote_addr, rkey } if offset > 0 => (
+                SendOp::Read {
+                    remote_addr: remote_addr + offset,
+                    rkey,
+                },
+                rdma_sys::ibv_sge {
+                    addr: sge.addr + offset,
+                    length: (len - offset) as u32,
+                    lkey: sge.lkey,
+                },
+            ),
+            other => (other, sge),
+        };
         // SAFETY: the QP lives as long as `self.id`. The local range lies inside a live
         // registration (checked above), which pins it; if the caller deregisters it before
         // the completion, the device fails the request instead of touching the pages.
-        match unsafe { self.qp.post_send(encode_wr(TAG_RDMA, index), op, sge) } {
+        match unsafe { self.qp.post_send(encode_wr(TAG_RDMA, index), op, sge, true) } {
             Ok(()) => {
                 self.rdma_ops[usize::from(index)] = Some(RdmaOp { wr_id, read });
                 Ok(())
@@ -595,7 +749,7 @@ impl SanConnection for VerbsConnection {
         // list, returned only by its completion) and the pool outlives the QP.
         match unsafe {
             self.qp
-                .post_send(encode_wr(TAG_SEND, slot), SendOp::Send, sge)
+                .post_send(encode_wr(TAG_SEND, slot), SendOp::Send, sge, true)
         } {
             Ok(()) => {
                 self.send_owner[usize::from(slot)] = Some(wr_id);
@@ -643,12 +797,11 @@ impl SanConnection for VerbsConnection {
         }
         if self.ready.is_empty() {
             self.empty_polls += 1;
-            if self.armed || self.empty_polls >= CM_CHECK_INTERVAL {
-                // An event-driven caller woke on our fd: consume what made it readable.
+            if self.empty_polls >= CM_CHECK_INTERVAL {
+                // A caller that only polls learns of a disconnect this way. (An event-driven
+                // caller that woke on our fd consumes its events in `wait` or `arm`: that
+                // costs no system call on every empty poll.)
                 self.empty_polls = 0;
-                if self.cq.consume_events() > 0 {
-                    self.armed = false;
-                }
                 self.process_events();
                 self.drain_cq();
             }

@@ -68,12 +68,31 @@ impl CompletionQueue {
     }
 
     /// Requests an event on the channel for the next completion.
-    pub(crate) fn arm(&mut self) -> Result<(), i32> {
+    /// With `solicited_only`, only a receive of a message sent with the solicited flag (or a
+    /// failed completion) raises the event.
+    pub(crate) fn arm(&mut self, solicited_only: bool) -> Result<(), i32> {
         // SAFETY: live CQ.
-        match unsafe { ibv_req_notify_cq(self.cq.as_ptr(), 0) } {
+        match unsafe { ibv_req_notify_cq(self.cq.as_ptr(), i32::from(solicited_only)) } {
             0 => Ok(()),
             rc => Err(rc),
         }
+    }
+
+    /// Consumes one pending channel event (non-blocking) and acknowledges it: one system
+    /// call where [`Self::consume_events`] needs a second to learn the channel is empty
+    /// (one event per arm is the rule; a second one waiting keeps the fd readable and is
+    /// consumed by the next caller that wakes on it).
+    pub(crate) fn consume_one_event(&mut self) -> bool {
+        let mut cq: *mut ibv_cq = std::ptr::null_mut();
+        let mut context: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: live channel (non-blocking fd: returns -1/EAGAIN when empty); out pointers
+        // valid.
+        if unsafe { ibv_get_cq_event(self.channel.as_ptr(), &mut cq, &mut context) } != 0 {
+            return false;
+        }
+        // SAFETY: the event was for our CQ (the only one on this channel); ack once.
+        unsafe { ibv_ack_cq_events(cq, 1) };
+        true
     }
 
     /// Consumes every pending channel event (non-blocking) and acknowledges it at once, so

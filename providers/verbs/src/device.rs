@@ -17,6 +17,13 @@ use crate::{cm, errno, SetupError};
 const MAX_SLOT_SIZE: u32 = 1 << 20;
 /// Largest slot count per pool.
 const MAX_SLOTS: u16 = 4096;
+/// RDMA READs we keep in flight at once (the initiator depth we ask for). With large READs
+/// split into parts (`connection::READ_PART`), this bounds the READ responses the peer sends
+/// back to back: a responder does not pace them as a requester paces writes (soft-RoCE on
+/// a veth pair dropped the tail of a 1 MiB burst, and each loss cost a retransmission
+/// timeout: 330 ms per MiB against 30 ms for RDMA WRITE). Two parts in flight keep the
+/// pipe full on hardware (2 × 256 KiB covers a 100 Gb/s link's bandwidth-delay product).
+const READS_IN_FLIGHT: i32 = 2;
 
 /// One device context opened by librdmacm. librdmacm opens every device once per process
 /// and keeps the contexts for the life of the process, so the pointer never dangles and
@@ -31,6 +38,8 @@ pub(crate) struct Device {
     pub(crate) max_responder_resources: u8,
     pub(crate) max_initiator_depth: u8,
     pub(crate) max_mr_size: u64,
+    /// Work requests a queue pair's send or receive queue may hold.
+    pub(crate) max_qp_wr: u32,
 }
 
 // SAFETY: an ibv_context is thread-safe per libibverbs (all verbs may be called from any
@@ -125,8 +134,11 @@ impl Device {
             iwarp,
             capabilities,
             max_responder_resources: u8::try_from(attr.max_qp_rd_atom.clamp(0, 16)).unwrap_or(16),
-            max_initiator_depth: u8::try_from(attr.max_qp_init_rd_atom.clamp(0, 16)).unwrap_or(16),
+            // Our RDMA READs in flight at once (see `READS_IN_FLIGHT`).
+            max_initiator_depth: u8::try_from(attr.max_qp_init_rd_atom.clamp(0, READS_IN_FLIGHT))
+                .unwrap_or(1),
             max_mr_size: attr.max_mr_size,
+            max_qp_wr: u32::try_from(attr.max_qp_wr.max(0)).unwrap_or(0),
         })
     }
 }

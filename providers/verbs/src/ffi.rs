@@ -52,6 +52,7 @@ static VTABLE: VerbsVtable = VerbsVtable {
     connection_fd,
     domain_take_memory_changes,
     domain_is_watched,
+    connection_arm_solicited,
 };
 
 /// The library's only exported symbol: the vtable of ABI version 1.
@@ -652,12 +653,26 @@ unsafe extern "C" fn connection_wait(conn: *mut AbiConnection, timeout_ms: c_int
 }
 
 unsafe extern "C" fn connection_arm(conn: *mut AbiConnection) -> i32 {
+    // SAFETY: caller contract (passed on).
+    unsafe { arm_with(conn, VerbsConnection::arm) }
+}
+
+unsafe extern "C" fn connection_arm_solicited(conn: *mut AbiConnection) -> i32 {
+    // SAFETY: caller contract (passed on).
+    unsafe { arm_with(conn, VerbsConnection::arm_solicited) }
+}
+
+/// The arming entries: `arm` on the connection, its answer as a status.
+///
+/// # Safety
+/// `conn` must be null or a connection handle created by this module and not yet freed.
+unsafe fn arm_with(conn: *mut AbiConnection, arm: fn(&mut VerbsConnection) -> bool) -> i32 {
     guard(|| {
         // SAFETY: caller contract.
         let Some(conn) = (unsafe { handle::<VerbsConnection, _>(conn) }) else {
             return status::INVALID_ARGUMENT;
         };
-        if conn.arm() {
+        if arm(conn) {
             status::OK
         } else {
             abi::ARM_PENDING

@@ -40,15 +40,27 @@ impl QueuePair {
         wr_id: u64,
         op: SendOp,
         mut sge: ibv_sge,
+        signaled: bool,
     ) -> Result<(), i32> {
         // SAFETY: ibv_send_wr is plain data; all-zero is a valid "no flags" request.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
-        wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        // An unsignaled request completes silently when it succeeds (a failed one always
+        // completes, with its id).
+        wr.send_flags = if signaled {
+            ibv_send_flags::IBV_SEND_SIGNALED.0
+        } else {
+            0
+        };
         match op {
-            SendOp::Send => wr.opcode = ibv_wr_opcode::IBV_WR_SEND,
+            SendOp::Send => {
+                wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
+                // Every message is solicited: a peer that armed its CQ for solicited events
+                // only (to sleep through its own send completions) wakes for each of ours.
+                wr.send_flags |= ibv_send_flags::IBV_SEND_SOLICITED.0;
+            }
             SendOp::Write { remote_addr, rkey } => {
                 wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
                 wr.wr.rdma.remote_addr = remote_addr;

@@ -732,6 +732,24 @@ impl Session {
             .saturating_sub(self.credits_returned)
     }
 
+    /// True while progress depends on completions of our own work requests (sends, RDMA
+    /// reads and writes), not only on the peer's messages: an RDMA operation or a rendezvous
+    /// is in flight, most send slots are taken, or the session is closing, downgrading or
+    /// over (its end waits for every send to complete). A driver that sleeps on
+    /// completion events may ask for events on the peer's messages alone (solicited ones)
+    /// while this is false, and must ask for every completion while it is true.
+    pub fn awaits_local_completions(&self) -> bool {
+        !self.rdma_in_flight.is_empty()
+            || self.tx_rndv.is_some()
+            || self.rx_sink.is_some()
+            || !self.release_on_completion.is_empty()
+            || self.sends_in_flight > self.slots.send_slots / 2
+            || self.closed_by_app
+            || self.downgrade_requested
+            || self.terminal.is_some()
+            || self.state() == SessionState::Handshaking
+    }
+
     /// True when nothing is left to do: nothing to post, transmit or wait for. After a
     /// close or reset the driver may tear the connection down once this holds.
     pub fn is_quiescent(&self) -> bool {

@@ -113,7 +113,7 @@ fn block(
     if assist_in_process_peer(index) {
         // The peer made progress on our behalf: re-check before sleeping.
         if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-            socket.finish_wait(&fds);
+            socket.finish_wait(&fds, true);
         }
         return Ok(());
     }
@@ -121,9 +121,19 @@ fn block(
         fd: -1,
         events: 0,
         revents: 0,
-    }; 3];
+    }; 4];
     let mut count = 0;
+    let mut bell_at = None;
+    if let Some(link) = fds.link {
+        pollfds[count] = libc::pollfd {
+            fd: link,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        count += 1;
+    }
     if let Some(bell) = fds.bell {
+        bell_at = Some(count);
         pollfds[count] = libc::pollfd {
             fd: bell,
             events: libc::POLLIN,
@@ -147,10 +157,11 @@ fn block(
         };
         count += 1;
     }
-    let now = Instant::now();
+    // (No clock read without a deadline: under emulation it is a system call.)
     let slice = deadline
         .map_or(wait_slice(), |d| {
-            d.saturating_duration_since(now).min(wait_slice())
+            d.saturating_duration_since(Instant::now())
+                .min(wait_slice())
         })
         .min(fds.cap.unwrap_or(wait_slice()));
     // SAFETY: `count` valid pollfds.
@@ -162,8 +173,17 @@ fn block(
         )
     };
     let interrupted = rc < 0 && errno::get() == libc::EINTR;
+    // Verbs: the connection's own fd woke us (it is first in the set): collect its channel
+    // and connection events, as the service thread does when it wakes on them.
+    let link_ready = fds.link.is_some() && rc > 0 && pollfds[0].revents != 0;
+    let bell_rung = bell_at.is_some_and(|at| rc > 0 && pollfds[at].revents != 0);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-        socket.finish_wait(&fds);
+        // (First: the service thread's watch, resumed by `finish_wait`, would otherwise
+        // report the same event again and wake it to contend for this lock.)
+        if link_ready {
+            socket.collect_link_events();
+        }
+        socket.finish_wait(&fds, bell_rung);
     }
     if interrupted {
         // The kernel restarts a socket call interrupted by a handler installed with
@@ -398,7 +418,7 @@ fn move_epoll_registrations(index: u32, fd: c_int, socket: &mut SanSocket) {
         return;
     };
     if repoint_epoll_registrations(index, fd, mirror) {
-        socket.watched = true;
+        socket.set_watched();
     }
 }
 
@@ -692,7 +712,7 @@ fn recv_rendezvous(
                 }
                 break result?;
             }
-            socket.prepare_wait(0)
+            socket.prepare_completion_wait()
         };
         let _ = block(index, fd, wait, None);
     };
@@ -1130,7 +1150,7 @@ pub fn poll_fds(
             Some(SanObject::Socket(socket))
                 if socket.phase == Phase::Switched && !socket.epoll_on_tcp =>
             {
-                socket.watched = true;
+                socket.set_watched();
                 socket.mirror_fd()
             }
             // Bytes in the stash: its eventfd (readable) stands in; the socket's own state

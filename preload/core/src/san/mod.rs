@@ -689,7 +689,7 @@ pub fn mirror_of(fd: c_int, index: u32) -> Option<c_int> {
         Some(SanObject::Socket(socket))
             if socket.phase == socket::Phase::Switched && !socket.epoll_on_tcp =>
         {
-            socket.watched = true;
+            socket.set_watched();
             socket.mirror_fd()
         }
         _ => None,

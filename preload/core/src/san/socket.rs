@@ -53,6 +53,16 @@ pub(crate) const SLOTS: san_api::SlotConfig = san_api::SlotConfig {
     slot_size: 16 << 10,
 };
 
+/// Inline slots of verbs connections: fewer and larger than shm's. Every message costs a
+/// work request, a doorbell system call and, at the receiver, a completion (and often a
+/// wake-up); a 64 KiB write then goes as one message, not four (rsocket buffers 128 KiB each
+/// way). Registered per connection: 16 × 64 KiB each way, 2 MiB.
+pub(crate) const VERBS_SLOTS: san_api::SlotConfig = san_api::SlotConfig {
+    send_slots: 16,
+    recv_slots: 16,
+    slot_size: 64 << 10,
+};
+
 fn connection_config() -> ConnectionConfig {
     ConnectionConfig {
         // The acceptor's Hello waits in the provider until the client switches, which happens
@@ -209,6 +219,8 @@ pub(crate) struct WaitFds {
     /// Sleep at most this long (a sender absorbing a stalled peer's data, see
     /// [`SanSocket::absorb_if_stalled`]).
     pub cap: Option<Duration>,
+    /// Verbs: the connection's pollable fd, watched by the blocked thread itself.
+    pub link: Option<RawFd>,
 }
 
 /// What [`SanSocket::absorb_if_stalled`] found.
@@ -584,11 +596,20 @@ impl SanSocket {
         // Completions that arrived meanwhile make `arm` refuse: drive them first (bounded;
         // a connection that keeps it busy longer re-arms at the next call or the sweep).
         for _ in 0..16 {
+            // While only the peer's messages can move the session on, our own send
+            // completions need not wake anyone (one wake-up per message saved on each side).
+            let solicited_only = self.early.is_empty()
+                && self.deferred_shutdown.is_none()
+                && !self.downgrade_wanted
+                && self
+                    .session
+                    .as_ref()
+                    .is_some_and(|s| !s.awaits_local_completions());
             let armed = self
                 .conn
                 .as_mut()
                 .and_then(Link::verbs_mut)
-                .is_none_or(super::verbs::VerbsLink::arm);
+                .is_none_or(|link| link.arm(solicited_only));
             if armed {
                 break;
             }
@@ -1475,15 +1496,45 @@ impl SanSocket {
             conn.finish_blocking();
             return None;
         }
-        self.waiters += 1;
-        Some(WaitFds {
+        let mut wait = WaitFds {
             mirror: Some(mirror.as_fd().as_raw_fd()),
             mirror_events: libc::POLLIN,
             tcp_events,
             asleep: true,
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
             cap: None,
-        })
+            link: None,
+        };
+        if !self.watch_link_directly(&mut wait) {
+            if let Some(conn) = self.conn.as_ref() {
+                conn.finish_blocking();
+            }
+            return None;
+        }
+        self.waiters += 1;
+        Some(wait)
+    }
+
+    /// Prepares a blocking wait for the completion of a rendezvous receive in flight. Not on
+    /// readability: the segment being received keeps the session readable, so such a wait
+    /// would return at once and the receiver would spin for as long as the RDMA READ takes
+    /// (over emulated RDMA: 1 MiB, ~330 ms of CPU, stealing it from the transfer). Over
+    /// verbs the service thread rings the local bell after every drive that completed work
+    /// while a thread waits, and a reset or the peer's death hangs the mirror up (`RDHUP`).
+    /// Shm transfers complete within our own next drive: the ordinary wait serves them.
+    pub(crate) fn prepare_completion_wait(&mut self) -> Option<WaitFds> {
+        if !self.is_verbs() {
+            return self.prepare_wait(0);
+        }
+        if self.local_bell.is_none() {
+            self.local_bell = new_eventfd();
+        }
+        let mut wait = self.mirror_wait(libc::POLLRDHUP, true);
+        if !self.watch_link_directly(&mut wait) {
+            return None;
+        }
+        self.waiters += 1;
+        Some(wait)
     }
 
     /// A blocking wait on the TCP socket alone (a pending client; an acceptor whose session
@@ -1496,6 +1547,7 @@ impl SanSocket {
             asleep: false,
             bell: None,
             cap: None,
+            link: None,
         }
     }
 
@@ -1513,24 +1565,38 @@ impl SanSocket {
         if !self.lower_writable() {
             return None;
         }
-        Some(WaitFds {
+        let mut wait = self.mirror_wait(libc::POLLOUT, false);
+        self.watch_link_directly(&mut wait).then_some(wait)
+    }
+
+    /// A wait on `M` for `events` and on the socket's bell (`asleep`: `finish_wait` owes
+    /// the waiter count and the connection's blocking state).
+    fn mirror_wait(&self, events: i16, asleep: bool) -> WaitFds {
+        WaitFds {
             mirror: self.mirror_fd(),
-            mirror_events: libc::POLLOUT,
+            mirror_events: events,
             tcp_events: 0,
-            asleep: false,
+            asleep,
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
             cap: None,
-        })
+            link: None,
+        }
     }
 
     /// After the poll of a prepared wait. The connection stays "asleep" for the peer while
     /// any other thread still sleeps on it, so the peer keeps ringing.
-    pub(crate) fn finish_wait(&mut self, fds: &WaitFds) {
+    pub(crate) fn finish_wait(&mut self, fds: &WaitFds, bell_rung: bool) {
+        if fds.link.is_some() {
+            if let Some(link) = self.verbs_link_mut() {
+                link.end_direct_wait();
+            }
+        }
         if !fds.asleep {
             return;
         }
         self.waiters = self.waiters.saturating_sub(1);
-        if let Some(bell) = self.local_bell.as_ref() {
+        // (A ring this wait did not see stays for the next wait: one spurious wake-up.)
+        if let Some(bell) = self.local_bell.as_ref().filter(|_| bell_rung) {
             let mut count = 0u64;
             // SAFETY: an 8-byte read from our nonblocking eventfd.
             unsafe { libc::read(bell.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
@@ -1759,7 +1825,7 @@ impl SanSocket {
         } else {
             0
         };
-        self.session = Some(Session::new(role, config, capabilities, SLOTS, sent));
+        self.session = Some(Session::new(role, config, capabilities, VERBS_SLOTS, sent));
         self.mirror = Some(mirror);
         self.page = Some(page);
         self.phase = Phase::Switched;
@@ -1804,7 +1870,11 @@ impl SanSocket {
         let readiness = self.readiness();
         // Acceptor: the client's pre-switch bytes wait on TCP, read before the session's;
         // the application watches the mirror, not TCP, so they make the mirror readable.
-        let readable = readiness.readable || self.tcp_backlog().is_some_and(|left| left > 0);
+        // Readable only while poll/select/epoll watch `M`: a thread blocked in a call waits
+        // on the connection's fd and the bell instead (a token written and read back per
+        // message otherwise). `set_watched` raises what is due when watching starts.
+        let readable =
+            self.watched && (readiness.readable || self.tcp_backlog().is_some_and(|left| left > 0));
         let writable = readiness.writable
             || self
                 .session
@@ -1812,6 +1882,15 @@ impl SanSocket {
                 .is_some_and(|s| s.state() == SessionState::Handshaking)
                 && self.early.len() < EARLY_LIMIT;
         link.raise(readable, writable);
+    }
+
+    /// poll/select/epoll watch `M` from now on: over verbs, where `M`'s readability is kept
+    /// only while watched, it is raised now if data waits.
+    pub(crate) fn set_watched(&mut self) {
+        if !self.watched {
+            self.watched = true;
+            self.raise_own_mirror();
+        }
     }
 
     /// The service thread, after an event of this socket's connection (or its periodic
@@ -1837,9 +1916,28 @@ impl SanSocket {
         }
     }
 
-    /// The verbs link (to register with the service thread).
-    pub(crate) fn verbs_link(&self) -> Option<&super::verbs::VerbsLink> {
-        self.conn.as_ref().and_then(Link::verbs)
+    /// The verbs link (to register with the service thread, to wait on directly).
+    pub(crate) fn verbs_link_mut(&mut self) -> Option<&mut super::verbs::VerbsLink> {
+        self.conn.as_mut().and_then(Link::verbs_mut)
+    }
+
+    /// Verbs: a thread that waited on the connection's fd itself woke on it: the channel and
+    /// connection events are collected (the next drive handles the completions).
+    pub(crate) fn collect_link_events(&mut self) {
+        if let Some(link) = self.verbs_link_mut() {
+            link.collect_events();
+        }
+    }
+
+    /// Verbs: the blocking wait `fds` watches the connection's events itself (see
+    /// [`super::verbs::VerbsLink::begin_direct_wait`]). False: the channel is not armed,
+    /// drive again instead of blocking.
+    fn watch_link_directly(&mut self, fds: &mut WaitFds) -> bool {
+        let Some(link) = self.verbs_link_mut() else {
+            return true;
+        };
+        fds.link = link.begin_direct_wait();
+        fds.link.is_some()
     }
 }
 

@@ -239,7 +239,7 @@ fn params(private_data: &[u8], local: Option<IpAddr>) -> ConnectParams<'_> {
         private_data,
         timeout: setup_timeout(),
         local: local.map(|ip| SocketAddr::new(ip, 0)),
-        ..ConnectParams::new(super::socket::SLOTS)
+        ..ConnectParams::new(super::socket::VERBS_SLOTS)
     }
 }
 
@@ -339,6 +339,13 @@ pub(crate) struct VerbsLink {
     preposted: Vec<Prepost>,
     /// Completions of pre-posted slots the session has just posted, to report next.
     held: Vec<Completion>,
+    /// The service thread's epoll tag for this connection, once it watches it.
+    watch_tag: Option<u64>,
+    /// Threads blocked on this socket that watch the connection's events themselves; while
+    /// there are any, the service thread's watch is paused (see [`VerbsLink::begin_direct_wait`]).
+    direct_waiters: u32,
+    /// The last [`VerbsLink::arm`] armed the completion channel (no event consumed since).
+    armed: bool,
 }
 
 /// A receive slot's pre-posting state.
@@ -355,7 +362,7 @@ enum Prepost {
 }
 
 fn all_preposted() -> Vec<Prepost> {
-    vec![Prepost::Waiting; usize::from(super::socket::SLOTS.recv_slots)]
+    vec![Prepost::Waiting; usize::from(super::socket::VERBS_SLOTS.recv_slots)]
 }
 
 impl VerbsLink {
@@ -373,7 +380,7 @@ impl VerbsLink {
     }
 
     pub(crate) fn slot_config(&self) -> SlotConfig {
-        super::socket::SLOTS
+        super::socket::VERBS_SLOTS
     }
 
     pub(crate) fn conn(&self) -> Option<&LoadedConnection> {
@@ -529,13 +536,56 @@ impl VerbsLink {
     /// event).
     pub(crate) fn collect_events(&mut self) {
         if let Some(conn) = self.conn.as_mut() {
+            // It may consume the channel's event and return before arming again.
+            self.armed = false;
             conn.wait(Some(Duration::ZERO));
         }
     }
 
-    /// Arms the completion channel; false when completions are pending (drive first).
-    pub(crate) fn arm(&mut self) -> bool {
-        self.conn.as_mut().is_none_or(LoadedConnection::arm)
+    /// Arms the completion channel (`solicited_only`: for the peer's messages alone, see
+    /// `LoadedConnection::arm_solicited`); false when completions are pending (drive first).
+    pub(crate) fn arm(&mut self, solicited_only: bool) -> bool {
+        let armed = self.conn.as_mut().is_none_or(|conn| {
+            if solicited_only {
+                conn.arm_solicited()
+            } else {
+                conn.arm()
+            }
+        });
+        self.armed = armed;
+        armed
+    }
+
+    /// A thread is about to block on this socket (its lock held, right after a drive that
+    /// armed the channel): it watches the connection's pollable fd itself, so an arrival
+    /// wakes it directly instead of waking the service thread, which would then drive the
+    /// session and wake it through the mirror: two thread wake-ups and a lock hand-over per
+    /// message (under emulation each wake-up costs about a millisecond). The service
+    /// thread's watch is paused meanwhile ([`VerbsLink::end_direct_wait`] resumes it, and
+    /// the kernel then reports an event that arrived unhandled). `None`: the channel is not
+    /// armed (completions came in after the drive): drive again rather than block.
+    pub(crate) fn begin_direct_wait(&mut self) -> Option<RawFd> {
+        let fd = self.fd()?;
+        if !self.armed {
+            return None;
+        }
+        if self.direct_waiters == 0 {
+            if let Some(tag) = self.watch_tag {
+                set_service_watch(fd, tag, false);
+            }
+        }
+        self.direct_waiters += 1;
+        Some(fd)
+    }
+
+    /// The end of a wait begun with [`VerbsLink::begin_direct_wait`].
+    pub(crate) fn end_direct_wait(&mut self) {
+        self.direct_waiters = self.direct_waiters.saturating_sub(1);
+        if self.direct_waiters == 0 {
+            if let (Some(fd), Some(tag)) = (self.fd(), self.watch_tag) {
+                set_service_watch(fd, tag, true);
+            }
+        }
     }
 
     fn fd(&self) -> Option<RawFd> {
@@ -599,6 +649,9 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         closed: false,
         preposted: Vec::new(),
         held: Vec::new(),
+        watch_tag: None,
+        direct_waiters: 0,
+        armed: false,
     })
 }
 
@@ -634,6 +687,9 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
                 closed: false,
                 preposted: all_preposted(),
                 held: Vec::new(),
+                watch_tag: None,
+                direct_waiters: 0,
+                armed: false,
             })
         }
         Err(error) => {
@@ -659,13 +715,25 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
 /// A switched verbs socket (its slot lock held by the caller): its connection's events go
 /// to the service thread from now on; the completion channel is armed here.
 pub(crate) fn watch_socket(index: u32, socket: &mut super::socket::SanSocket) {
-    let Some(fd) = socket.verbs_link().and_then(VerbsLink::fd) else {
+    let Some(link) = socket.verbs_link_mut() else {
+        return;
+    };
+    let Some(fd) = link.fd() else {
         return;
     };
     if let Some(service) = service() {
-        service.watch(fd, TAG_SOCKET | u64::from(index));
+        let tag = TAG_SOCKET | u64::from(index);
+        service.watch(fd, tag);
+        link.watch_tag = Some(tag);
         LIVE_VERBS.fetch_add(1, Ordering::Relaxed);
         socket.service_verbs_event();
+    }
+}
+
+/// See [`Service::set_watch`].
+fn set_service_watch(fd: RawFd, tag: u64, on: bool) {
+    if let Some(service) = SERVICE.get().and_then(Option::as_ref) {
+        service.set_watch(fd, tag, on);
     }
 }
 
@@ -717,6 +785,21 @@ impl Service {
         };
         // SAFETY: plain epoll_ctl(2) on our own epoll instance.
         unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) };
+    }
+
+    /// Pauses (`on` false) or resumes the watch of `fd`. Resuming re-evaluates readiness:
+    /// an event that arrived while paused and was not consumed is reported then.
+    fn set_watch(&self, fd: RawFd, data: u64, on: bool) {
+        let mut event = libc::epoll_event {
+            events: if on {
+                (libc::EPOLLIN | libc::EPOLLET) as u32
+            } else {
+                0
+            },
+            u64: data,
+        };
+        // SAFETY: plain epoll_ctl(2) on our own epoll instance.
+        unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &mut event) };
     }
 
     fn watch_attach(&self, fd: RawFd, attach: Arc<Attach>) {

@@ -461,6 +461,10 @@ pub struct VerbsVtable {
     /// caller must then not keep it cached past its transfer), a negative value for an
     /// unknown key.
     pub domain_is_watched: unsafe extern "C" fn(domain: *const AbiDomain, lkey: u32) -> i32,
+    // ---- Appended (solicited-only arming). ----
+    /// As [`Self::connection_arm`], but only the peer's next message (or a failed
+    /// completion) raises the event, not the completion of our own sends.
+    pub connection_arm_solicited: unsafe extern "C" fn(conn: *mut AbiConnection) -> i32,
 }
 
 /// A byte range (`san_api::MemRange`).

@@ -360,6 +360,13 @@ impl LoadedConnection {
         unsafe { (self.library.vtable.connection_arm)(self.raw) == abi::status::OK }
     }
 
+    /// As [`Self::arm`], for events on the peer's messages only (see the provider's
+    /// `arm_solicited`).
+    pub fn arm_solicited(&mut self) -> bool {
+        // SAFETY: live connection handle.
+        unsafe { (self.library.vtable.connection_arm_solicited)(self.raw) == abi::status::OK }
+    }
+
     /// A pollable fd for event loops (see [`Self::arm`]).
     pub fn fd(&self) -> RawFd {
         // SAFETY: live connection handle.
