@@ -496,9 +496,11 @@ impl ProcessGuard {
                     std::thread::sleep(Duration::from_millis(10))
                 }
                 _ => {
+                    let report = crate::hang::report_for(self.pid());
                     self.kill_group(libc::SIGKILL);
                     panic!(
-                        "{} did not finish within {timeout:?}; stderr:\n{}",
+                        "{} did not finish within {timeout:?}; stderr:\n{}\n\
+                         what it and its peers were doing:\n{report}",
                         self.name,
                         self.stderr()
                     );

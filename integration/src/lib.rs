@@ -3,6 +3,7 @@
 //! and locating the build products.
 
 pub mod apps;
+pub mod hang;
 
 use std::ffi::c_int;
 use std::path::PathBuf;
@@ -75,8 +76,9 @@ pub fn finish_child(
             return out;
         }
         if std::time::Instant::now() > deadline {
+            let report = hang::report_for(child.id());
             let _ = child.kill();
-            panic!("{what} hung");
+            panic!("{what} hung; what it and its peers were doing:\n{report}");
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
@@ -118,25 +120,41 @@ pub fn published_path_of_fd(fd: c_int) -> String {
     published_path_where(|c| c.fd == fd)
 }
 
-/// As [`published_path_of_fd`], for the first connected socket `matches` picks.
+/// As [`published_path_of_fd`], for the first connected socket `matches` picks. When the
+/// process published records but none matches, or its record file cannot be read, the
+/// answer says so after `tcp?` (a report that cannot be trusted must not pass as `tcp`).
 pub fn published_path_where(
     matches: impl Fn(&preload_core::stats::ConnectionInfo) -> bool,
 ) -> String {
     use preload_core::record::{DataPath, SocketState};
-    let Some(connections) = own_published_connections() else {
+    let Some(dir) = preload_core::stats::default_dir() else {
         return "tcp".into();
     };
-    connections
-        .iter()
-        .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
-        .find(|c| matches(c))
-        .map_or_else(
-            || "tcp".into(),
-            |c| match c.path {
-                DataPath::SanShm => "san-shm".into(),
-                other => other.label().to_owned(),
-            },
-        )
+    let connections =
+        match preload_core::stats::read_file(&dir.join(std::process::id().to_string())) {
+            // Natively nothing is published.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return "tcp".into(),
+            Err(error) => return format!("tcp?unreadable:{error}"),
+            Ok(Err(skipped)) => return format!("tcp?skipped:{skipped:?}"),
+            Ok(Ok(connections)) => connections,
+        };
+    let connected = |c: &&preload_core::stats::ConnectionInfo| {
+        c.state == SocketState::San || c.state == SocketState::ConnectedTcp
+    };
+    match connections.iter().filter(connected).find(|c| matches(c)) {
+        Some(c) => match c.path {
+            DataPath::SanShm => "san-shm".into(),
+            other => other.label().to_owned(),
+        },
+        None if connections.is_empty() => "tcp".into(),
+        None => {
+            let records: Vec<String> = connections
+                .iter()
+                .map(|c| format!("{:?}/{:?}/{:?}->{:?}", c.state, c.path, c.local, c.peer))
+                .collect();
+            format!("tcp?unmatched:{}", records.join(","))
+        }
+    }
 }
 
 /// The byte counters (indexed by [`preload_core::record::Counter`]) this process published

@@ -56,11 +56,13 @@ fn checksum(data: &[u8]) -> u64 {
     })
 }
 
-/// The data path the interposer published for this process's connected socket on `port`
-/// (by local or peer port), or `tcp` when nothing is published.
-fn published_path(port: u16) -> String {
+/// The data path the interposer published for this process's connected socket from `local`
+/// to `peer` (ports), or `tcp` when nothing is published. Both ports: in one process (the
+/// `inprocess` mode) the other end's socket has the same two ports the other way round, and
+/// may be closing by the time this end asks.
+fn published_path(local: u16, peer: u16) -> String {
     integration::published_path_where(|c| {
-        c.local.is_some_and(|a| a.port() == port) || c.peer.is_some_and(|a| a.port() == port)
+        c.local.is_some_and(|a| a.port() == local) && c.peer.is_some_and(|a| a.port() == peer)
     })
 }
 
@@ -113,7 +115,7 @@ fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
         stream.write_all(&pattern(bytes).iter().map(|b| !b).collect::<Vec<u8>>())?;
         let mut received = vec![0u8; bytes];
         stream.read_exact(&mut received)?;
-        let path = published_path(peer.port());
+        let path = published_path(stream.local_addr()?.port(), peer.port());
         return Ok(format!(
             "server ok bytes={} checksum={:016x} path={path}",
             received.len(),
@@ -130,7 +132,7 @@ fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
         received.extend_from_slice(&buf[..n]);
         stream.write_all(&buf[..n])?;
     }
-    let path = published_path(peer.port());
+    let path = published_path(stream.local_addr()?.port(), peer.port());
     stream.shutdown(Shutdown::Write)?;
     Ok(format!(
         "server ok bytes={} checksum={:016x} path={path}",
@@ -161,14 +163,14 @@ fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
         let mut theirs = vec![0u8; bytes];
         stream.read_exact(&mut theirs)?;
         let inverted: Vec<u8> = theirs.iter().map(|b| !b).collect();
-        return check_echo(inverted, bytes, local_port);
+        return check_echo(inverted, bytes, local_port, port);
     }
     if protocol == "write-then-read" {
         stream.write_all(&data)?;
         stream.shutdown(Shutdown::Write)?;
         let mut echo = Vec::with_capacity(bytes);
         stream.read_to_end(&mut echo)?;
-        return check_echo(echo, bytes, local_port);
+        return check_echo(echo, bytes, local_port, port);
     }
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
@@ -182,11 +184,16 @@ fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
     sender
         .join()
         .map_err(|_| std::io::Error::other("sender panicked"))??;
-    check_echo(echo, bytes, local_port)
+    check_echo(echo, bytes, local_port, port)
 }
 
-fn check_echo(echo: Vec<u8>, bytes: usize, local_port: u16) -> std::io::Result<String> {
-    let path = published_path(local_port);
+fn check_echo(
+    echo: Vec<u8>,
+    bytes: usize,
+    local_port: u16,
+    server_port: u16,
+) -> std::io::Result<String> {
+    let path = published_path(local_port, server_port);
     let expected = pattern(bytes);
     if echo != expected {
         let first_bad = echo

@@ -397,7 +397,9 @@ fn mark_connected(
     let endpoint = if role == Role::Client { peer } else { local };
     let bypass = runtime::decide(role, endpoint);
     record.bypass.store(bypass as u32, Ordering::Release);
-    record.set_state(SocketState::ConnectedTcp);
+    // (A pending client can be switched by another thread — an in-process acceptor, a
+    // sweep — before its `connect()` returns here: `San` then stands.)
+    record.transition(SocketState::TcpCandidate, SocketState::ConnectedTcp);
     tracing::debug!(
         fd = record.fd.load(Ordering::Relaxed),
         ?role,
@@ -548,8 +550,16 @@ fn on_connect_started(fd: c_int, entry: FdEntry, peer: Option<SocketAddr>, in_pr
     let Some((_, record)) = record_of(entry) else {
         return;
     };
-    if peer.is_none() || record.state() != SocketState::TcpCandidate {
-        return; // AF_UNSPEC disconnect, or a second connect on a connected socket.
+    // Not an AF_UNSPEC disconnect, nor a second connect on a connected socket. A pending
+    // SAN client may already have been switched by another thread (an in-process acceptor,
+    // a sweep) while its connect() ran: it still needs its addresses and role published.
+    let first = match record.state() {
+        SocketState::TcpCandidate => true,
+        SocketState::San => record.addresses().1.is_none(),
+        _ => false,
+    };
+    if peer.is_none() || !first {
+        return;
     }
     record.set_flag(flags::CLIENT, true);
     record.set_flag(flags::CONNECTING, in_progress);

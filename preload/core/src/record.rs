@@ -297,6 +297,14 @@ impl SocketRecord {
         SocketState::from_raw(self.state.load(Ordering::Acquire))
     }
 
+    /// Moves the state from `from` to `to`; false, and nothing changed, when it is another
+    /// (a transition another thread made first stands).
+    pub fn transition(&self, from: SocketState, to: SocketState) -> bool {
+        self.state
+            .compare_exchange(from as u32, to as u32, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
     /// Sets the state unless the record was released (`Free`) or is being claimed: a
     /// transition another thread decides late (the switch of an in-process peer's pending
     /// client) must not bring a released record back to life. False when refused.
@@ -459,6 +467,20 @@ mod tests {
     fn zeroed() -> Box<SocketRecord> {
         // SAFETY: all-zero bytes are a valid record (atomics of zero).
         unsafe { Box::new(core::mem::zeroed()) }
+    }
+
+    #[test]
+    fn a_switch_made_first_is_not_undone_by_the_connect_bookkeeping() {
+        let record = zeroed();
+        record.set_state(SocketState::TcpCandidate);
+        // Another thread switched the pending client before connect() returned.
+        assert!(record.set_state_if_live(SocketState::San));
+        assert!(!record.transition(SocketState::TcpCandidate, SocketState::ConnectedTcp));
+        assert_eq!(record.state(), SocketState::San);
+        let fresh = zeroed();
+        fresh.set_state(SocketState::TcpCandidate);
+        assert!(fresh.transition(SocketState::TcpCandidate, SocketState::ConnectedTcp));
+        assert_eq!(fresh.state(), SocketState::ConnectedTcp);
     }
 
     #[test]
