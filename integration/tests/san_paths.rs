@@ -223,6 +223,13 @@ fn a_client_that_writes_megabytes_before_reading_the_echo_does_not_deadlock() {
 }
 
 #[test]
+fn receive_and_send_timeouts_end_blocking_calls_with_eagain() {
+    // SO_RCVTIMEO inherited from the listener and set on the client, SO_SNDTIMEO on a
+    // flooding client (san_echo's `timeouts` protocol checks each call's errno and time).
+    natively_and_over_the_san("timeouts", 100_000);
+}
+
+#[test]
 fn both_ends_writing_megabytes_before_reading_do_not_deadlock() {
     // 3 MB each way, each side in one blocking write before it reads: loopback TCP lets it
     // through (at 5 MB it deadlocks too); a 256 KiB SAN send buffer did not.

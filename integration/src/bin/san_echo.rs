@@ -28,6 +28,14 @@
 //!   until end-of-file or an error; each prints `<side> stopped: <how>` (for peer-death tests:
 //!   kill one side and time the other's exit).
 //!
+//! * `timeouts`: `SO_RCVTIMEO`/`SO_SNDTIMEO` on blocking calls. The server sets a receive
+//!   timeout on its listener before `accept()` (the accepted socket inherits it) and its first
+//!   read must fail with `EAGAIN` after it; the client sets one with `set_read_timeout` and
+//!   its first read must fail likewise (the server sends nothing for 500 ms). Then the client
+//!   sends BYTES (after an 8-byte length), sets a send timeout and writes until a write fails
+//!   with `EAGAIN` (the server no longer reads), and shuts down writing; the server drains
+//!   to end-of-file.
+//!
 //! Each side reports `ok bytes=N checksum=X path=P` where P is the data path the interposer
 //! published for its connection (`tcp` natively or when nothing is published).
 
@@ -95,7 +103,145 @@ fn flood(mut stream: TcpStream) -> String {
     stopped("client", result)
 }
 
+/// The receive timeout of the `timeouts` protocol's first reads.
+const READ_TIMEOUT: Duration = Duration::from_millis(150);
+/// Its send timeout.
+const WRITE_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// One blocking call that must fail with `EAGAIN` once `timeout` has passed, not before
+/// (std reports `EAGAIN` as `WouldBlock`).
+fn times_out<T: std::fmt::Debug>(
+    what: &str,
+    timeout: Duration,
+    call: impl FnOnce() -> std::io::Result<T>,
+) -> std::io::Result<()> {
+    let start = std::time::Instant::now();
+    let result = call();
+    let elapsed = start.elapsed();
+    match result {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && elapsed >= timeout => Ok(()),
+        other => Err(std::io::Error::other(format!(
+            "{what}: {other:?} after {elapsed:?}, expected EAGAIN after {timeout:?}"
+        ))),
+    }
+}
+
+/// `read_exact`, retrying reads that a receive timeout cut short (boundedly).
+fn read_exact_retrying(stream: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
+    let mut timeouts = 0;
+    while !buf.is_empty() {
+        match stream.read(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && timeouts < 100 => timeouts += 1,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
+    use std::os::fd::AsRawFd;
+    let timeout = libc::timeval {
+        tv_sec: 0,
+        tv_usec: READ_TIMEOUT.as_micros() as libc::suseconds_t,
+    };
+    // SAFETY: setsockopt(2) with a timeval of the stated size.
+    let rc = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&timeout as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let (mut stream, peer) = listener.accept()?;
+    let accepted = std::time::Instant::now();
+    let mut buf = [0u8; 64 << 10];
+    times_out(
+        "server read (timeout inherited from the listener)",
+        READ_TIMEOUT,
+        || stream.read(&mut buf),
+    )?;
+    std::thread::sleep(Duration::from_millis(500).saturating_sub(accepted.elapsed()));
+    stream.write_all(b"go")?;
+    let mut length = [0u8; 8];
+    read_exact_retrying(&mut stream, &mut length)?;
+    let mut received = vec![0u8; u64::from_le_bytes(length) as usize];
+    read_exact_retrying(&mut stream, &mut received)?;
+    let path = published_path(stream.local_addr()?.port(), peer.port());
+    // Not reading until the client's flood filled the connection and a write of it timed
+    // out (well within this sleep); then draining it to the end.
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut timeouts = 0;
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && timeouts < 100 => timeouts += 1,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(format!(
+        "server ok bytes={} checksum={:016x} path={path}",
+        received.len(),
+        checksum(&received)
+    ))
+}
+
+fn client_timeouts(mut stream: TcpStream, port: u16, bytes: usize) -> std::io::Result<String> {
+    let local_port = stream.local_addr()?.port();
+    stream.set_read_timeout(Some(READ_TIMEOUT))?;
+    let mut go = [0u8; 2];
+    times_out("client read", READ_TIMEOUT, || stream.read(&mut go))?;
+    read_exact_retrying(&mut stream, &mut go)?;
+    if &go != b"go" {
+        return Err(std::io::Error::other("go corrupted"));
+    }
+    let data = pattern(bytes);
+    stream.write_all(&(bytes as u64).to_le_bytes())?;
+    stream.write_all(&data)?;
+    let path = published_path(local_port, port);
+    // The server reads no more until we stop: a write must time out (bounded: 1 GiB).
+    stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
+    let chunk = vec![0x5au8; 64 << 10];
+    let mut flooded = 0usize;
+    let mut timed_out = false;
+    while flooded < 1 << 30 {
+        let start = std::time::Instant::now();
+        match stream.write(&chunk) {
+            Ok(n) => flooded += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if start.elapsed() < WRITE_TIMEOUT {
+                    return Err(std::io::Error::other(format!(
+                        "client write: EAGAIN after {:?}, before the timeout",
+                        start.elapsed()
+                    )));
+                }
+                timed_out = true;
+                break;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    if !timed_out {
+        return Err(std::io::Error::other("client write: 1 GiB and no timeout"));
+    }
+    stream.shutdown(Shutdown::Write)?;
+    Ok(format!(
+        "client ok bytes={bytes} checksum={:016x} path={path}",
+        checksum(&data)
+    ))
+}
+
 fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
+    if protocol == "timeouts" {
+        return serve_timeouts(listener);
+    }
     if protocol == "early" {
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -144,6 +290,9 @@ fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
 fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port))?;
     let local_port = stream.local_addr()?.port();
+    if protocol == "timeouts" {
+        return client_timeouts(stream, port, bytes);
+    }
     if protocol == "flood" {
         println!("connected");
         std::io::stdout().flush()?;

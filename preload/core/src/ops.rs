@@ -490,6 +490,8 @@ fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
             return;
         }
         let inet6 = listening.flags() & flags::INET6;
+        // An accepted socket inherits the listener's timeouts.
+        let timeouts = listening.flags() & (flags::RCVTIMEO | flags::SNDTIMEO);
         let nonblock = if accept_flags & libc::SOCK_NONBLOCK != 0 {
             flags::NONBLOCK
         } else {
@@ -499,7 +501,7 @@ fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
         if let Some(record) = track_new(
             fd,
             SocketState::TcpCandidate,
-            inet6 | nonblock | flags::SERVER,
+            inet6 | nonblock | timeouts | flags::SERVER,
             cloexec,
         ) {
             mark_connected(record, Role::Server, local_address(fd), peer_address(fd));
@@ -648,7 +650,33 @@ pub unsafe fn setsockopt(
     len: socklen_t,
 ) -> c_int {
     // SAFETY: forwarded.
-    unsafe { real::setsockopt(fd, level, name, value, len) }
+    let rc = unsafe { real::setsockopt(fd, level, name, value, len) };
+    if rc == 0 && level == libc::SOL_SOCKET {
+        if let Some(flag) = timeout_flag(name) {
+            if let Some(entry) = tracked(fd) {
+                bookkeeping(|| {
+                    if let Some((_, record)) = record_of(entry) {
+                        record.set_flag(flag, true);
+                    }
+                });
+            }
+        }
+    }
+    rc
+}
+
+/// The record flag that says a socket may have the timeout `name` (`SO_RCVTIMEO`,
+/// `SO_SNDTIMEO`, in their old and new (64-bit time) forms). Never cleared: a later zero
+/// only costs the query.
+fn timeout_flag(name: c_int) -> Option<u32> {
+    // The 64-bit-time option numbers (asm-generic/socket.h); libc may not name them.
+    const SO_RCVTIMEO_NEW: c_int = 66;
+    const SO_SNDTIMEO_NEW: c_int = 67;
+    match name {
+        libc::SO_RCVTIMEO | SO_RCVTIMEO_NEW => Some(flags::RCVTIMEO),
+        libc::SO_SNDTIMEO | SO_SNDTIMEO_NEW => Some(flags::SNDTIMEO),
+        _ => None,
+    }
 }
 
 /// `getsockopt(2)`. `SO_ERROR` is how a non-blocking connect reports its outcome, so it
@@ -2221,7 +2249,14 @@ pub fn adopt_inherited_socket(fd: c_int) -> Option<u32> {
     }
     // SAFETY: F_GETFD only reads the descriptor's flags.
     let cloexec = unsafe { libc::fcntl(fd, libc::F_GETFD) } & libc::FD_CLOEXEC != 0;
-    let record = track_new(fd, SocketState::ConnectedTcp, flags::INHERITED, cloexec)?;
+    // Its timeouts were set before we knew it: ask the kernel for them.
+    let timeouts = flags::RCVTIMEO | flags::SNDTIMEO;
+    let record = track_new(
+        fd,
+        SocketState::ConnectedTcp,
+        flags::INHERITED | timeouts,
+        cloexec,
+    )?;
     let (index, _) = record_of(table().lookup(fd))?;
     let _ = record;
     Some(index)

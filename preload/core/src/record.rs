@@ -160,6 +160,12 @@ pub mod flags {
     /// A downgraded socket whose stash (bytes received over the SAN, not read yet) is not
     /// empty: reads take those first. Set together with `SAN`.
     pub const STASHED: u32 = 1 << 9;
+    /// `SO_RCVTIMEO` may be non-zero: set through our `setsockopt`, inherited from the
+    /// listener it was accepted from, or unknown (an adopted socket). A blocking SAN read asks
+    /// the kernel for it only then (a system call per call otherwise).
+    pub const RCVTIMEO: u32 = 1 << 10;
+    /// As [`RCVTIMEO`], for `SO_SNDTIMEO` and blocking SAN sends.
+    pub const SNDTIMEO: u32 = 1 << 11;
 }
 
 /// Index into [`SocketRecord::counters`].
