@@ -25,6 +25,8 @@
 #   SANDIRECT_VM=1 SANDIRECT_VM_FABRIC=rxe|siw SANDIRECT_VM_MODE=wire|single
 #   SANDIRECT_TEST_DEVICE=<dev0> SANDIRECT_TEST_SERVER_IP=192.0.2.1
 #   SANDIRECT_TEST_CLIENT_IP=192.0.2.2 (wire) or 192.0.2.1 (single)
+#   and in wire mode the same two hosts over IPv6: SANDIRECT_TEST_SERVER_IP6=2001:db8::1
+#   SANDIRECT_TEST_CLIENT_IP6=2001:db8::2
 #
 # Exit status: the command's; 124 when the guest timed out; 125 when the
 # harness or the guest failed before the command reported a status.
@@ -284,6 +286,20 @@ for i in all default veth0 veth1; do
   echo 1 > /proc/sys/net/ipv4/conf/$i/accept_local
   echo 0 > /proc/sys/net/ipv4/conf/$i/rp_filter
 done
+# The same two hosts over IPv6 (documentation prefix; nodad: usable at once). IPv6 has no
+# accept_local or rp_filter to relax.
+ip -6 -batch - <<'IP'
+addr add 2001:db8::1/128 dev veth0 nodad
+addr add 2001:db8::2/128 dev veth1 nodad
+rule add pref 10 to 2001:db8::2 iif lo lookup 102
+rule add pref 11 to 2001:db8::1 iif lo lookup 101
+rule add pref 12 to 2001:db8::2 oif veth0 lookup 102
+rule add pref 13 to 2001:db8::1 oif veth1 lookup 101
+rule add pref 100 lookup local
+rule del pref 0
+route add 2001:db8::2 dev veth0 src 2001:db8::1 table 102
+route add 2001:db8::1 dev veth1 src 2001:db8::2 table 101
+IP
 NET
     echo "rdma link add $DEV0 type $FABRIC netdev veth0"
     echo "rdma link add $DEV1 type $FABRIC netdev veth1"
@@ -310,6 +326,7 @@ CLIENT_IP=192.0.2.2; [[ $MODE == single ]] && CLIENT_IP=192.0.2.1
   for v in $names; do [[ -n "${!v+x}" ]] && printf 'export %s=%q\n' "$v" "${!v}"; done
   printf 'export SANDIRECT_VM=1 SANDIRECT_VM_FABRIC=%q SANDIRECT_VM_MODE=%q\n' "$FABRIC" "$MODE"
   printf 'export SANDIRECT_TEST_DEVICE=%q SANDIRECT_TEST_SERVER_IP=192.0.2.1 SANDIRECT_TEST_CLIENT_IP=%q\n' "$DEV0" "$CLIENT_IP"
+  [[ $MODE == wire ]] && echo 'export SANDIRECT_TEST_SERVER_IP6=2001:db8::1 SANDIRECT_TEST_CLIENT_IP6=2001:db8::2'
   # Registration pins pages; the job gets no limit unless a test sets one.
   echo 'ulimit -l unlimited 2>/dev/null || true'
   printf 'cd %q || exit 125\n' "$PWD"

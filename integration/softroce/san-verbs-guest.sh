@@ -9,6 +9,8 @@
 set -uo pipefail
 T=$1; BYTES=${2:-8388608}
 S=${SANDIRECT_TEST_SERVER_IP:-192.0.2.1}; C=${SANDIRECT_TEST_CLIENT_IP:-192.0.2.2}
+# The server's address as the first half of ADDR:PORT (IPv6 in brackets).
+SP=$S; [[ $S == *:* ]] && SP="[$S]"
 X=$T/san_xhost
 LOGS=$(mktemp -d)
 pre=(env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=verbs
@@ -42,7 +44,7 @@ run_case() {
   port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
   [[ -n $port ]] || { echo "san-verbs: $name FAIL (server did not start)"; cat "$LOGS/$name.server.err"; fail=$((fail+1)); kill "$srv_pid" 2>/dev/null; return; }
   # (fork-client prints its child's line: the parent has none)
-  timeout "$limit" "${cv[@]}" "$X" "$cmode" "$S:$port" "$C" "$bytes" "$chunk" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"; local crc=$?
+  timeout "$limit" "${cv[@]}" "$X" "$cmode" "$SP:$port" "$C" "$bytes" "$chunk" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"; local crc=$?
   out=$(grep '^client ' "$LOGS/$name.client.out")
   wait "$srv_pid"; local src=$?
   sout=$(grep '^server ' "$LOGS/$name.server.out")
@@ -107,7 +109,7 @@ death_case() {
   spid=$!
   for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
   port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
-  "${pre[@]}" "$X" flood "$S:$port" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
+  "${pre[@]}" "$X" flood "$SP:$port" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
   cpid=$!
   # Until the client switched (set-up under emulation: up to a few seconds), then a moment
   # of SAN traffic.
@@ -142,6 +144,16 @@ run_case preloaded-pair-again 1 1 san-verbs
 # Large blocking sends: the rendezvous (READ or WRITE mode per device) and the registration
 # cache of the verbs domain.
 run_case preloaded-pair-rendezvous 1 1 san-verbs 4194304
+# The same over IPv6 (the guest's two hosts have IPv6 addresses too): an echo pair and
+# large blocking sends (rendezvous), both on SAN-verbs, and a plain server stays on TCP.
+if [[ -n ${SANDIRECT_TEST_SERVER_IP6:-} ]]; then
+  S=$SANDIRECT_TEST_SERVER_IP6 SP="[$SANDIRECT_TEST_SERVER_IP6]" C=$SANDIRECT_TEST_CLIENT_IP6 \
+    run_case ipv6-preloaded-pair 1 1 san-verbs
+  S=$SANDIRECT_TEST_SERVER_IP6 SP="[$SANDIRECT_TEST_SERVER_IP6]" C=$SANDIRECT_TEST_CLIENT_IP6 \
+    run_case ipv6-preloaded-client-plain-server 0 1 tcp
+  S=$SANDIRECT_TEST_SERVER_IP6 SP="[$SANDIRECT_TEST_SERVER_IP6]" C=$SANDIRECT_TEST_CLIENT_IP6 \
+    run_case ipv6-preloaded-pair-rendezvous 1 1 san-verbs 4194304
+fi
 # A one-way stream in 128 KiB writes, checksummed as it is generated and as it arrives: the
 # 256 MiB of issue 4 (SANDIRECT_SAN_VERBS_STREAM_BYTES sets another size). Debug builds under
 # emulation: ~51 s on rxe, ~33 s on siw (it took ~200 s before the direct waits and the
@@ -203,8 +215,8 @@ stdnet_case() {
   wait "$srv"; local src=$?
   sout=$(cat "$LOGS/$name.server.out")
   local crows srows
-  crows=$(san_rows "$LOGS/$name.stat" client "$S:$port" "$BYTES")
-  srows=$(san_rows "$LOGS/$name.stat" server "$S:$port" "$BYTES")
+  crows=$(san_rows "$LOGS/$name.stat" client "$SP:$port" "$BYTES")
+  srows=$(san_rows "$LOGS/$name.stat" server "$SP:$port" "$BYTES")
   if [[ $hold_rc == 0 && $src == 0 ]] && grep -q "^holding: $connections connections, $BYTES bytes each echoed and verified" "$LOGS/$name.client.out" &&
      [[ $sout == *"served $connections connections, echoed $((connections * BYTES)) bytes"* && $crows == "$connections" && $srows == "$connections" ]]; then
     echo "san-verbs: $name ok ($connections connections × $BYTES bytes echoed and verified; SAN-verbs rows client $crows, server $srows; $(echo "$(date +%s.%N) - $start" | bc) s)"
@@ -285,8 +297,8 @@ redis_case() {
   wait_listening 6390
   hold_and_stat "$name-values" "$T/app_kv" redis 6390 4 8 7 "$S"
   local kv_rc=$hold_rc kv_client kv_server
-  kv_client=$(san_rows "$LOGS/$name-values.stat" client "$S:6390" 1)
-  kv_server=$(san_rows "$LOGS/$name-values.stat" server "$S:6390" 1)
+  kv_client=$(san_rows "$LOGS/$name-values.stat" client "$SP:6390" 1)
+  kv_server=$(san_rows "$LOGS/$name-values.stat" server "$SP:6390" 1)
   timeout 120 "${pre[@]}" redis-benchmark -h "$S" -p 6390 -c 1 -n "$n" -t set,get -q \
     >"$LOGS/$name.bench.out" 2>"$LOGS/$name.bench.err" &
   local cli=$!

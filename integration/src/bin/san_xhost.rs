@@ -220,7 +220,7 @@ fn serve_stream(mut stream: TcpStream) -> std::io::Result<String> {
 
 fn client(
     server: SocketAddr,
-    local: std::net::Ipv4Addr,
+    local: std::net::IpAddr,
     bytes: usize,
     chunk: usize,
 ) -> std::io::Result<String> {
@@ -296,7 +296,7 @@ fn sink(listener: TcpListener) -> std::io::Result<String> {
     Ok(stopped("server", result))
 }
 
-fn flood(server: SocketAddr, local: std::net::Ipv4Addr) -> std::io::Result<String> {
+fn flood(server: SocketAddr, local: std::net::IpAddr) -> std::io::Result<String> {
     let mut stream = integration::connect_from(local, server)?;
     println!("connected");
     std::io::stdout().flush()?;
@@ -337,7 +337,7 @@ fn receive(listener: TcpListener) -> std::io::Result<String> {
 /// writing and waits for the receiver's one-byte answer.
 fn send(
     server: SocketAddr,
-    local: std::net::Ipv4Addr,
+    local: std::net::IpAddr,
     bytes: usize,
     chunk: usize,
 ) -> std::io::Result<String> {
@@ -430,7 +430,7 @@ fn fork_server(listener: TcpListener, connections: usize) -> std::io::Result<()>
 /// when both sides are preloaded), then forks; the child converses, the parent closes.
 fn fork_client(
     server: SocketAddr,
-    local: std::net::Ipv4Addr,
+    local: std::net::IpAddr,
     bytes: usize,
     chunk: usize,
 ) -> std::io::Result<()> {
