@@ -193,61 +193,18 @@ pub fn connect_from(
     }
     // SAFETY: a fresh descriptor owned by nobody else.
     let stream = unsafe { std::net::TcpStream::from_raw_fd(fd) };
-    let (bind, len) = sockaddr_of(std::net::SocketAddr::new(local, 0));
+    let (bind, len) =
+        preload_core::discovery::socket_addr_to_raw(std::net::SocketAddr::new(local, 0));
     // SAFETY: a valid socket address of `len` bytes.
     if unsafe { libc::bind(fd, (&bind as *const libc::sockaddr_storage).cast(), len) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let (peer, len) = sockaddr_of(server);
+    let (peer, len) = preload_core::discovery::socket_addr_to_raw(server);
     // SAFETY: as above.
     if unsafe { libc::connect(fd, (&peer as *const libc::sockaddr_storage).cast(), len) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     Ok(stream)
-}
-
-/// `address` as the C library's socket address, with its length.
-fn sockaddr_of(address: std::net::SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
-    // SAFETY: all-zero bytes are a valid sockaddr_storage.
-    let mut storage: libc::sockaddr_storage = unsafe { core::mem::zeroed() };
-    let len = match address {
-        std::net::SocketAddr::V4(v4) => {
-            let sin = libc::sockaddr_in {
-                sin_family: libc::AF_INET as libc::sa_family_t,
-                sin_port: v4.port().to_be(),
-                sin_addr: libc::in_addr {
-                    s_addr: u32::from(*v4.ip()).to_be(),
-                },
-                sin_zero: [0; 8],
-            };
-            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
-            unsafe {
-                (&mut storage as *mut libc::sockaddr_storage)
-                    .cast::<libc::sockaddr_in>()
-                    .write(sin)
-            };
-            core::mem::size_of::<libc::sockaddr_in>()
-        }
-        std::net::SocketAddr::V6(v6) => {
-            let sin6 = libc::sockaddr_in6 {
-                sin6_family: libc::AF_INET6 as libc::sa_family_t,
-                sin6_port: v6.port().to_be(),
-                sin6_flowinfo: v6.flowinfo(),
-                sin6_addr: libc::in6_addr {
-                    s6_addr: v6.ip().octets(),
-                },
-                sin6_scope_id: v6.scope_id(),
-            };
-            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
-            unsafe {
-                (&mut storage as *mut libc::sockaddr_storage)
-                    .cast::<libc::sockaddr_in6>()
-                    .write(sin6)
-            };
-            core::mem::size_of::<libc::sockaddr_in6>()
-        }
-    };
-    (storage, len as libc::socklen_t)
 }
 
 #[cfg(test)]
