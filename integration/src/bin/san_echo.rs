@@ -29,8 +29,8 @@
 //!   kill one side and time the other's exit).
 //!
 //! * `timeouts`: `SO_RCVTIMEO`/`SO_SNDTIMEO` on blocking calls. The server sets a receive
-//!   timeout on its listener before `accept()` (the accepted socket inherits it) and its first
-//!   read must fail with `EAGAIN` after it; the client sets one with `set_read_timeout` and
+//!   timeout on its listener before `accept()` (the accepted socket inherits it); after one
+//!   byte each way (the connection has switched), its next read must fail with `EAGAIN` after it; the client sets one with `set_read_timeout` and
 //!   its first read must fail likewise (the server sends nothing for 500 ms). Then the client
 //!   sends BYTES (after an 8-byte length), sets a send timeout and writes until a write fails
 //!   with `EAGAIN` (the server no longer reads), and shuts down writing; the server drains
@@ -126,6 +126,11 @@ fn times_out<T: std::fmt::Debug>(
     }
 }
 
+/// `result`, its error prefixed by the step that failed.
+fn context<T>(step: &str, result: std::io::Result<T>) -> std::io::Result<T> {
+    result.map_err(|e| std::io::Error::new(e.kind(), format!("{step}: {e}")))
+}
+
 /// `read_exact`, retrying reads that a receive timeout cut short (boundedly).
 fn read_exact_retrying(stream: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
     let mut timeouts = 0;
@@ -160,19 +165,30 @@ fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
         return Err(std::io::Error::last_os_error());
     }
     let (mut stream, peer) = listener.accept()?;
-    let accepted = std::time::Instant::now();
+    // One byte each way first: the connection has switched (over the SAN) before the
+    // timeouts are tried (the switch-over window is not what this checks).
+    let mut hello = [0u8; 1];
+    context("server hello", read_exact_retrying(&mut stream, &mut hello))?;
+    context("server hello answer", stream.write_all(b"k"))?;
+    let answered = std::time::Instant::now();
     let mut buf = [0u8; 64 << 10];
     times_out(
         "server read (timeout inherited from the listener)",
         READ_TIMEOUT,
         || stream.read(&mut buf),
     )?;
-    std::thread::sleep(Duration::from_millis(500).saturating_sub(accepted.elapsed()));
-    stream.write_all(b"go")?;
+    std::thread::sleep(Duration::from_millis(500).saturating_sub(answered.elapsed()));
+    context("server go", stream.write_all(b"go"))?;
     let mut length = [0u8; 8];
-    read_exact_retrying(&mut stream, &mut length)?;
+    context(
+        "server length",
+        read_exact_retrying(&mut stream, &mut length),
+    )?;
     let mut received = vec![0u8; u64::from_le_bytes(length) as usize];
-    read_exact_retrying(&mut stream, &mut received)?;
+    context(
+        "server data",
+        read_exact_retrying(&mut stream, &mut received),
+    )?;
     let path = published_path(stream.local_addr()?.port(), peer.port());
     // Not reading until the client's flood filled the connection and a write of it timed
     // out (well within this sleep); then draining it to the end.
@@ -195,16 +211,22 @@ fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
 
 fn client_timeouts(mut stream: TcpStream, port: u16, bytes: usize) -> std::io::Result<String> {
     let local_port = stream.local_addr()?.port();
+    context("client hello", stream.write_all(b"h"))?;
+    let mut answer = [0u8; 1];
+    context("client hello answer", stream.read_exact(&mut answer))?;
     stream.set_read_timeout(Some(READ_TIMEOUT))?;
     let mut go = [0u8; 2];
     times_out("client read", READ_TIMEOUT, || stream.read(&mut go))?;
-    read_exact_retrying(&mut stream, &mut go)?;
+    context("client go", read_exact_retrying(&mut stream, &mut go))?;
     if &go != b"go" {
         return Err(std::io::Error::other("go corrupted"));
     }
     let data = pattern(bytes);
-    stream.write_all(&(bytes as u64).to_le_bytes())?;
-    stream.write_all(&data)?;
+    context(
+        "client length",
+        stream.write_all(&(bytes as u64).to_le_bytes()),
+    )?;
+    context("client data", stream.write_all(&data))?;
     let path = published_path(local_port, port);
     // The server reads no more until we stop: a write must time out (bounded: 1 GiB).
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
