@@ -107,10 +107,18 @@ pub fn profile_dir() -> PathBuf {
 /// The connections this process published (`None` natively, or when nothing is published
 /// or the record cannot be read): what the test programs report their own paths from.
 pub fn own_published_connections() -> Option<Vec<preload_core::stats::ConnectionInfo>> {
+    own_published_file()?.ok()?.ok()
+}
+
+/// This process's record file as read (`None` without a stats directory).
+type PublishedFile =
+    std::io::Result<Result<Vec<preload_core::stats::ConnectionInfo>, preload_core::stats::Skipped>>;
+
+fn own_published_file() -> Option<PublishedFile> {
     let dir = preload_core::stats::default_dir()?;
-    preload_core::stats::read_file(&dir.join(std::process::id().to_string()))
-        .ok()?
-        .ok()
+    Some(preload_core::stats::read_file(
+        &dir.join(std::process::id().to_string()),
+    ))
 }
 
 /// The data path this process published for its connected socket `fd` (`tcp` natively or
@@ -127,17 +135,16 @@ pub fn published_path_where(
     matches: impl Fn(&preload_core::stats::ConnectionInfo) -> bool,
 ) -> String {
     use preload_core::record::{DataPath, SocketState};
-    let Some(dir) = preload_core::stats::default_dir() else {
+    let Some(file) = own_published_file() else {
         return "tcp".into();
     };
-    let connections =
-        match preload_core::stats::read_file(&dir.join(std::process::id().to_string())) {
-            // Natively nothing is published.
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return "tcp".into(),
-            Err(error) => return format!("tcp?unreadable:{error}"),
-            Ok(Err(skipped)) => return format!("tcp?skipped:{skipped:?}"),
-            Ok(Ok(connections)) => connections,
-        };
+    let connections = match file {
+        // Natively nothing is published.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return "tcp".into(),
+        Err(error) => return format!("tcp?unreadable:{error}"),
+        Ok(Err(skipped)) => return format!("tcp?skipped:{skipped:?}"),
+        Ok(Ok(connections)) => connections,
+    };
     let connected = |c: &&preload_core::stats::ConnectionInfo| {
         c.state == SocketState::San || c.state == SocketState::ConnectedTcp
     };

@@ -668,7 +668,7 @@ pub unsafe fn setsockopt(
 /// The record flag that says a socket may have the timeout `name` (`SO_RCVTIMEO`,
 /// `SO_SNDTIMEO`, in their old and new (64-bit time) forms). Never cleared: a later zero
 /// only costs the query.
-fn timeout_flag(name: c_int) -> Option<u32> {
+pub(crate) fn timeout_flag(name: c_int) -> Option<u32> {
     // The 64-bit-time option numbers (asm-generic/socket.h); libc may not name them.
     const SO_RCVTIMEO_NEW: c_int = 66;
     const SO_SNDTIMEO_NEW: c_int = 67;

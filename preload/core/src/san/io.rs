@@ -54,10 +54,10 @@ fn record_flag(index: u32, flag: u32) -> bool {
 }
 
 /// The deadline `SO_RCVTIMEO`/`SO_SNDTIMEO` (`option`) sets for a blocking call that starts
-/// now; `None` without one. Asked of the kernel only when the record's `flag` says the
-/// option may be set (see `record::flags::RCVTIMEO`).
-fn timeout_of(index: u32, fd: c_int, option: c_int, flag: u32) -> Option<Instant> {
-    if !record_flag(index, flag) {
+/// now; `None` without one. Asked of the kernel only when the record's flag for the option
+/// says it may be set (see `record::flags::RCVTIMEO`).
+fn timeout_of(index: u32, fd: c_int, option: c_int) -> Option<Instant> {
+    if !crate::ops::timeout_flag(option).is_some_and(|flag| record_flag(index, flag)) {
         return None;
     }
     let mut value = libc::timeval {
@@ -468,7 +468,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
     let nonblocking = send_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
     let deadline = (!nonblocking)
-        .then(|| timeout_of(index, fd, libc::SO_SNDTIMEO, flags::SNDTIMEO))
+        .then(|| timeout_of(index, fd, libc::SO_SNDTIMEO))
         .flatten();
     let urgent = send_flags & libc::MSG_OOB != 0;
     let mut done = 0usize;
@@ -885,7 +885,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     let wait_all = recv_flags & libc::MSG_WAITALL != 0 && !peek;
     let nonblocking = recv_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
     let deadline = (!nonblocking)
-        .then(|| timeout_of(index, fd, libc::SO_RCVTIMEO, flags::RCVTIMEO))
+        .then(|| timeout_of(index, fd, libc::SO_RCVTIMEO))
         .flatten();
     let mut done = 0usize;
     let partial = |done: usize, code: c_int| if done > 0 { done as isize } else { fail(code) };
