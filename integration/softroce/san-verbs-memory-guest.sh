@@ -19,6 +19,10 @@
 #   connection pins 1 MiB of slots), sends 1.5 MiB in single sends: each must fail with ENOBUFS
 #   and send nothing; the application resends the bytes in 256 KiB sends. The server must
 #   receive exactly the accepted bytes, in order.
+# connections-memlock: the client, limited as above, opens 4 connections one after another
+#   (each set up while the earlier ones stay open, each pinning 1 MiB of slots) and then
+#   echoes 1 MiB on all of them at once: the connections the limit leaves no memory for stay
+#   on TCP (reason `san-resources`), the first ones use the SAN, and every echo is intact.
 # receiver-memlock: the limit on the server instead (receive buffer 8 MiB): the client's 1.5 MiB
 #   sends are not refused (so the refusals above come from the limit), the receiver turns the
 #   rendezvous down and the bytes come inline, none lost.
@@ -26,6 +30,7 @@ set -uo pipefail
 T=$1; ROUNDS=${2:-4}
 S=${SANDIRECT_TEST_SERVER_IP:-192.0.2.1}; C=${SANDIRECT_TEST_CLIENT_IP:-192.0.2.2}
 M=$T/san_memory
+X=$T/san_xhost
 LOGS=$(mktemp -d)
 pre=(env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=verbs
      SANDIRECT_VERBS_LIBRARY="$T/libsandirect_verbs.so" SANDIRECT_LOG="${SANDIRECT_LOG:-debug}")
@@ -34,6 +39,8 @@ pre=(env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=
 limited=(setpriv --inh-caps=-ipc_lock --bounding-set=-ipc_lock prlimit --memlock=$((2 << 20)))
 VARIANTS=(free munmap mremap dontneed madv-free brk)
 pass=0; fail=0
+# SANDIRECT_SAN_VERBS_CASES="name …" runs only the cases named (default: all of them).
+selected() { [[ -z ${SANDIRECT_SAN_VERBS_CASES:-} || " $SANDIRECT_SAN_VERBS_CASES " == *" $1 "* ]]; }
 
 # pair NAME BUFFER CLIENT_ARGS…: runs a preloaded server and client; sets sout/cout (their
 # last lines), crc/src (exit statuses), took. Both get the variables in mode_env (VAR=VALUE
@@ -132,13 +139,53 @@ enobufs_case() {
   report "$name" "$ok" "$(field enobufs "$cout") sends refused with ENOBUFS, $(field rendezvous_sends "$cout") by rendezvous, $(field inline_large_sends "$cout") inline; $(field bytes "$sout") bytes received and checked"
 }
 
+# connections_case NAME CONNECTIONS: see connections-memlock above.
+connections_case() {
+  local name=$1 conns=$2 bytes=$((1 << 20)) ok=1 port srv start
+  start=$(date +%s.%N)
+  timeout 150 "${pre[@]}" "$X" multi-server "$S" "$conns" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  srv=$!
+  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
+  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
+  if [[ -z $port ]]; then
+    crc=1; src=1; cout="(server did not start)"; sout=""; kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  else
+    timeout 150 "${limited[@]}" "${pre[@]}" "$X" multi-client "$S:$port" "$C" "$conns" "$bytes" \
+      >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
+    crc=$?
+    wait "$srv"; src=$?
+    cout=$(tail -n 1 "$LOGS/$name.client.out"); sout=$(tail -n 1 "$LOGS/$name.server.out")
+  fi
+  took=$(echo "$(date +%s.%N) - $start" | bc)
+  [[ $crc == 0 && $src == 0 ]] || ok=0
+  [[ $cout == "client all ok conns=$conns "* && $sout == "server all ok conns=$conns "* ]] || ok=0
+  local csan ctcp
+  csan=$(field san "$cout"); ctcp=$(field tcp "$cout")
+  # Some connections on the SAN, the others held back by the limit; both sides agree.
+  (( csan >= 1 && ctcp >= 1 )) 2>/dev/null || ok=0
+  [[ $csan == "$(field san "$sout")" ]] || ok=0
+  # Every connection's echo intact (the client checked it) and the server got each byte once.
+  local sums
+  sums=$(grep -ho "^[a-z]* ok bytes=$bytes checksum=[0-9a-f]*" "$LOGS/$name.client.out" "$LOGS/$name.server.out" |
+         sed 's/.*checksum=//' | sort -u)
+  [[ $(grep -c "^client ok bytes=$bytes " "$LOGS/$name.client.out") == "$conns" &&
+     $(grep -c "^server ok bytes=$bytes " "$LOGS/$name.server.out") == "$conns" &&
+     $(wc -l <<<"$sums") == 1 ]] || ok=0
+  # The client's TCP connections say why.
+  local reasons
+  reasons=$(grep "^client ok .* path=tcp " "$LOGS/$name.client.out" | sed 's/.*reason=//' | sort | uniq -c | tr -s ' ' | tr '\n' ',')
+  [[ -n $reasons ]] || ok=0
+  report "$name" "$ok" "$conns connections under a 2 MiB memlock limit: $csan on the SAN, $ctcp on TCP (reasons:$reasons), every 1 MiB echo intact"
+}
+
 # READ mode (the default over rxe and siw): the receiver reads the sender's buffer through an
 # rkey, and every rendezvous exposes the cached registration anew (a new pin of the pages there
 # now), so invalidation is not what keeps it right. WRITE mode: the sender writes from its
 # cached registration with local rights only; only the invalidation keeps it off old pages.
-memory_case memory-changes-read $(( ROUNDS < 2 ? ROUNDS : 2 ))
-memory_case memory-changes-write "$ROUNDS" SANDIRECT_SAN_RDMA_READ=0
-enobufs_case enobufs-memlock client
-enobufs_case receiver-memlock server
+selected memory-changes-read && memory_case memory-changes-read $(( ROUNDS < 2 ? ROUNDS : 2 ))
+selected memory-changes-write && memory_case memory-changes-write "$ROUNDS" SANDIRECT_SAN_RDMA_READ=0
+selected enobufs-memlock && enobufs_case enobufs-memlock client
+selected receiver-memlock && enobufs_case receiver-memlock server
+selected connections-memlock && connections_case connections-memlock 4
 echo "san-verbs-memory: $pass passed, $fail failed"
 [[ $fail == 0 ]]

@@ -217,7 +217,14 @@ fn client_timeouts(mut stream: TcpStream, port: u16, bytes: usize) -> std::io::R
     stream.set_read_timeout(Some(READ_TIMEOUT))?;
     let mut go = [0u8; 2];
     times_out("client read", READ_TIMEOUT, || stream.read(&mut go))?;
-    context("client go", read_exact_retrying(&mut stream, &mut go))?;
+    if let Err(e) = read_exact_retrying(&mut stream, &mut go) {
+        // Where the connection stood (pending on TCP, or switched) says which wait missed it.
+        let path = published_path(local_port, port);
+        return Err(std::io::Error::new(
+            e.kind(),
+            format!("client go (path {path}): {e}"),
+        ));
+    }
     if &go != b"go" {
         return Err(std::io::Error::other("go corrupted"));
     }

@@ -11,6 +11,8 @@
 //! san_xhost sender ADDR:PORT LOCAL BYTES [CHUNK]  # as client, one way: streams BYTES
 //! san_xhost fork-server ADDR N        # accepts N clients, forks a child per connection
 //! san_xhost fork-client ADDR:PORT LOCAL BYTES [CHUNK]  # as client, the I/O in a fork child
+//! san_xhost multi-server ADDR N       # accepts N clients, serves each in a thread
+//! san_xhost multi-client ADDR:PORT LOCAL N BYTES [CHUNK]  # N connections at once, each a client
 //! ```
 //!
 //! `receiver`/`sender` move BYTES one way (no echo, nothing held in memory: the pattern is
@@ -23,6 +25,11 @@
 //! then forks: the child streams and checks the echo, the parent closes its copy. The path
 //! they report is the child's (a fork moves SAN connections back to TCP first:
 //! `docs/ARCHITECTURE.md`, "fork and exec").
+//!
+//! `multi-client` opens its N connections one after another and reads each banner while the
+//! earlier ones stay open (so each connection's set-up meets the resources the earlier ones
+//! hold, e.g. pinned memory under `RLIMIT_MEMLOCK`), then converses on all of them at once.
+//! Both sides print a line per connection, then `<side> all ok conns=N san=K tcp=M`.
 //!
 //! `sink`/`flood` are for peer-death tests: each prints `accepted`/`connected` once the
 //! connection is up and `<side> stopped: <how>` at the end; kill one side and time the other.
@@ -40,6 +47,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 
 use preload_core::record::{Counter, DataPath, SocketState};
 
@@ -159,10 +167,11 @@ fn checksum(data: &[u8]) -> u64 {
     sum.value()
 }
 
-/// What the interposer published for this process's connection on local port `port`:
+/// What the interposer published for this process's connected socket `fd` (by descriptor: a
+/// server's connections all share its local port):
 /// `path=P tcp=SENT/RECEIVED san=SENT/RECEIVED` (SAN bytes: inline plus rendezvous), or
 /// `path=tcp` with zero counts when nothing is published (natively).
-fn published(port: u16) -> String {
+fn published(fd: std::os::fd::RawFd) -> String {
     let none = || "path=tcp tcp=0/0 san=0/0 rdv=0/0 reason=-".to_owned();
     let Some(connections) = integration::own_published_connections() else {
         return none();
@@ -170,7 +179,7 @@ fn published(port: u16) -> String {
     connections
         .iter()
         .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
-        .find(|c| c.local.is_some_and(|a| a.port() == port))
+        .find(|c| c.fd == fd)
         .map_or_else(none, |c| {
             let path = match c.path {
                 DataPath::SanShm => "san-shm".to_owned(),
@@ -197,7 +206,7 @@ fn serve(listener: TcpListener) -> std::io::Result<String> {
 }
 
 fn serve_stream(mut stream: TcpStream) -> std::io::Result<String> {
-    let local_port = stream.local_addr()?.port();
+    let fd = stream.as_raw_fd();
     stream.write_all(BANNER)?;
     let mut received = Vec::new();
     let mut buf = vec![0u8; 64 << 10];
@@ -209,7 +218,7 @@ fn serve_stream(mut stream: TcpStream) -> std::io::Result<String> {
         received.extend_from_slice(&buf[..n]);
         stream.write_all(&buf[..n])?;
     }
-    let report = published(local_port);
+    let report = published(fd);
     stream.shutdown(Shutdown::Write)?;
     Ok(format!(
         "server ok bytes={} checksum={:016x} {report}",
@@ -240,7 +249,7 @@ fn read_banner(stream: &mut TcpStream) -> std::io::Result<()> {
 
 /// The client's side after the banner: streams the pattern, checks the echo.
 fn converse(mut stream: TcpStream, bytes: usize, chunk: usize) -> std::io::Result<String> {
-    let local_port = stream.local_addr()?.port();
+    let fd = stream.as_raw_fd();
     let data = pattern(bytes);
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
@@ -254,7 +263,7 @@ fn converse(mut stream: TcpStream, bytes: usize, chunk: usize) -> std::io::Resul
     sender
         .join()
         .map_err(|_| std::io::Error::other("sender panicked"))??;
-    let report = published(local_port);
+    let report = published(fd);
     let expected = pattern(bytes);
     if echo != expected {
         let first_bad = echo
@@ -312,7 +321,7 @@ fn flood(server: SocketAddr, local: std::net::IpAddr) -> std::io::Result<String>
 /// One way, receiving side: checksums everything until end-of-file, then answers one byte.
 fn receive(listener: TcpListener) -> std::io::Result<String> {
     let (mut stream, _) = listener.accept()?;
-    let local_port = stream.local_addr()?.port();
+    let fd = stream.as_raw_fd();
     let mut sum = Checksum::new();
     let mut total = 0usize;
     let mut buf = vec![0u8; 256 << 10];
@@ -324,7 +333,7 @@ fn receive(listener: TcpListener) -> std::io::Result<String> {
         sum.feed(&buf[..n]);
         total += n;
     }
-    let report = published(local_port);
+    let report = published(fd);
     stream.write_all(b"!")?;
     stream.shutdown(Shutdown::Write)?;
     Ok(format!(
@@ -342,7 +351,7 @@ fn send(
     chunk: usize,
 ) -> std::io::Result<String> {
     let mut stream = integration::connect_from(local, server)?;
-    let local_port = stream.local_addr()?.port();
+    let fd = stream.as_raw_fd();
     let mut generator = Pattern::new();
     let mut sum = Checksum::new();
     let mut piece = vec![0u8; chunk.clamp(1, 8 << 20)];
@@ -362,7 +371,7 @@ fn send(
             "receiver answered {answer:?}, not one '!'"
         )));
     }
-    let report = published(local_port);
+    let report = published(fd);
     Ok(format!(
         "client ok bytes={sent} checksum={:016x} {report}",
         sum.value()
@@ -444,6 +453,69 @@ fn fork_client(
     }
 }
 
+/// The threaded server: accepts `connections` clients, serves each in a thread (as `server`
+/// does), prints each connection's line and then the tally of their paths.
+fn multi_server(listener: TcpListener, connections: usize) -> std::io::Result<()> {
+    let mut servers = Vec::new();
+    for _ in 0..connections {
+        let (stream, _) = listener.accept()?;
+        servers.push(std::thread::spawn(move || serve_stream(stream)));
+    }
+    let lines = joined(servers)?;
+    print_tally("server", &lines)
+}
+
+/// The client of `multi-server`: `connections` connections, each set up (its banner read)
+/// while the earlier ones stay open, then all conversing at once.
+fn multi_client(
+    server: SocketAddr,
+    local: std::net::IpAddr,
+    connections: usize,
+    bytes: usize,
+    chunk: usize,
+) -> std::io::Result<()> {
+    let mut streams = Vec::new();
+    for _ in 0..connections {
+        let mut stream = integration::connect_from(local, server)?;
+        read_banner(&mut stream)?;
+        streams.push(stream);
+    }
+    let clients = streams
+        .into_iter()
+        .map(|stream| std::thread::spawn(move || converse(stream, bytes, chunk)))
+        .collect();
+    let lines = joined(clients)?;
+    print_tally("client", &lines)
+}
+
+/// Every thread's line, or the first error.
+fn joined(
+    threads: Vec<std::thread::JoinHandle<std::io::Result<String>>>,
+) -> std::io::Result<Vec<String>> {
+    threads
+        .into_iter()
+        .map(|thread| {
+            thread
+                .join()
+                .map_err(|_| std::io::Error::other("a connection's thread panicked"))?
+        })
+        .collect()
+}
+
+/// Prints each connection's line, then `<side> all ok conns=N san=K tcp=M`.
+fn print_tally(side: &str, lines: &[String]) -> std::io::Result<()> {
+    for line in lines {
+        println!("{line}");
+    }
+    let san = lines.iter().filter(|l| l.contains(" path=san-")).count();
+    println!(
+        "{side} all ok conns={} san={san} tcp={}",
+        lines.len(),
+        lines.len() - san
+    );
+    Ok(())
+}
+
 /// Binds a listener on `ip` (an argument) and announces its port on stdout.
 fn listen_announced(ip: &str) -> std::io::Result<TcpListener> {
     let ip: std::net::IpAddr = ip.parse().map_err(std::io::Error::other)?;
@@ -500,10 +572,19 @@ fn main() -> std::io::Result<()> {
             parsed(&args, 4)?,
             chunk(),
         )?,
+        "multi-server" => multi_server(listen_announced(arg(2))?, parsed(&args, 3)?)?,
+        "multi-client" => multi_client(
+            parsed(&args, 2)?,
+            parsed(&args, 3)?,
+            parsed(&args, 4)?,
+            parsed(&args, 5)?,
+            arg(6).parse().unwrap_or(24_000),
+        )?,
         other => {
             eprintln!(
-                "usage: san_xhost server|sink|receiver|fork-server ADDR [N] | \
-                 client|flood|sender|fork-client ADDR:PORT LOCAL [BYTES [CHUNK]] (got {other:?})"
+                "usage: san_xhost server|sink|receiver|fork-server|multi-server ADDR [N] | \
+                 client|flood|sender|fork-client ADDR:PORT LOCAL [BYTES [CHUNK]] | \
+                 multi-client ADDR:PORT LOCAL N BYTES [CHUNK] (got {other:?})"
             );
             std::process::exit(2);
         }

@@ -67,6 +67,9 @@ pub enum Bypass {
     KernelOnlyCall = 8,
     /// Was on the SAN, moved back to kernel TCP live (before fork or exec).
     Downgraded = 9,
+    /// The peer is capable, but this side could not set the SAN connection up (memory
+    /// `RLIMIT_MEMLOCK` does not let it pin, queue pairs): it declined before replying.
+    SanResources = 10,
 }
 
 impl Bypass {
@@ -82,6 +85,7 @@ impl Bypass {
             7 => Self::TooManyEpollSets,
             8 => Self::KernelOnlyCall,
             9 => Self::Downgraded,
+            10 => Self::SanResources,
             _ => Self::None,
         }
     }
@@ -99,6 +103,7 @@ impl Bypass {
             Self::TooManyEpollSets => "too-many-epoll-sets",
             Self::KernelOnlyCall => "kernel-only-call",
             Self::Downgraded => "downgraded",
+            Self::SanResources => "san-resources",
         }
     }
 }

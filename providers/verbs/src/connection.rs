@@ -792,6 +792,14 @@ impl SanConnection for VerbsConnection {
     }
 
     fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        self.poll_each(max, |completion| out.push(completion))
+    }
+}
+
+impl VerbsConnection {
+    /// [`SanConnection::poll_completions`], handing each completion to `each` (the C ABI
+    /// writes them straight into the caller's array: no allocation per poll).
+    pub fn poll_each(&mut self, max: usize, mut each: impl FnMut(Completion)) -> usize {
         if self.ready.len() < max {
             self.drain_cq();
         }
@@ -809,7 +817,9 @@ impl SanConnection for VerbsConnection {
             self.empty_polls = 0;
         }
         let take = max.min(self.ready.len());
-        out.extend(self.ready.drain(..take));
+        for completion in self.ready.drain(..take) {
+            each(completion);
+        }
         take
     }
 }

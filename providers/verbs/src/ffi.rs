@@ -627,13 +627,16 @@ unsafe extern "C" fn connection_poll(
         if out.is_null() || max == 0 {
             return 0;
         }
-        let mut completions = Vec::with_capacity(max.min(64));
-        let got = conn.poll_completions(&mut completions, max.min(64));
-        for (index, completion) in completions.iter().enumerate().take(got) {
-            // SAFETY: caller contract: `out` has room for `max` entries; index < max.
-            unsafe { out.add(index).write(convert::completion_to_abi(completion)) };
-        }
-        got
+        let mut index = 0;
+        conn.poll_each(max, |completion| {
+            // SAFETY: caller contract: `out` has room for `max` entries, and `poll_each`
+            // hands over at most `max`, so index < max.
+            unsafe {
+                out.add(index)
+                    .write(convert::completion_to_abi(&completion))
+            };
+            index += 1;
+        })
     }));
     polled.unwrap_or(0)
 }

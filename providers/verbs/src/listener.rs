@@ -111,24 +111,30 @@ impl IncomingRequest {
     ///
     /// # Errors
     /// `WrongDevice` when the request arrived on another device than the domain's (the
-    /// request is then rejected); `InvalidArgument`; `TimedOut`/`ConnectFailed` when the
-    /// peer did not complete the handshake.
+    /// request is then rejected); `Declined` when the connection could not be set up here
+    /// (its channel, QP or slot pools: e.g. memory `RLIMIT_MEMLOCK` does not let us pin),
+    /// before any reply went out, so the peer sees a rejection; `TimedOut`/`ConnectFailed`
+    /// or another error once our reply may be out.
     pub fn accept(
         mut self,
         domain: &VerbsDomain,
         params: &ConnectParams<'_>,
     ) -> Result<VerbsConnection, SetupError> {
         let frame = cm::encode_blob(params.private_data)?;
+        let deadline = cm::deadline_after(params.timeout);
+        // Give the connection its own channel so its events (established, disconnected)
+        // never mix with the listener's. Until `rdma_accept` no reply has gone out: a
+        // failure here rejects the request (dropping an id with an unanswered request
+        // rejects it) and says so, so that the peer's TCP connection can stay as it is.
         let Some(mut id) = self.id.take() else {
             return Err(SetupError::Internal);
         };
-        let deadline = cm::deadline_after(params.timeout);
-        // Give the connection its own channel so its events (established, disconnected)
-        // never mix with the listener's.
-        let channel = EventChannel::new()?;
-        id.migrate(&channel)?;
+        let declined = |_| SetupError::Declined;
+        let channel = EventChannel::new().map_err(declined)?;
+        id.migrate(&channel).map_err(declined)?;
         id.set_ack_timeout();
-        let mut connection = VerbsConnection::build(domain, id, channel, params)?;
+        let mut connection =
+            VerbsConnection::build(domain, id, channel, params).map_err(declined)?;
         let device = &domain.shared.pd.device;
         // Never promise more read depth than the peer can use, nor than we have.
         let responder = device

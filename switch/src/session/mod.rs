@@ -826,7 +826,8 @@ impl Session {
         self.peer.is_some() && self.send_credits.allows(MessageClass::Last)
     }
 
-    fn send_space(&self) -> usize {
+    /// Bytes [`Session::send`] accepts now (0 during our rendezvous).
+    pub fn send_space(&self) -> usize {
         if self.tx_rndv.is_some() {
             return 0;
         }

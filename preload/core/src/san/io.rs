@@ -344,7 +344,17 @@ pub fn service_all() {
 /// Drops the SAN object of a pending client whose server turned out plain (a byte arrived on
 /// TCP while the segment was not attached): from now on the socket is plain TCP.
 fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
-    tracing::debug!(index, "pending SAN client: plain server, staying on TCP");
+    // (We declined the acceptor's connect ourselves: the peer is capable, and is not to be
+    // remembered as plain.)
+    let declined = matches!(slot, Some(SanObject::Socket(socket)) if socket.declined_locally());
+    if declined {
+        tracing::debug!(
+            index,
+            "pending SAN client: no resources for the SAN, staying on TCP"
+        );
+    } else {
+        tracing::debug!(index, "pending SAN client: plain server, staying on TCP");
+    }
     if let Some(SanObject::Socket(socket)) = slot.take() {
         drop(socket);
         LIVE.fetch_sub(1, Ordering::Relaxed);
@@ -353,16 +363,21 @@ fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     if let Some(record) = registry().get(index) {
         record.set_flag(flags::SAN, false);
         record.path.store(DataPath::Tcp as u32, Ordering::Release);
-        record
-            .bypass
-            .store(Bypass::PeerNotCapable as u32, Ordering::Release);
-        if let (_, Some(peer)) = record.addresses() {
+        let reason = if declined {
+            Bypass::SanResources
+        } else {
+            Bypass::PeerNotCapable
+        };
+        record.bypass.store(reason as u32, Ordering::Release);
+        if let (false, (_, Some(peer))) = (declined, record.addresses()) {
             if let Some(provider) = super::provider() {
                 provider.negative.mark_plain(canonical_addr(peer));
             }
         }
     }
-    COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
+    if !declined {
+        COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// The switch failed after the acceptor committed to the SAN: the connection cannot go on.
@@ -505,8 +520,10 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
             }
             socket.prepare_wait(libc::POLLOUT)
         } else {
-            socket.service();
             let piece = next_piece(bufs, done);
+            if !socket.queues_without_drive(piece.len()) {
+                socket.service();
+            }
             if total == 0 {
                 return Some(0);
             }

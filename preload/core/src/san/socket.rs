@@ -1134,6 +1134,23 @@ impl SanSocket {
         }
     }
 
+    /// Whether a send of `len` bytes may be queued without driving the session first: it is
+    /// established, takes the whole of it inline, and the provider signals no input (shm:
+    /// nothing in our ring; verbs: its completions are the service thread's while the
+    /// application is not in a call, and the drive after the send polls them anyway). The
+    /// drive before the send cost a whole drive (a completion poll included) per message.
+    pub(crate) fn queues_without_drive(&self, len: usize) -> bool {
+        self.phase == Phase::Switched
+            && self.early.is_empty()
+            && !self.downgrade_wanted
+            && !self.write_shut
+            && !self.conn.as_ref().is_some_and(Link::has_input)
+            && !self.wants_rendezvous(len)
+            && self.session.as_ref().is_some_and(|session| {
+                session.state() == SessionState::Established && session.send_space() >= len
+            })
+    }
+
     /// Queues stream bytes for sending: a short count when the send buffer fills.
     pub(crate) fn send(&mut self, data: &[u8], urgent: bool) -> Result<usize, c_int> {
         if self.write_shut {
@@ -1917,6 +1934,12 @@ impl SanSocket {
     }
 
     /// The verbs link (to register with the service thread, to wait on directly).
+    /// Verbs, pending client: we declined the acceptor's connect for want of resources
+    /// (see `VerbsLink::declined`).
+    pub(crate) fn declined_locally(&self) -> bool {
+        matches!(&self.conn, Some(Link::Verbs(link)) if link.declined())
+    }
+
     pub(crate) fn verbs_link_mut(&mut self) -> Option<&mut super::verbs::VerbsLink> {
         self.conn.as_mut().and_then(Link::verbs_mut)
     }

@@ -254,6 +254,10 @@ enum AttachState {
     Attached(LoadedConnection),
     /// Accepting failed after our reply may have gone out: the connection must be reset.
     Failed,
+    /// We refused the request before replying (no resources to set the connection up,
+    /// e.g. memory `RLIMIT_MEMLOCK` does not let us pin): the acceptor saw a rejection and
+    /// keeps the connection on TCP, and so do we.
+    Declined,
     /// The switch took the connection, or the socket went away.
     Done,
 }
@@ -305,6 +309,10 @@ impl Attach {
             *state = match accepted {
                 Ok(conn) if matches!(*state, AttachState::Attaching) => AttachState::Attached(conn),
                 Ok(_) => AttachState::Done,
+                Err(error @ (SetupError::Declined | SetupError::WrongDevice)) => {
+                    tracing::debug!(?error, "declined the acceptor's CM connect: staying on TCP");
+                    AttachState::Declined
+                }
                 Err(error) => {
                     tracing::debug!(?error, "accepting the acceptor's CM connect failed");
                     AttachState::Failed
@@ -489,9 +497,17 @@ impl VerbsLink {
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .0;
                 }
-                AttachState::Listening | AttachState::Done => return false,
+                AttachState::Listening | AttachState::Declined | AttachState::Done => return false,
             }
         }
+    }
+
+    /// Client, pending: we declined the acceptor's CM connect before replying (it keeps the
+    /// connection on TCP): this side lacked the resources, the peer is capable.
+    pub(crate) fn declined(&self) -> bool {
+        self.attach
+            .as_ref()
+            .is_some_and(|attach| matches!(*guard(&attach.state), AttachState::Declined))
     }
 
     /// Client, switching: takes the established connection. `Err`: the attach failed after

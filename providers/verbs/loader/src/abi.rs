@@ -51,6 +51,11 @@ pub mod status {
     pub const WOULD_BLOCK: i32 = 9;
     /// The memory-change monitor is not running (no userfaultfd in this process).
     pub const NO_MONITOR: i32 = 10;
+    /// A connect request was refused before any reply went out: this side could not set
+    /// the connection up (memory it may not pin, queue pairs). The peer sees a rejection.
+    /// (A loader that predates this code reads it as `INTERNAL`: a failure after the reply,
+    /// the cautious reading.)
+    pub const DECLINED: i32 = 11;
 
     /// [`san_api::RegisterError::OutOfResources`].
     pub const REGISTER_OUT_OF_RESOURCES: i32 = 20;

@@ -65,6 +65,9 @@ pub enum SetupError {
     Os(i32),
     /// A bug in the provider (a caught panic, a broken invariant).
     Internal,
+    /// Accepting: this side could not set the connection up (memory it may not pin, queue
+    /// pairs) and refused the request before any reply went out; the peer sees a rejection.
+    Declined,
 }
 
 impl SetupError {
@@ -80,6 +83,7 @@ impl SetupError {
             SetupError::ConnectFailed => status::CONNECT_FAILED,
             SetupError::Os(errno) => -errno.saturating_abs().max(1),
             SetupError::Internal => status::INTERNAL,
+            SetupError::Declined => status::DECLINED,
         }
     }
 
@@ -97,6 +101,7 @@ impl SetupError {
             status::UNREACHABLE => SetupError::Unreachable,
             status::WRONG_DEVICE => SetupError::WrongDevice,
             status::CONNECT_FAILED => SetupError::ConnectFailed,
+            status::DECLINED => SetupError::Declined,
             negative if negative < 0 => SetupError::Os(negative.saturating_neg()),
             _ => SetupError::Internal,
         })
@@ -115,6 +120,9 @@ impl fmt::Display for SetupError {
                 f.write_str("connection resolved to another device than the domain's")
             }
             SetupError::ConnectFailed => f.write_str("connection establishment failed"),
+            SetupError::Declined => {
+                f.write_str("connect request declined: no resources to set the connection up")
+            }
             SetupError::Os(errno) => write!(
                 f,
                 "verbs call failed: {}",
@@ -143,6 +151,7 @@ impl From<SetupError> for san_api::SetupError {
             SetupError::TimedOut => san_api::SetupError::TimedOut,
             SetupError::Rejected => san_api::SetupError::Rejected,
             SetupError::Unreachable => san_api::SetupError::Unreachable,
+            SetupError::Declined => san_api::SetupError::NoResources,
             SetupError::Os(errno) => match errno {
                 libc::ECONNREFUSED => san_api::SetupError::Refused,
                 libc::ECONNRESET => san_api::SetupError::Reset,
@@ -177,6 +186,7 @@ mod tests {
             SetupError::ConnectFailed,
             SetupError::Os(libc::ENOMEM),
             SetupError::Internal,
+            SetupError::Declined,
         ] {
             assert_eq!(SetupError::check(error.to_status()), Err(error));
         }
