@@ -22,7 +22,10 @@
 # connections-memlock: the client, limited as above, opens 4 connections one after another
 #   (each set up while the earlier ones stay open, each pinning 1 MiB of slots) and then
 #   echoes 1 MiB on all of them at once: the connections the limit leaves no memory for stay
-#   on TCP (reason `san-resources`), the first ones use the SAN, and every echo is intact.
+#   on TCP (the client declines the acceptor's connect: reason `san-resources`), the first
+#   ones use the SAN, and every echo is intact.
+# acceptor-connections-memlock: the same with the limit on the server: the acceptor cannot
+#   set its side up before connecting, the connection stays on TCP (`san-resources` there).
 # receiver-memlock: the limit on the server instead (receive buffer 8 MiB): the client's 1.5 MiB
 #   sends are not refused (so the refusals above come from the limit), the receiver turns the
 #   rendezvous down and the bytes come inline, none lost.
@@ -139,18 +142,21 @@ enobufs_case() {
   report "$name" "$ok" "$(field enobufs "$cout") sends refused with ENOBUFS, $(field rendezvous_sends "$cout") by rendezvous, $(field inline_large_sends "$cout") inline; $(field bytes "$sout") bytes received and checked"
 }
 
-# connections_case NAME CONNECTIONS: see connections-memlock above.
+# connections_case NAME CONNECTIONS SIDE: see connections-memlock above; SIDE (client or
+# server) runs under the limit.
 connections_case() {
-  local name=$1 conns=$2 bytes=$((1 << 20)) ok=1 port srv start
+  local name=$1 conns=$2 side=$3 bytes=$((1 << 20)) ok=1 port srv start
+  local server_limit=() client_limit=()
+  if [[ $side == client ]]; then client_limit=("${limited[@]}"); else server_limit=("${limited[@]}"); fi
   start=$(date +%s.%N)
-  timeout 150 "${pre[@]}" "$X" multi-server "$S" "$conns" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  timeout 150 "${server_limit[@]}" "${pre[@]}" "$X" multi-server "$S" "$conns" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   srv=$!
   for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
   port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
   if [[ -z $port ]]; then
     crc=1; src=1; cout="(server did not start)"; sout=""; kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
   else
-    timeout 150 "${limited[@]}" "${pre[@]}" "$X" multi-client "$S:$port" "$C" "$conns" "$bytes" \
+    timeout 150 "${client_limit[@]}" "${pre[@]}" "$X" multi-client "$S:$port" "$C" "$conns" "$bytes" \
       >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
     crc=$?
     wait "$srv"; src=$?
@@ -171,11 +177,11 @@ connections_case() {
   [[ $(grep -c "^client ok bytes=$bytes " "$LOGS/$name.client.out") == "$conns" &&
      $(grep -c "^server ok bytes=$bytes " "$LOGS/$name.server.out") == "$conns" &&
      $(wc -l <<<"$sums") == 1 ]] || ok=0
-  # The client's TCP connections say why.
+  # The limited side's TCP connections say why: its own want of resources.
   local reasons
-  reasons=$(grep "^client ok .* path=tcp " "$LOGS/$name.client.out" | sed 's/.*reason=//' | sort | uniq -c | tr -s ' ' | tr '\n' ',')
-  [[ -n $reasons ]] || ok=0
-  report "$name" "$ok" "$conns connections under a 2 MiB memlock limit: $csan on the SAN, $ctcp on TCP (reasons:$reasons), every 1 MiB echo intact"
+  reasons=$(grep "^$side ok .* path=tcp " "$LOGS/$name.$side.out" | sed 's/.*reason=//' | sort | uniq -c | tr -s ' ' | tr '\n' ',')
+  [[ $reasons == " $ctcp san-resources," ]] || ok=0
+  report "$name" "$ok" "$conns connections, the $side under a 2 MiB memlock limit: $csan on the SAN, $ctcp on TCP (the $side's reasons:$reasons), every 1 MiB echo intact"
 }
 
 # READ mode (the default over rxe and siw): the receiver reads the sender's buffer through an
@@ -186,6 +192,7 @@ selected memory-changes-read && memory_case memory-changes-read $(( ROUNDS < 2 ?
 selected memory-changes-write && memory_case memory-changes-write "$ROUNDS" SANDIRECT_SAN_RDMA_READ=0
 selected enobufs-memlock && enobufs_case enobufs-memlock client
 selected receiver-memlock && enobufs_case receiver-memlock server
-selected connections-memlock && connections_case connections-memlock 4
+selected connections-memlock && connections_case connections-memlock 4 client
+selected acceptor-connections-memlock && connections_case acceptor-connections-memlock 4 server
 echo "san-verbs-memory: $pass passed, $fail failed"
 [[ $fail == 0 ]]

@@ -56,10 +56,22 @@ pub fn outcome(rc: isize) -> String {
 /// failed exit or a hang is a test failure that shows everything the child printed (a hang
 /// kills it first).
 pub fn finish_child(
-    mut child: std::process::Child,
+    child: std::process::Child,
     what: &str,
     timeout: std::time::Duration,
 ) -> String {
+    wait_child(child, what, timeout).unwrap_or_else(|failure| panic!("{failure}"))
+}
+
+/// [`finish_child`] without the panic: the child's stdout, or what a failure message shows
+/// (everything it printed; for a hang, what it and its peers were doing). For tests that
+/// must see both ends of a pair before they fail: the side that gives up first is often not
+/// the one that went wrong.
+pub fn wait_child(
+    mut child: std::process::Child,
+    what: &str,
+    timeout: std::time::Duration,
+) -> Result<String, String> {
     use std::io::Read;
     let deadline = std::time::Instant::now() + timeout;
     loop {
@@ -72,13 +84,18 @@ pub fn finish_child(
             if let Some(mut stderr) = child.stderr.take() {
                 stderr.read_to_string(&mut err).expect("read stderr");
             }
-            assert!(status.success(), "{what} failed ({status}):\n{out}\n{err}");
-            return out;
+            if !status.success() {
+                return Err(format!("{what} failed ({status}):\n{out}\n{err}"));
+            }
+            return Ok(out);
         }
         if std::time::Instant::now() > deadline {
             let report = hang::report_for(child.id());
             let _ = child.kill();
-            panic!("{what} hung; what it and its peers were doing:\n{report}");
+            let _ = child.wait();
+            return Err(format!(
+                "{what} hung; what it and its peers were doing:\n{report}"
+            ));
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }

@@ -102,10 +102,32 @@ fn two_processes(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let client_report = finish(client, "client");
+    // Both ends' outcomes before any verdict: the side that gives up first (a client timing
+    // out on its reads) is often not the one that went wrong.
+    let client_result = integration::wait_child(client, "client", Duration::from_secs(60));
     server.stdout = Some(reader.into_inner());
-    let server_report = finish(server, "server");
-    (server_report, client_report)
+    let server_wait = Duration::from_secs(if client_result.is_ok() { 60 } else { 10 });
+    let server_result = integration::wait_child(server, "server", server_wait);
+    match (server_result, client_result) {
+        (Ok(server_report), Ok(client_report)) => (server_report, client_report),
+        (server, client) => {
+            let how = match (server_preloaded, client_preloaded) {
+                (false, false) => "natively",
+                (true, true) => "both preloaded",
+                (true, false) => "server preloaded",
+                (false, true) => "client preloaded",
+            };
+            let shown = |result: Result<String, String>| match result {
+                Ok(out) => format!("ok:\n{out}"),
+                Err(failure) => failure,
+            };
+            panic!(
+                "`{protocol}` {how}:\n--- server: {}\n--- client: {}",
+                shown(server),
+                shown(client)
+            );
+        }
+    }
 }
 
 fn expect(report: &str, side: &str, bytes: usize, path: &str) {

@@ -218,8 +218,21 @@ fn client_timeouts(mut stream: TcpStream, port: u16, bytes: usize) -> std::io::R
     let mut go = [0u8; 2];
     times_out("client read", READ_TIMEOUT, || stream.read(&mut go))?;
     if let Err(e) = read_exact_retrying(&mut stream, &mut go) {
-        // Where the connection stood (pending on TCP, or switched) says which wait missed it.
+        // Where the connection stood (pending on TCP, or switched), and where the server
+        // stands (its threads, both sides' published counters), say which side lost it.
         let path = published_path(local_port, port);
+        let stat_dir = preload_core::stats::default_dir();
+        let others: Vec<u32> = stat_dir
+            .as_deref()
+            .map(integration::hang::publishing_pids)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&pid| pid != std::process::id())
+            .collect();
+        eprintln!(
+            "{}",
+            integration::hang::report(&others, stat_dir.as_deref())
+        );
         return Err(std::io::Error::new(
             e.kind(),
             format!("client go (path {path}): {e}"),

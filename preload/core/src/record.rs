@@ -67,8 +67,9 @@ pub enum Bypass {
     KernelOnlyCall = 8,
     /// Was on the SAN, moved back to kernel TCP live (before fork or exec).
     Downgraded = 9,
-    /// The peer is capable, but this side could not set the SAN connection up (memory
-    /// `RLIMIT_MEMLOCK` does not let it pin, queue pairs): it declined before replying.
+    /// This side could not set the SAN connection up (memory `RLIMIT_MEMLOCK` does not let
+    /// it pin, queue pairs, descriptors); the peer may well be capable (a client that
+    /// declines the acceptor's connect for this reason knows it is).
     SanResources = 10,
 }
 

@@ -587,7 +587,7 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
             COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
             record
                 .bypass
-                .store(Bypass::NoProvider as u32, Ordering::Release);
+                .store(Bypass::SanResources as u32, Ordering::Release);
         }
     }
 }

@@ -206,6 +206,23 @@ fn mark_negative(peer: IpAddr, host_level: bool) {
     cache.push((peer, failures, Instant::now() + NEGATIVE_TTL));
 }
 
+/// A set-up failure that is this side's want of resources (memory it may not pin,
+/// descriptors, queue pairs), not the peer's doing.
+fn local_shortage(error: SetupError) -> bool {
+    matches!(
+        error,
+        SetupError::Declined
+            | SetupError::Os(
+                libc::ENOMEM
+                    | libc::ENOBUFS
+                    | libc::EAGAIN
+                    | libc::ENOSPC
+                    | libc::EMFILE
+                    | libc::ENFILE
+            )
+    )
+}
+
 /// A connect to `peer` succeeded: its failures are forgotten.
 fn clear_negative(peer: IpAddr) {
     if let Some(verbs) = verbs() {
@@ -710,13 +727,17 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
         }
         Err(error) => {
             tracing::debug!(%peer, ?error, took = ?started.elapsed(), "CM connect to the client failed");
-            mark_negative(
-                peer.ip(),
-                matches!(
-                    error,
-                    SetupError::Unreachable | SetupError::NoDevice | SetupError::WrongDevice
-                ),
-            );
+            // Our own want of resources (the QP and slots are set up before the request goes
+            // out) says nothing about the peer.
+            if !local_shortage(error) {
+                mark_negative(
+                    peer.ip(),
+                    matches!(
+                        error,
+                        SetupError::Unreachable | SetupError::NoDevice | SetupError::WrongDevice
+                    ),
+                );
+            }
             Err(match error {
                 SetupError::Rejected
                 | SetupError::Unreachable
