@@ -45,27 +45,36 @@ pass=0; fail=0
 # SANDIRECT_SAN_VERBS_CASES="name …" runs only the cases named (default: all of them).
 selected() { [[ -z ${SANDIRECT_SAN_VERBS_CASES:-} || " $SANDIRECT_SAN_VERBS_CASES " == *" $1 "* ]]; }
 
-# pair NAME BUFFER CLIENT_ARGS…: runs a preloaded server and client; sets sout/cout (their
-# last lines), crc/src (exit statuses), took. Both get the variables in mode_env (VAR=VALUE
-# words) after the preload's; server_prefix/client_prefix run them (setpriv, prlimit).
-mode_env=(); server_prefix=(); client_prefix=()
-pair() {
-  local name=$1 buffer=$2; shift 2
-  local start port srv
+# run_pair NAME: runs server_cmd preloaded until it announces its port, then client_cmd
+# (each @PORT@ in it replaced by that port); sets sout/cout (their last lines), crc/src (exit
+# statuses), took. Both get the variables in mode_env (VAR=VALUE words) after the preload's;
+# server_prefix/client_prefix run them (setpriv, prlimit).
+mode_env=(); server_prefix=(); client_prefix=(); server_cmd=(); client_cmd=()
+run_pair() {
+  local name=$1 start port srv
   start=$(date +%s.%N)
-  timeout 150 "${server_prefix[@]}" "${pre[@]}" "${mode_env[@]}" "$M" server "$S" "$buffer" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  timeout 150 "${server_prefix[@]}" "${pre[@]}" "${mode_env[@]}" "${server_cmd[@]}" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   srv=$!
   for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
   port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
   if [[ -z $port ]]; then
     crc=1; src=1; cout="(server did not start)"; sout=""; kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
   else
-    timeout 150 "${client_prefix[@]}" "${pre[@]}" "${mode_env[@]}" "$M" "$1" "$S:$port" "$C" "${@:2}" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
+    timeout 150 "${client_prefix[@]}" "${pre[@]}" "${mode_env[@]}" "${client_cmd[@]//@PORT@/$port}" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
     crc=$?
     wait "$srv"; src=$?
     cout=$(tail -n 1 "$LOGS/$name.client.out"); sout=$(tail -n 1 "$LOGS/$name.server.out")
   fi
   took=$(echo "$(date +%s.%N) - $start" | bc)
+}
+
+# pair NAME BUFFER CLIENT_MODE CLIENT_ARGS…: a san_memory server (receive buffer BUFFER) and
+# client, as run_pair runs them.
+pair() {
+  local name=$1 buffer=$2 mode=$3; shift 3
+  server_cmd=("$M" server "$S" "$buffer")
+  client_cmd=("$M" "$mode" "$S:@PORT@" "$C" "$@")
+  run_pair "$name"
 }
 
 field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$2"; }
@@ -145,24 +154,12 @@ enobufs_case() {
 # connections_case NAME CONNECTIONS SIDE: see connections-memlock above; SIDE (client or
 # server) runs under the limit.
 connections_case() {
-  local name=$1 conns=$2 side=$3 bytes=$((1 << 20)) ok=1 port srv start
-  local server_limit=() client_limit=()
-  if [[ $side == client ]]; then client_limit=("${limited[@]}"); else server_limit=("${limited[@]}"); fi
-  start=$(date +%s.%N)
-  timeout 150 "${server_limit[@]}" "${pre[@]}" "$X" multi-server "$S" "$conns" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
-  srv=$!
-  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
-  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
-  if [[ -z $port ]]; then
-    crc=1; src=1; cout="(server did not start)"; sout=""; kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
-  else
-    timeout 150 "${client_limit[@]}" "${pre[@]}" "$X" multi-client "$S:$port" "$C" "$conns" "$bytes" \
-      >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
-    crc=$?
-    wait "$srv"; src=$?
-    cout=$(tail -n 1 "$LOGS/$name.client.out"); sout=$(tail -n 1 "$LOGS/$name.server.out")
-  fi
-  took=$(echo "$(date +%s.%N) - $start" | bc)
+  local name=$1 conns=$2 side=$3 bytes=$((1 << 20)) ok=1
+  if [[ $side == client ]]; then client_prefix=("${limited[@]}"); else server_prefix=("${limited[@]}"); fi
+  server_cmd=("$X" multi-server "$S" "$conns")
+  client_cmd=("$X" multi-client "$S:@PORT@" "$C" "$conns" "$bytes")
+  run_pair "$name"
+  client_prefix=(); server_prefix=()
   [[ $crc == 0 && $src == 0 ]] || ok=0
   [[ $cout == "client all ok conns=$conns "* && $sout == "server all ok conns=$conns "* ]] || ok=0
   local csan ctcp
