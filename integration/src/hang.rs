@@ -7,16 +7,21 @@ use std::path::Path;
 use std::process::Command;
 
 /// The longest report (CI shows a part of a failing test's output).
-const REPORT_LIMIT: usize = 24 << 10;
+const REPORT_LIMIT: usize = 48 << 10;
 /// Frames shown per thread: where it waits, and the program's call that got it there.
 const FRAMES: usize = 14;
 
-/// For each of `pids`: every thread's name, scheduler state and kernel wait channel and,
-/// where `gdb` is installed and may attach, its innermost stack frames; then the SAN
-/// connections the preloaded processes published in `stat_dir` (when given). Call before
-/// killing them.
+/// The SAN connections the preloaded processes published in `stat_dir` (when given); then
+/// for each of `pids`: every thread's name, scheduler state and kernel wait channel and,
+/// where `gdb` is installed and may attach, its innermost stack frames. Call before killing
+/// them.
 pub fn report(pids: &[u32], stat_dir: Option<&Path>) -> String {
     let mut text = String::new();
+    // The published sockets first: one line per connection of every process says where a
+    // stuck connection's bytes are, and a cut report must not lose them to stack frames.
+    if let Some(dir) = stat_dir {
+        text.push_str(&published(dir));
+    }
     for &pid in pids {
         let _ = writeln!(text, "== pid {pid}: {}", command_line(pid));
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
@@ -42,9 +47,6 @@ pub fn report(pids: &[u32], stat_dir: Option<&Path>) -> String {
             );
         }
         text.push_str(&stacks(pid));
-    }
-    if let Some(dir) = stat_dir {
-        text.push_str(&published(dir));
     }
     if text.len() > REPORT_LIMIT {
         let mut cut = REPORT_LIMIT;
@@ -148,9 +150,32 @@ fn frame_summary(frame: &str) -> String {
     }
 }
 
+/// The record flags a hang report shows (where a stuck connection's bytes are), by name.
+fn flag_names(flags: u32) -> String {
+    use preload_core::record::flags;
+    let names = [
+        (flags::SAN_HANDSHAKING, "handshaking"),
+        (flags::SAN_HOLDING, "holding-sent-bytes"),
+        (flags::NONBLOCK, "nonblock"),
+        (flags::SHUT_WR, "shut-wr"),
+        (flags::SHUT_RD, "shut-rd"),
+    ];
+    let shown: Vec<&str> = names
+        .iter()
+        .filter(|(bit, _)| flags & bit != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    if shown.is_empty() {
+        "-".to_owned()
+    } else {
+        shown.join(",")
+    }
+}
+
 fn published(stat_dir: &Path) -> String {
-    let mut text =
-        String::from("== published sockets (pid fd state path bypass local->peer counters)\n");
+    let mut text = String::from(
+        "== published sockets (pid fd state path bypass local->peer counters flags)\n",
+    );
     for pid in publishing_pids(stat_dir) {
         let path = stat_dir.join(pid.to_string());
         match preload_core::stats::read_file(&path) {
@@ -158,8 +183,15 @@ fn published(stat_dir: &Path) -> String {
                 for c in connections {
                     let _ = writeln!(
                         text,
-                        "   {pid} {} {:?} {:?} {:?} {:?}->{:?} {:?}",
-                        c.fd, c.state, c.path, c.bypass, c.local, c.peer, c.counters
+                        "   {pid} {} {:?} {:?} {:?} {:?}->{:?} {:?} {}",
+                        c.fd,
+                        c.state,
+                        c.path,
+                        c.bypass,
+                        c.local,
+                        c.peer,
+                        c.counters,
+                        flag_names(c.flags)
                     );
                 }
             }

@@ -172,6 +172,15 @@ pub mod flags {
     pub const RCVTIMEO: u32 = 1 << 10;
     /// As [`RCVTIMEO`], for `SO_SNDTIMEO` and blocking SAN sends.
     pub const SNDTIMEO: u32 = 1 << 11;
+    /// Published for diagnosis (hang reports, `sandirect stat`), as of the socket's last
+    /// drive: its SAN session has not completed the handshake.
+    pub const SAN_HANDSHAKING: u32 = 1 << 12;
+    /// As [`SAN_HANDSHAKING`]: stream bytes the application sent wait in the socket (before
+    /// the handshake, or in the session's send queue for credits or send slots).
+    pub const SAN_HOLDING: u32 = 1 << 13;
+    /// As [`SAN_HANDSHAKING`]: messages the session posted wait in the provider (shm: the
+    /// peer had no receive posted or its ring was full); they move at the next poll.
+    pub const SAN_PROVIDER_QUEUED: u32 = 1 << 14;
 }
 
 /// Index into [`SocketRecord::counters`].

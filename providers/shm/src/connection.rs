@@ -962,7 +962,12 @@ impl ShmConnection {
         self.go_down(CompletionError::Flushed);
     }
 
-    /// Shared state that calls for a poll: an undelivered ring entry, a fresh attach, a close.
+    /// Messages or RDMA steps posted but not yet moved (the peer had no receive posted, or
+    /// its ring was full): they move at a later `poll_completions`.
+    pub fn has_queued_sends(&self) -> bool {
+        !self.outbound.is_empty()
+    }
+
     /// Whether something the peer published is waiting for our next drive: a message in our
     /// inbound ring (data, credits) or a finished copy. No state changes (unlike
     /// [`ShmConnection::prepare_to_block`]): a sender about to report "no room" re-checks this
@@ -972,6 +977,7 @@ impl ShmConnection {
             || self.my_control().inbound_head.0[RING].load(Ordering::Acquire) != self.my_ring_tail
     }
 
+    /// Shared state that calls for a poll: an undelivered ring entry, a fresh attach, a close.
     fn has_news(&self) -> bool {
         self.my_control().inbound_head.0[RING].load(Ordering::Acquire) != self.my_ring_tail
             || (self.peer.is_none() && self.segment.is_attached())

@@ -67,6 +67,15 @@ impl Link {
         }
     }
 
+    /// Shm: messages posted that the provider has not moved yet (they move at its next
+    /// poll). Verbs: false (the device moves what was posted).
+    pub(crate) fn has_queued_sends(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.has_queued_sends(),
+            Link::Verbs(_) => false,
+        }
+    }
+
     /// Shm: check the peer's liveness at the next drive (the kernel reported hang-up on a
     /// descriptor the peer held). Verbs: the CM disconnect or a QP error reports a dead peer.
     pub(crate) fn check_liveness_soon(&mut self) {

@@ -747,6 +747,29 @@ impl SanSocket {
         }
         self.mirror_fin();
         self.raise_own_mirror();
+        self.publish_progress();
+    }
+
+    /// Publishes whether the handshake is done and whether sent bytes wait here (record
+    /// flags, for hang reports: which end of a stuck connection holds the bytes). One
+    /// atomic load per drive; a store only on a change.
+    fn publish_progress(&self) {
+        use crate::record::flags::{SAN_HANDSHAKING, SAN_HOLDING, SAN_PROVIDER_QUEUED};
+        let handshaking = self
+            .session
+            .as_ref()
+            .is_some_and(|s| s.state() == SessionState::Handshaking);
+        let queued = self.conn.as_ref().is_some_and(Link::has_queued_sends);
+        let bit = |on: bool, flag: u32| if on { flag } else { 0 };
+        let wanted = bit(handshaking, SAN_HANDSHAKING)
+            | bit(self.has_untransmitted(), SAN_HOLDING)
+            | bit(queued, SAN_PROVIDER_QUEUED);
+        let all = SAN_HANDSHAKING | SAN_HOLDING | SAN_PROVIDER_QUEUED;
+        if self.record.flags() & all != wanted {
+            for flag in [SAN_HANDSHAKING, SAN_HOLDING, SAN_PROVIDER_QUEUED] {
+                self.record.set_flag(flag, wanted & flag != 0);
+            }
+        }
     }
 
     /// Stream bytes we hold that have not left yet (no credits, or still handshaking).
