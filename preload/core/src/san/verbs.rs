@@ -209,18 +209,10 @@ fn mark_negative(peer: IpAddr, host_level: bool) {
 /// A set-up failure that is this side's want of resources (memory it may not pin,
 /// descriptors, queue pairs), not the peer's doing.
 fn local_shortage(error: SetupError) -> bool {
-    matches!(
-        error,
-        SetupError::Declined
-            | SetupError::Os(
-                libc::ENOMEM
-                    | libc::ENOBUFS
-                    | libc::EAGAIN
-                    | libc::ENOSPC
-                    | libc::EMFILE
-                    | libc::ENFILE
-            )
-    )
+    // The provider's own classification of set-up errors; a missing device is the peer's
+    // address not being served, not a shortage.
+    error != SetupError::NoDevice
+        && san_api::SetupError::from(error) == san_api::SetupError::NoResources
 }
 
 /// A connect to `peer` succeeded: its failures are forgotten.

@@ -157,9 +157,12 @@ impl From<SetupError> for san_api::SetupError {
                 libc::ECONNRESET => san_api::SetupError::Reset,
                 libc::EHOSTUNREACH | libc::ENETUNREACH => san_api::SetupError::Unreachable,
                 libc::ETIMEDOUT => san_api::SetupError::TimedOut,
-                libc::ENOMEM | libc::ENOBUFS | libc::EAGAIN | libc::ENOSPC | libc::EMFILE => {
-                    san_api::SetupError::NoResources
-                }
+                libc::ENOMEM
+                | libc::ENOBUFS
+                | libc::EAGAIN
+                | libc::ENOSPC
+                | libc::EMFILE
+                | libc::ENFILE => san_api::SetupError::NoResources,
                 _ => san_api::SetupError::Other,
             },
             SetupError::InvalidArgument
