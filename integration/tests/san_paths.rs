@@ -506,6 +506,77 @@ fn an_edge_triggered_server_sees_its_killed_client_go() {
     }
 }
 
+/// Timed waits with a SAN connection alive sleep through their timeout: a server with an
+/// idle connection makes 150 epoll waits and 150 polls of 5 ms each (an event loop's timer
+/// ticks). The hooks wait in slices; a slice whose remaining time was under a millisecond used
+/// to be a 0 ms wait, so every timed wait spun for up to a millisecond before its timeout
+/// (about a fifth of a CPU for a loop ticking every 5 ms).
+const TIMED_WAITS_PY: &str = r#"
+import select, socket, sys, time
+if sys.argv[1] == "server":
+    listener = listen_announced()
+    conn, _ = listener.accept()
+    assert conn.recv(5) == b"hello"
+    ep = select.epoll()
+    ep.register(conn.fileno(), select.EPOLLIN)
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    wall, cpu = time.monotonic(), time.process_time()
+    for _ in range(150):
+        assert ep.poll(0.005) == []
+        assert poller.poll(5) == []
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    conn.sendall(b"done")
+    print("waited", round(wall, 3), "cpu", round(cpu, 3), flush=True)
+else:
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    s.sendall(b"hello")
+    assert s.recv(4) == b"done"
+    print("client done", flush=True)
+"#;
+
+#[test]
+fn timed_waits_beside_a_san_connection_sleep_instead_of_spinning() {
+    let dirs = Dirs::new("timed-waits");
+    // The waits must run beside a connection that is on the SAN (on TCP the hooks step
+    // aside): the published records are sampled while the pair runs.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (report, client, on_san) = std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| {
+            // Bounded: the pair ends within its 60 s limit, the sampler with it.
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                let records = preload_core::stats::read_dir(&dirs.stat, false).unwrap_or_default();
+                if records
+                    .iter()
+                    .any(|r| r.path == preload_core::record::DataPath::SanShm)
+                {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            false
+        });
+        let (report, client) = python_pair(&dirs, "timed_waits.py", TIMED_WAITS_PY, &[], &[], true);
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        (report, client, sampler.join().expect("sampler"))
+    });
+    assert!(client.contains("client done"), "{client}");
+    assert!(on_san, "the connection never showed on the SAN: {report}");
+    let figure = |name: &str| -> f64 {
+        report
+            .split_whitespace()
+            .skip_while(|word| *word != name)
+            .nth(1)
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {report:?}"))
+    };
+    let (wall, cpu) = (figure("waited"), figure("cpu"));
+    // 300 waits of 5 ms: at least 1.5 s asleep. Spinning through each wait's last
+    // millisecond cost 0.2-0.3 s of CPU; sleeping costs the calls' own few milliseconds.
+    assert!(wall >= 1.5, "the waits ended early: {report}");
+    assert!(cpu < 0.1, "timed waits burnt CPU: {report}");
+}
+
 /// An edge-triggered nonblocking server (nginx's way) whose client leaves before it ever
 /// switched: it connects and then closes (wrk's connect-and-close probe) or dies, while its
 /// TCP end stays open a little longer (here: held by a forked child; in nginx's test: the

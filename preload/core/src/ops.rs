@@ -1476,11 +1476,7 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
     let deadline = (timeout >= 0)
         .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
     loop {
-        let slice = deadline.map_or(crate::runtime::wait_slice_ms(), |d| {
-            d.saturating_duration_since(std::time::Instant::now())
-                .as_millis()
-                .min(crate::runtime::wait_slice_ms() as u128) as c_int
-        });
+        let slice = crate::runtime::next_slice_ms(deadline);
         // SAFETY: forwarded; `fds` is the caller's array.
         let rc = unsafe { with_mirrors(fds, nfds, || real::poll(fds, nfds, slice)) };
         if rc != 0 || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
@@ -1528,17 +1524,18 @@ unsafe fn epoll_wait_with_san(
     }
     let deadline = (timeout_ms >= 0)
         .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms as u64));
+    // The safety net runs once per slice of waiting, also when the slices were cut short by
+    // events that were all dropped (a socket whose wake-up was lost must not wait behind a
+    // busy neighbour).
+    let slice = std::time::Duration::from_millis(crate::runtime::wait_slice_ms() as u64);
+    let mut serviced = std::time::Instant::now();
     loop {
         {
             let _errno = errno::Preserved::save();
             let _guard = ReentrancyGuard::enter();
             crate::san::assist_all_in_process();
         }
-        let left = deadline.map_or(crate::runtime::wait_slice_ms(), |d| {
-            d.saturating_duration_since(std::time::Instant::now())
-                .as_millis()
-                .min(crate::runtime::wait_slice_ms() as u128) as c_int
-        });
+        let left = crate::runtime::next_slice_ms(deadline);
         let n = call(left);
         if n < 0 || n > maxevents {
             return n;
@@ -1552,8 +1549,13 @@ unsafe fn epoll_wait_with_san(
             if kept > 0 {
                 return kept as c_int;
             }
+            if serviced.elapsed() >= slice {
+                crate::san::service_all();
+                serviced = std::time::Instant::now();
+            }
         } else {
             crate::san::service_all();
+            serviced = std::time::Instant::now();
         }
         if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
             return 0;

@@ -196,6 +196,19 @@ pub fn wait_slice_ms() -> c_int {
     WAIT_SLICE_MS.load(Ordering::Relaxed)
 }
 
+/// The next kernel wait of a sliced wait that ends at `deadline` (`None`: no end), in
+/// milliseconds: at most one slice, and rounded *up* as the kernel rounds a timeout, so the
+/// last sub-millisecond of a wait sleeps instead of returning at once (a 0 ms wait there made
+/// every timed `epoll_wait` spin for up to a millisecond before its timeout).
+pub fn next_slice_ms(deadline: Option<std::time::Instant>) -> c_int {
+    let slice = wait_slice_ms();
+    deadline.map_or(slice, |deadline| {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let ms = left.as_micros().div_ceil(1000);
+        ms.min(slice as u128) as c_int
+    })
+}
+
 /// Reads and parses a rules file; the message names file and line.
 pub fn load_config(path: &std::path::Path) -> Result<Config, String> {
     let text = std::fs::read_to_string(path)

@@ -318,9 +318,17 @@ fn in_process_peer(name: &crate::discovery::SegmentName, index: u32) -> Option<u
         .map(|&(_, i)| i)
 }
 
+/// How many entries of [`BY_NAME`] share their name with another (sockets whose peer is in
+/// this process). Kept exact under the `BY_NAME` lock so that waits in processes without
+/// in-process connections (every real application) skip the name list entirely.
+static PAIRED: AtomicUsize = AtomicUsize::new(0);
+
 /// Sockets whose peer is in this process (both ends listed by name), or `None` when there
-/// are none (the common case: one uncontended lock, no allocation).
+/// are none (the common case: one atomic load, no lock, no allocation).
 fn in_process_indices() -> Option<Vec<u32>> {
+    if PAIRED.load(Ordering::Acquire) == 0 {
+        return None;
+    }
     let names = by_name();
     let paired: Vec<u32> = names
         .iter()
@@ -330,9 +338,28 @@ fn in_process_indices() -> Option<Vec<u32>> {
     (!paired.is_empty()).then_some(paired)
 }
 
+/// How many entries become paired when one joins the entries named `name` (or
+/// unpaired when one leaves them): a first partner pairs both.
+fn pairing_change(names: &[(String, u32)], name: &str) -> usize {
+    match names.iter().filter(|(n, _)| n == name).count() {
+        0 => 0,
+        1 => 2,
+        _ => 1,
+    }
+}
+
+/// Removes socket `index` from the name list, keeping [`PAIRED`] exact.
+fn remove_name(names: &mut Vec<(String, u32)>, index: u32) {
+    let Some(position) = names.iter().position(|&(_, i)| i == index) else {
+        return;
+    };
+    let (name, _) = names.swap_remove(position);
+    PAIRED.fetch_sub(pairing_change(names, &name), Ordering::AcqRel);
+}
+
 /// Forgets the name of socket `index` (its SAN object is gone).
 fn forget_name(index: u32) {
-    by_name().retain(|&(_, i)| i != index);
+    remove_name(&mut by_name(), index);
 }
 
 fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
@@ -342,8 +369,11 @@ fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
     }
     {
         let mut names = by_name();
-        names.retain(|&(_, i)| i != index);
-        names.push((socket.name.as_str().to_owned(), index));
+        remove_name(&mut names, index);
+        let name = socket.name.as_str();
+        let paired = pairing_change(&names, name);
+        names.push((name.to_owned(), index));
+        PAIRED.fetch_add(paired, Ordering::AcqRel);
     }
     *lock(index) = Some(SanObject::Socket(Box::new(socket)));
     record.set_flag(flags::SAN, true);

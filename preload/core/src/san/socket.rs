@@ -623,6 +623,11 @@ impl SanSocket {
         let (Some(session), Some(conn)) = (self.session.as_mut(), self.conn.as_mut()) else {
             return;
         };
+        // Shm: messages the provider had to queue (the peer had posted no receive yet, as for
+        // the acceptor's Hello, sent inside accept() before the client's session exists) move
+        // at a later drive, maybe this one. Whoever posted them may have announced them then,
+        // when they were not there yet: the drive that moves them must announce them again.
+        let queued_before = conn.has_queued_sends();
         let progress = self.pump.drive(session, conn, &mut self.released);
         let mut answer_downgrade = false;
         if !self.released.is_empty() {
@@ -689,7 +694,7 @@ impl SanSocket {
                 self.peer.raise_writable();
             }
         }
-        let mut sent = progress.is_ok_and(|p| p.messages_sent > 0);
+        let mut sent = progress.is_ok_and(|p| p.messages_sent > 0) || queued_before;
         if !self.early.is_empty() && self.flush_early() {
             sent |= self.drive_again();
         }
@@ -729,10 +734,13 @@ impl SanSocket {
             // (raising readable for a bare credit update would be a spurious wake-up).
             if self.data_to_announce {
                 self.peer.raise_readable();
+                // Drained: nothing left in the session or queued in the provider (what is
+                // still queued is announced when it moves).
                 let drained = self
                     .session
                     .as_ref()
-                    .is_none_or(|s| s.send_queue_len() == 0);
+                    .is_none_or(|s| s.send_queue_len() == 0)
+                    && !self.conn.as_ref().is_some_and(Link::has_queued_sends);
                 if drained && self.early.is_empty() {
                     self.data_to_announce = false;
                 }
