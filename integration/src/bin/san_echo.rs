@@ -145,7 +145,19 @@ fn read_exact_retrying(stream: &mut TcpStream, mut buf: &mut [u8]) -> std::io::R
     Ok(())
 }
 
-fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
+/// Before the listener's port is announced: a connection the kernel completes from then on
+/// is cloned from the listener with what is set here (an option set after the announcement
+/// raced the client's connect: under load the connection was sometimes complete first, and
+/// the accepted socket then had no receive timeout, natively as over the SAN).
+fn prepare_listener(listener: &TcpListener, protocol: &str) -> std::io::Result<()> {
+    if protocol == "timeouts" {
+        set_read_timeout_inherited(listener)?;
+    }
+    Ok(())
+}
+
+/// `SO_RCVTIMEO` on the listener, for its accepted sockets to inherit (as the kernel copies it).
+fn set_read_timeout_inherited(listener: &TcpListener) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let timeout = libc::timeval {
         tv_sec: 0,
@@ -164,6 +176,10 @@ fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    Ok(())
+}
+
+fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
     let (mut stream, peer) = listener.accept()?;
     // One byte each way first: the connection has switched (over the SAN) before the
     // timeouts are tried (the switch-over window is not what this checks).
@@ -410,6 +426,7 @@ fn main() -> std::io::Result<()> {
     match arg(1) {
         "server" => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
+            prepare_listener(&listener, arg(2))?;
             println!("port {}", listener.local_addr()?.port());
             std::io::stdout().flush()?;
             println!("{}", serve(listener, arg(2))?);
@@ -423,6 +440,7 @@ fn main() -> std::io::Result<()> {
             let listener = TcpListener::bind("127.0.0.1:0")?;
             let port = listener.local_addr()?.port();
             let protocol = arg(2).to_owned();
+            prepare_listener(&listener, &protocol)?;
             let bytes = arg(3).parse().map_err(std::io::Error::other)?;
             let server = std::thread::spawn(move || serve(listener, &protocol));
             println!("{}", client(port, arg(2), bytes)?);
