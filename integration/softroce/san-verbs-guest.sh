@@ -332,6 +332,46 @@ redis_case
 
 death_case server-killed server
 death_case client-killed client
+
+# vanish_case NAME PRELOADED(0|1) EXPECTED_PATH: the server's host vanishes (every packet from
+# its address dropped, TCP and RDMA alike: nothing tells the client, no CM disconnect, no
+# work request outstanding) under an idle connection whose client asked for TCP keepalive
+# (1 s idle, 2 probes 1 s apart). Linux ends the client's blocked read with ETIMEDOUT after
+# about 3 s; over the SAN the same must happen (the kernel connection beside the session is
+# watched), within 15 s. Run natively too: the reference the SAN run must match.
+vanish_case() {
+  selected "$1" || return 0
+  local name=$1 preload=$2 want=$3 port spid cpid waited=0 idle out
+  local run=(); [[ $preload == 1 ]] && run=("${pre[@]}")
+  "${run[@]}" "$X" answer "$S" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  spid=$!
+  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
+  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
+  "${run[@]}" timeout 60 "$X" keepalive-client "$SP:$port" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
+  cpid=$!
+  for _ in $(seq 300); do grep -q '^idle ' "$LOGS/$name.client.out" 2>/dev/null && break; sleep 0.1; done
+  idle=$(grep '^idle ' "$LOGS/$name.client.out")
+  nft -f - <<NFT
+table inet sandirect_vanish {
+  chain input { type filter hook input priority 0; ip saddr $S drop; }
+}
+NFT
+  local nft_rc=$?
+  while kill -0 "$cpid" 2>/dev/null && (( waited < 300 )); do sleep 0.1; waited=$((waited+1)); done
+  nft delete table inet sandirect_vanish 2>/dev/null
+  kill -9 "$spid" "$cpid" 2>/dev/null; wait "$spid" "$cpid" 2>/dev/null
+  out=$(grep 'client stopped' "$LOGS/$name.client.out")
+  if [[ $nft_rc == 0 && $idle == *"path=$want "* && $out == "client stopped: TimedOut after "* ]] && (( waited < 150 )); then
+    echo "san-verbs: $name ok ($idle; $out)"
+    pass=$((pass+1))
+  else
+    echo "san-verbs: $name FAIL (nft rc=$nft_rc; '$idle'; '$out'; waited $((waited / 10)) s)"
+    echo "--- client stderr"; tail -n 30 "$LOGS/$name.client.err"
+    fail=$((fail+1))
+  fi
+}
+vanish_case server-host-vanished-native 0 tcp
+vanish_case server-host-vanished 1 san-verbs
 # SANDIRECT_SAN_VERBS_KEEP_LOGS=DIR (a directory the host sees): every case's output kept.
 if [[ -n ${SANDIRECT_SAN_VERBS_KEEP_LOGS:-} ]]; then mkdir -p "$SANDIRECT_SAN_VERBS_KEEP_LOGS" && cp -r "$LOGS"/. "$SANDIRECT_SAN_VERBS_KEEP_LOGS"/; fi
 echo "san-verbs: $pass passed, $fail failed"

@@ -695,6 +695,43 @@ fn abortive_close_resets_the_peer() {
 }
 
 #[test]
+fn a_failed_kernel_connection_resets_the_session_without_a_word_to_the_peer() {
+    let mut pair = Pair::established(PairConfig::default());
+    pair.send_inline(Which::A, b"kept");
+    pair.b
+        .session
+        .send(b"never sent", SendFlags::default())
+        .unwrap();
+    pair.b.session.handle_kernel_connection_failed();
+    pair.run();
+    assert!(pair
+        .b
+        .events
+        .contains(&Event::Reset(ResetCause::KernelConnectionFailed)));
+    // The peer is unreachable: it hears nothing (no Rst, no data), and learns of the end
+    // only from its own transport.
+    assert!(!pair.a.events.iter().any(|e| matches!(e, Event::Reset(_))));
+    let mut buf = [0u8; 16];
+    assert_eq!(
+        pair.a.session.recv(&mut buf, RecvFlags::default()),
+        Err(RecvError::WouldBlock)
+    );
+    // What had arrived stays readable; then the reset; every wait wakes.
+    let readiness = pair.b.session.readiness();
+    assert!(readiness.error && readiness.hup && readiness.readable);
+    assert_eq!(pair.b.session.recv(&mut buf, RecvFlags::default()), Ok(4));
+    assert_eq!(&buf[..4], b"kept");
+    assert_eq!(
+        pair.b.session.recv(&mut buf, RecvFlags::default()),
+        Err(RecvError::Reset)
+    );
+    assert_eq!(
+        pair.b.session.send(b"x", SendFlags::default()),
+        Err(SendError::Reset)
+    );
+}
+
+#[test]
 fn close_with_unread_data_resets_like_linux() {
     let mut pair = Pair::established(PairConfig::default());
     pair.send_inline(Which::A, b"unread");

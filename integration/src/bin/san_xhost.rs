@@ -290,6 +290,71 @@ fn stopped(side: &str, result: std::io::Result<()>) -> String {
     }
 }
 
+/// Answers one 4-byte request with 4 bytes, then reads until the connection ends.
+fn answer(listener: TcpListener) -> std::io::Result<String> {
+    let (mut stream, _) = listener.accept()?;
+    let mut request = [0u8; 4];
+    stream.read_exact(&mut request)?;
+    stream.write_all(b"pong")?;
+    let mut buf = [0u8; 4096];
+    let result = loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(_) => {}
+            Err(e) => break Err(e),
+        }
+    };
+    Ok(stopped("server", result))
+}
+
+/// An idle connection under TCP keepalive (1 s idle, probes 1 s apart, 2 of them): one round
+/// trip, then a read that blocks until the connection ends, reported with the time it took.
+/// When the peer's host vanishes (its packets dropped), Linux ends such a read with
+/// `ETIMEDOUT` after about 3 s; over the SAN the same must happen.
+fn keepalive_client(server: SocketAddr, local: std::net::IpAddr) -> std::io::Result<String> {
+    let mut stream = integration::connect_from(local, server)?;
+    let fd = stream.as_raw_fd();
+    for (level, option, value) in [
+        (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1),
+        (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 2),
+    ] {
+        // SAFETY: setsockopt(2) with one int.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                option,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    stream.write_all(b"ping")?;
+    let mut answer = [0u8; 4];
+    stream.read_exact(&mut answer)?;
+    println!("idle {}", published(fd));
+    std::io::stdout().flush()?;
+    let start = std::time::Instant::now();
+    let mut buf = [0u8; 4096];
+    let result = loop {
+        match stream.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(_) => {}
+            Err(e) => break Err(e),
+        }
+    };
+    Ok(format!(
+        "{} after {:.1} s",
+        stopped("client", result),
+        start.elapsed().as_secs_f64()
+    ))
+}
+
 fn sink(listener: TcpListener) -> std::io::Result<String> {
     let (mut stream, _) = listener.accept()?;
     println!("accepted");
@@ -542,6 +607,11 @@ fn main() -> std::io::Result<()> {
     match arg(1) {
         "server" => println!("{}", serve(listen_announced(arg(2))?)?),
         "sink" => println!("{}", sink(listen_announced(arg(2))?)?),
+        "answer" => println!("{}", answer(listen_announced(arg(2))?)?),
+        "keepalive-client" => println!(
+            "{}",
+            keepalive_client(parsed(&args, 2)?, parsed(&args, 3)?)?
+        ),
         "receiver" => println!("{}", receive(listen_announced(arg(2))?)?),
         "fork-server" => {
             let connections = arg(3).parse().unwrap_or(1);
@@ -582,8 +652,8 @@ fn main() -> std::io::Result<()> {
         )?,
         other => {
             eprintln!(
-                "usage: san_xhost server|sink|receiver|fork-server|multi-server ADDR [N] | \
-                 client|flood|sender|fork-client ADDR:PORT LOCAL [BYTES [CHUNK]] | \
+                "usage: san_xhost server|sink|answer|receiver|fork-server|multi-server ADDR [N] | \
+                 client|flood|sender|fork-client|keepalive-client ADDR:PORT LOCAL [BYTES [CHUNK]] | \
                  multi-client ADDR:PORT LOCAL N BYTES [CHUNK] (got {other:?})"
             );
             std::process::exit(2);

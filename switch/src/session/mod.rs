@@ -226,6 +226,10 @@ pub enum ResetCause {
     Provider(ProviderError),
     /// The peer broke the protocol.
     PeerMisbehaved(PeerMisbehaved),
+    /// The kernel TCP connection the session runs beside failed (a keepalive timeout or a
+    /// reset the driver learnt from the kernel): the peer is gone or unreachable, so nothing
+    /// is sent to it.
+    KernelConnectionFailed,
     /// [`Session::downgrade`] was called during the handshake and the peer's hello then
     /// lacked `caps::DOWNGRADE`: the stream can move to kernel TCP neither live nor by
     /// falling back (the peer is established), so the connection is reset rather than risk
@@ -881,7 +885,10 @@ impl Session {
         );
         let error = matches!(
             cause,
-            ResetCause::Peer | ResetCause::Provider(_) | ResetCause::PeerMisbehaved(_)
+            ResetCause::Peer
+                | ResetCause::Provider(_)
+                | ResetCause::PeerMisbehaved(_)
+                | ResetCause::KernelConnectionFailed
         );
         self.terminal = Some(Terminal::Reset {
             rst_pending: send_rst && self.peer.is_some(),
@@ -914,6 +921,14 @@ impl Session {
         // Inline data already delivered stays readable; remote rests are gone with the peer.
         self.rx_queue.retain(|s| matches!(s, Segment::Inline(_)));
         self.events.push_back(Event::Reset(cause));
+    }
+
+    /// The kernel TCP connection beside the session failed (see
+    /// [`ResetCause::KernelConnectionFailed`]): the session resets without a word to the peer.
+    /// A peer host that vanished leaves an idle session nothing to notice it by; TCP's
+    /// keepalive does, and the driver relays it here.
+    pub fn handle_kernel_connection_failed(&mut self) {
+        self.enter_reset(ResetCause::KernelConnectionFailed);
     }
 
     fn fail(&mut self, why: PeerMisbehaved) -> Error {

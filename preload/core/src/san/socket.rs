@@ -272,6 +272,10 @@ pub(crate) struct SanSocket {
     data_to_announce: bool,
     /// A reset was reported once (then reads see end-of-file, as after a kernel RST).
     reset_reported: bool,
+    /// The error that ended the kernel TCP connection beside the session (a keepalive
+    /// timeout, a reset; see [`SanSocket::kernel_connection_failed`]): reported once in place
+    /// of `ECONNRESET`, as the kernel reports its `sk_err`.
+    kernel_error: Option<c_int>,
     /// Acceptor: the switch marker has not been written yet (it is, right after the attach,
     /// by `on_accepted`; the later calls are no-ops).
     marker_owed: bool,
@@ -354,6 +358,7 @@ impl SanSocket {
             fin_mirrored: false,
             data_to_announce: false,
             reset_reported: false,
+            kernel_error: None,
             marker_owed: false,
             waiters: 0,
             watched: false,
@@ -1154,7 +1159,7 @@ impl SanSocket {
             Err(RecvError::Reset) if self.peer_fin || self.reset_reported => Ok(0),
             Err(RecvError::Reset) => {
                 self.reset_reported = true;
-                Err(libc::ECONNRESET)
+                Err(self.kernel_error.unwrap_or(libc::ECONNRESET))
             }
             Err(RecvError::InvalidArgument) => Err(libc::EINVAL),
             Err(RecvError::NotConnected) => Err(libc::ENOTCONN),
@@ -1224,7 +1229,7 @@ impl SanSocket {
             Err(SendError::WouldBlock) => Err(libc::EAGAIN),
             Err(SendError::Closed) => Err(libc::EPIPE),
             Err(SendError::Reset) if self.peer_fin => Err(libc::EPIPE),
-            Err(SendError::Reset) => Err(libc::ECONNRESET),
+            Err(SendError::Reset) => Err(self.send_reset_errno()),
             Err(SendError::NoBuffers) => Err(libc::ENOBUFS),
             Err(SendError::NotConnected) => Err(libc::ENOTCONN),
             Err(SendError::TooLong) => Err(libc::EMSGSIZE),
@@ -1295,7 +1300,7 @@ impl SanSocket {
                     SendError::WouldBlock => libc::EAGAIN,
                     SendError::Closed => libc::EPIPE,
                     SendError::Reset if self.peer_fin => libc::EPIPE,
-                    SendError::Reset => libc::ECONNRESET,
+                    SendError::Reset => self.send_reset_errno(),
                     SendError::NotConnected => libc::ENOTCONN,
                     SendError::Downgraded => DOWNGRADED,
                     _ => libc::ENOBUFS,
@@ -1322,7 +1327,7 @@ impl SanSocket {
             }
             Err(SendError::Closed) => Err(libc::EPIPE),
             Err(SendError::Reset) if self.peer_fin => Err(libc::EPIPE),
-            Err(SendError::Reset) => Err(libc::ECONNRESET),
+            Err(SendError::Reset) => Err(self.send_reset_errno()),
             Err(SendError::NoBuffers) => Err(libc::ENOBUFS),
             Err(_) => Err(libc::ECONNRESET),
         })
@@ -1443,6 +1448,44 @@ impl SanSocket {
     }
 
     /// The session's readiness (all false before the switch).
+    /// The errno of a send refused because the session was reset: `ECONNRESET`; after the
+    /// kernel connection beside it failed, that error once, then `EPIPE` (as the kernel
+    /// reports `sk_err` once and the closed socket then refuses sends).
+    fn send_reset_errno(&mut self) -> c_int {
+        match self.kernel_error {
+            None => libc::ECONNRESET,
+            Some(_) if self.reset_reported => libc::EPIPE,
+            Some(errno) => {
+                self.reset_reported = true;
+                errno
+            }
+        }
+    }
+
+    /// The kernel TCP connection beside the session is over with `errno` (the service thread
+    /// saw it close: a keepalive timeout, a reset). A peer host that vanished is noticed by
+    /// nothing else while the session is idle; the application learns it as it would over
+    /// TCP: the error once, every wait woken.
+    pub(crate) fn kernel_connection_failed(&mut self, errno: c_int) {
+        if self.phase != Phase::Switched || self.kernel_error.is_some() {
+            return;
+        }
+        let Some(session) = self.session.as_mut() else {
+            return;
+        };
+        tracing::debug!(name = %self.name, errno, "kernel connection beside the SAN session failed");
+        self.kernel_error = Some(errno);
+        session.handle_kernel_connection_failed();
+        self.service();
+        if self.waiters > 0 {
+            if let Some(bell) = self.local_bell.as_ref() {
+                let one = 1u64;
+                // SAFETY: an 8-byte write to our eventfd.
+                unsafe { libc::write(bell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            }
+        }
+    }
+
     pub(crate) fn readiness(&self) -> switch::session::Readiness {
         let mut readiness = self
             .session

@@ -754,6 +754,12 @@ pub(crate) fn watch_socket(index: u32, socket: &mut super::socket::SanSocket) {
         let tag = TAG_SOCKET | u64::from(index);
         service.watch(fd, tag);
         link.watch_tag = Some(tag);
+        if let Some(tcp) = crate::registry::registry()
+            .get(index)
+            .map(|record| record.fd.load(Ordering::Acquire))
+        {
+            service.watch_kernel_socket(tcp, TAG_KERNEL | u64::from(index));
+        }
         LIVE_VERBS.fetch_add(1, Ordering::Relaxed);
         socket.service_verbs_event();
     }
@@ -771,6 +777,8 @@ static LIVE_VERBS: AtomicU32 = AtomicU32::new(0);
 
 const TAG_SOCKET: u64 = 1 << 32;
 const TAG_ATTACH: u64 = 2 << 32;
+/// The kernel TCP socket of a switched verbs socket (its end: keepalive timeout, reset).
+const TAG_KERNEL: u64 = 3 << 32;
 
 /// The per-process service thread (see the module docs).
 struct Service {
@@ -814,6 +822,27 @@ impl Service {
         };
         // SAFETY: plain epoll_ctl(2) on our own epoll instance.
         unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) };
+    }
+
+    /// Watches the application's kernel TCP socket `fd` for its end only: no readiness
+    /// events, so just the error and hang-up the kernel always reports, edge-triggered (each
+    /// once). Never removed by us: the kernel drops the registration with the socket's last
+    /// descriptor, and an event for a socket that is no longer a switched verbs socket, or
+    /// whose number now names another one, is checked and ignored (removing by number could
+    /// remove a newer socket's registration).
+    fn watch_kernel_socket(&self, fd: RawFd, data: u64) {
+        let mut event = libc::epoll_event {
+            events: libc::EPOLLET as u32,
+            u64: data,
+        };
+        // SAFETY: plain epoll_ctl(2) on our own epoll instance; `fd` is a live socket of the
+        // application (a stale registration of the same number is replaced by EEXIST's MOD).
+        let rc =
+            unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut event) };
+        if rc != 0 && crate::errno::get() == libc::EEXIST {
+            // SAFETY: as above.
+            unsafe { real::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &mut event) };
+        }
     }
 
     /// Pauses (`on` false) or resumes the watch of `fd`. Resuming re-evaluates readiness:
@@ -877,6 +906,7 @@ fn service_loop() {
             let low = (data & 0xffff_ffff) as u32;
             match data & !0xffff_ffff {
                 TAG_SOCKET => service_socket(low),
+                TAG_KERNEL => check_kernel_socket(low),
                 TAG_ATTACH => {
                     let attach = guard(&service.attaches)
                         .iter()
@@ -899,6 +929,71 @@ fn service_socket(index: u32) {
     if let Some(SanObject::Socket(socket)) = slot.as_mut() {
         socket.service_verbs_event();
     }
+}
+
+/// The kernel TCP socket of verbs socket `index` reported an error or hang-up: if the TCP
+/// connection is over (state `CLOSE`: a keepalive timeout or a reset ended it) while the SAN
+/// session runs, the session ends with the kernel's error. A hang-up of a connection that is
+/// not closed (both directions shut down) is left alone, and nothing is read from the socket
+/// then (`SO_ERROR` consumes the error).
+fn check_kernel_socket(index: u32) {
+    let Some(fd) = crate::registry::registry()
+        .get(index)
+        .map(|record| record.fd.load(Ordering::Acquire))
+    else {
+        return;
+    };
+    let mut slot = lock(index);
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return;
+    };
+    if socket.phase != super::socket::Phase::Switched || !socket.is_verbs() {
+        return;
+    }
+    if kernel_tcp_state(fd) != Some(TCP_CLOSE) {
+        return;
+    }
+    let errno = take_socket_error(fd).filter(|&errno| errno != 0);
+    socket.kernel_connection_failed(errno.unwrap_or(libc::ECONNRESET));
+}
+
+/// `TCP_CLOSE` of the kernel's TCP states (`include/net/tcp_states.h`; `libc` has no name
+/// for it): the connection is over.
+const TCP_CLOSE: u8 = 7;
+
+/// `TCP_INFO`'s state of socket `fd` (`None`: not a TCP socket, or the call failed).
+fn kernel_tcp_state(fd: RawFd) -> Option<u8> {
+    // SAFETY: plain data, zero is valid.
+    let mut info: libc::tcp_info = unsafe { core::mem::zeroed() };
+    let mut len = core::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into our struct of the stated size, through the real symbol.
+    let rc = unsafe {
+        real::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0 && len >= 1).then_some(info.tcpi_state)
+}
+
+/// Reads (and so clears) socket `fd`'s pending error, `SO_ERROR`.
+fn take_socket_error(fd: RawFd) -> Option<libc::c_int> {
+    let mut error: libc::c_int = 0;
+    let mut len = core::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into one int, through the real symbol.
+    let rc = unsafe {
+        real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            (&mut error as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(error)
 }
 
 /// The safety net (once a second while idle): every verbs socket is serviced and re-armed.
