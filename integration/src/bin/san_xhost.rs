@@ -296,15 +296,7 @@ fn answer(listener: TcpListener) -> std::io::Result<String> {
     let mut request = [0u8; 4];
     stream.read_exact(&mut request)?;
     stream.write_all(b"pong")?;
-    let mut buf = [0u8; 4096];
-    let result = loop {
-        match stream.read(&mut buf) {
-            Ok(0) => break Ok(()),
-            Ok(_) => {}
-            Err(e) => break Err(e),
-        }
-    };
-    Ok(stopped("server", result))
+    Ok(stopped("server", read_until_end(&mut stream)))
 }
 
 /// An idle connection under TCP keepalive (1 s idle, probes 1 s apart, 2 of them): one round
@@ -340,14 +332,7 @@ fn keepalive_client(server: SocketAddr, local: std::net::IpAddr) -> std::io::Res
     println!("idle {}", published(fd));
     std::io::stdout().flush()?;
     let start = std::time::Instant::now();
-    let mut buf = [0u8; 4096];
-    let result = loop {
-        match stream.read(&mut buf) {
-            Ok(0) => break Ok(()),
-            Ok(_) => {}
-            Err(e) => break Err(e),
-        }
-    };
+    let result = read_until_end(&mut stream);
     Ok(format!(
         "{} after {:.1} s",
         stopped("client", result),
@@ -359,15 +344,19 @@ fn sink(listener: TcpListener) -> std::io::Result<String> {
     let (mut stream, _) = listener.accept()?;
     println!("accepted");
     std::io::stdout().flush()?;
+    Ok(stopped("server", read_until_end(&mut stream)))
+}
+
+/// Reads and drops everything until end-of-file (`Ok`) or an error.
+fn read_until_end(stream: &mut TcpStream) -> std::io::Result<()> {
     let mut buf = vec![0u8; 64 << 10];
-    let result = loop {
+    loop {
         match stream.read(&mut buf) {
-            Ok(0) => break Ok(()),
+            Ok(0) => return Ok(()),
             Ok(_) => {}
-            Err(e) => break Err(e),
+            Err(e) => return Err(e),
         }
-    };
-    Ok(stopped("server", result))
+    }
 }
 
 fn flood(server: SocketAddr, local: std::net::IpAddr) -> std::io::Result<String> {

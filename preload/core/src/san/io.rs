@@ -83,26 +83,32 @@ fn timeout_of(index: u32, fd: c_int, option: c_int) -> Option<Instant> {
     Instant::now().checked_add(timeout)
 }
 
+/// Plain C data a socket option is read into: every bit pattern (all zeroes included) is a
+/// valid value, so [`socket_option`] may start from zeroes and keep what the kernel wrote.
+pub(super) trait OptionValue: Copy {}
+impl OptionValue for c_int {}
+impl OptionValue for libc::linger {}
+impl OptionValue for libc::tcp_info {}
+
+/// `getsockopt(fd, level, name)` through the real symbol, into a zeroed `T` (a kernel that
+/// writes less, an older `tcp_info`, leaves the rest zero); `None` when the call failed.
+pub(super) fn socket_option<T: OptionValue>(fd: c_int, level: c_int, name: c_int) -> Option<T> {
+    let mut value = core::mem::MaybeUninit::<T>::zeroed();
+    let mut len = core::mem::size_of::<T>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `value`.
+    let rc = unsafe { real::getsockopt(fd, level, name, value.as_mut_ptr().cast(), &mut len) };
+    // SAFETY: zero-initialised, and zeroes (or the kernel's bytes over them) are a valid `T`
+    // (`OptionValue`).
+    (rc == 0).then(|| unsafe { value.assume_init() })
+}
+
 /// `SO_LINGER` of `fd`: (abortive close, how long a graceful close may wait).
 pub(super) fn linger_of(fd: c_int) -> (bool, Duration) {
-    let mut value = libc::linger {
-        l_onoff: 0,
-        l_linger: 0,
-    };
-    let mut len = core::mem::size_of::<libc::linger>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes into `value`.
-    let rc = unsafe {
-        real::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&mut value as *mut libc::linger).cast(),
-            &mut len,
-        )
-    };
-    match (rc, value.l_onoff, value.l_linger) {
-        (0, on, 0) if on != 0 => (true, Duration::ZERO),
-        (0, on, secs) if on != 0 => (false, Duration::from_secs(secs.max(0) as u64)),
+    match socket_option::<libc::linger>(fd, libc::SOL_SOCKET, libc::SO_LINGER) {
+        Some(value) if value.l_onoff != 0 && value.l_linger == 0 => (true, Duration::ZERO),
+        Some(value) if value.l_onoff != 0 => {
+            (false, Duration::from_secs(value.l_linger.max(0) as u64))
+        }
         _ => (false, DEFAULT_LINGER),
     }
 }

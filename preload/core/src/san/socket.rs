@@ -273,7 +273,7 @@ pub(crate) struct SanSocket {
     /// A reset was reported once (then reads see end-of-file, as after a kernel RST).
     reset_reported: bool,
     /// The error that ended the kernel TCP connection beside the session (a keepalive
-    /// timeout, a reset; see [`SanSocket::kernel_connection_failed`]): reported once in place
+    /// timeout; see [`SanSocket::kernel_connection_failed`]): reported once in place
     /// of `ECONNRESET`, as the kernel reports its `sk_err`.
     kernel_error: Option<c_int>,
     /// Acceptor: the switch marker has not been written yet (it is, right after the attach,
@@ -1463,7 +1463,7 @@ impl SanSocket {
     }
 
     /// The kernel TCP connection beside the session is over with `errno` (the service thread
-    /// saw it close: a keepalive timeout, a reset). A peer host that vanished is noticed by
+    /// saw it close because the peer's host could not be reached: a keepalive timeout). A peer host that vanished is noticed by
     /// nothing else while the session is idle; the application learns it as it would over
     /// TCP: the error once, every wait woken.
     pub(crate) fn kernel_connection_failed(&mut self, errno: c_int) {

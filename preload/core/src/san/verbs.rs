@@ -777,7 +777,7 @@ static LIVE_VERBS: AtomicU32 = AtomicU32::new(0);
 
 const TAG_SOCKET: u64 = 1 << 32;
 const TAG_ATTACH: u64 = 2 << 32;
-/// The kernel TCP socket of a switched verbs socket (its end: keepalive timeout, reset).
+/// The kernel TCP socket of a switched verbs socket (its end, e.g. a keepalive timeout).
 const TAG_KERNEL: u64 = 3 << 32;
 
 /// The per-process service thread (see the module docs).
@@ -931,11 +931,16 @@ fn service_socket(index: u32) {
     }
 }
 
-/// The kernel TCP socket of verbs socket `index` reported an error or hang-up: if the TCP
-/// connection is over (state `CLOSE`: a keepalive timeout or a reset ended it) while the SAN
-/// session runs, the session ends with the kernel's error. A hang-up of a connection that is
-/// not closed (both directions shut down) is left alone, and nothing is read from the socket
-/// then (`SO_ERROR` consumes the error).
+/// The kernel TCP socket of verbs socket `index` reported an error or hang-up. If the TCP
+/// connection is over (state `CLOSE`) because the kernel could not reach the peer's host
+/// (a keepalive or retransmission timeout, an unreachable host or network) while the SAN
+/// session runs, the session ends with that error.
+///
+/// Anything else is left to the session: a graceful end (both directions shut down: `CLOSE`
+/// with no error) or a reset (the peer's kernel answered, so its host is alive; what its
+/// process did reaches us over the SAN as a `Fin` or `Rst`, in order after its data: acting on
+/// the TCP reset, which can overtake that data, would lose it, e.g. when a client closes
+/// before the switch marker arrived and its kernel answers the marker with a reset).
 fn check_kernel_socket(index: u32) {
     let Some(fd) = crate::registry::registry()
         .get(index)
@@ -953,8 +958,21 @@ fn check_kernel_socket(index: u32) {
     if kernel_tcp_state(fd) != Some(TCP_CLOSE) {
         return;
     }
-    let errno = take_socket_error(fd).filter(|&errno| errno != 0);
-    socket.kernel_connection_failed(errno.unwrap_or(libc::ECONNRESET));
+    // (Reading `SO_ERROR` consumes it; the session reports it to the application instead.)
+    match take_socket_error(fd) {
+        Some(
+            errno @ (libc::ETIMEDOUT
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
+            | libc::EHOSTDOWN
+            | libc::ENETDOWN),
+        ) => socket.kernel_connection_failed(errno),
+        other => tracing::debug!(
+            index,
+            ?other,
+            "kernel connection closed; the session goes on"
+        ),
+    }
 }
 
 /// `TCP_CLOSE` of the kernel's TCP states (`include/net/tcp_states.h`; `libc` has no name
@@ -963,37 +981,13 @@ const TCP_CLOSE: u8 = 7;
 
 /// `TCP_INFO`'s state of socket `fd` (`None`: not a TCP socket, or the call failed).
 fn kernel_tcp_state(fd: RawFd) -> Option<u8> {
-    // SAFETY: plain data, zero is valid.
-    let mut info: libc::tcp_info = unsafe { core::mem::zeroed() };
-    let mut len = core::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: getsockopt(2) into our struct of the stated size, through the real symbol.
-    let rc = unsafe {
-        real::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&mut info as *mut libc::tcp_info).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0 && len >= 1).then_some(info.tcpi_state)
+    super::io::socket_option::<libc::tcp_info>(fd, libc::IPPROTO_TCP, libc::TCP_INFO)
+        .map(|info| info.tcpi_state)
 }
 
 /// Reads (and so clears) socket `fd`'s pending error, `SO_ERROR`.
 fn take_socket_error(fd: RawFd) -> Option<libc::c_int> {
-    let mut error: libc::c_int = 0;
-    let mut len = core::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt(2) into one int, through the real symbol.
-    let rc = unsafe {
-        real::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ERROR,
-            (&mut error as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    (rc == 0).then_some(error)
+    super::io::socket_option::<libc::c_int>(fd, libc::SOL_SOCKET, libc::SO_ERROR)
 }
 
 /// The safety net (once a second while idle): every verbs socket is serviced and re-armed.
