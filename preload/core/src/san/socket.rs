@@ -645,6 +645,7 @@ impl SanSocket {
             tracing::debug!(name = %self.name, ?error, "SAN drive error");
         }
         if self.waiters > 0 && progress.is_ok_and(|p| p.completions > 0) {
+            // (Inline: `session` is still borrowed here; elsewhere `ring_local_bell`.)
             if let Some(bell) = self.local_bell.as_ref() {
                 let one = 1u64;
                 // SAFETY: an 8-byte write to our eventfd.
@@ -1447,7 +1448,6 @@ impl SanSocket {
         }
     }
 
-    /// The session's readiness (all false before the switch).
     /// The errno of a send refused because the session was reset: `ECONNRESET`; after the
     /// kernel connection beside it failed, that error once, then `EPIPE` (as the kernel
     /// reports `sk_err` once and the closed socket then refuses sends).
@@ -1463,9 +1463,9 @@ impl SanSocket {
     }
 
     /// The kernel TCP connection beside the session is over with `errno` (the service thread
-    /// saw it close because the peer's host could not be reached: a keepalive timeout). A peer host that vanished is noticed by
-    /// nothing else while the session is idle; the application learns it as it would over
-    /// TCP: the error once, every wait woken.
+    /// saw it close because the peer's host could not be reached: a keepalive timeout). A
+    /// peer host that vanished is noticed by nothing else while the session is idle; the
+    /// application learns it as it would over TCP: the error once, every wait woken.
     pub(crate) fn kernel_connection_failed(&mut self, errno: c_int) {
         if self.phase != Phase::Switched || self.kernel_error.is_some() {
             return;
@@ -1477,6 +1477,11 @@ impl SanSocket {
         self.kernel_error = Some(errno);
         session.handle_kernel_connection_failed();
         self.service();
+        self.ring_local_bell();
+    }
+
+    /// Wakes the threads blocked on this socket (see `local_bell`), if any.
+    fn ring_local_bell(&self) {
         if self.waiters > 0 {
             if let Some(bell) = self.local_bell.as_ref() {
                 let one = 1u64;
@@ -1486,6 +1491,7 @@ impl SanSocket {
         }
     }
 
+    /// The session's readiness (all false before the switch).
     pub(crate) fn readiness(&self) -> switch::session::Readiness {
         let mut readiness = self
             .session
