@@ -156,20 +156,13 @@ fn flag_names(flags: u32) -> String {
     let names = [
         (flags::SAN_HANDSHAKING, "handshaking"),
         (flags::SAN_HOLDING, "holding-sent-bytes"),
+        (flags::SAN_PROVIDER_QUEUED, "provider-queued"),
         (flags::NONBLOCK, "nonblock"),
         (flags::SHUT_WR, "shut-wr"),
         (flags::SHUT_RD, "shut-rd"),
-    ];
-    let shown: Vec<&str> = names
-        .iter()
-        .filter(|(bit, _)| flags & bit != 0)
-        .map(|(_, name)| *name)
-        .collect();
-    if shown.is_empty() {
-        "-".to_owned()
-    } else {
-        shown.join(",")
-    }
+    ]
+    .map(|(bit, name)| (u64::from(bit), name));
+    crate::bit_names(u64::from(flags), &names, ",", "-")
 }
 
 fn published(stat_dir: &Path) -> String {

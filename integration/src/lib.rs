@@ -38,6 +38,21 @@ pub fn errno_name(errno: c_int) -> String {
     name.to_owned()
 }
 
+/// The names of the bits of `value` that are set, in `names` order, joined by `separator`;
+/// `none` when no named bit is set (flag words in reports: poll events, record flags).
+pub fn bit_names(value: u64, names: &[(u64, &str)], separator: &str, none: &str) -> String {
+    let set: Vec<&str> = names
+        .iter()
+        .filter(|(bit, _)| value & bit != 0)
+        .map(|(_, name)| *name)
+        .collect();
+    if set.is_empty() {
+        none.to_owned()
+    } else {
+        set.join(separator)
+    }
+}
+
 /// The calling thread's errno.
 pub fn errno() -> c_int {
     std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -240,5 +255,13 @@ mod tests {
         assert_eq!(errno_name(libc::EBADF), "EBADF");
         assert_eq!(errno_name(4242), "errno4242");
         assert_eq!(outcome(7), "7");
+    }
+
+    #[test]
+    fn bit_names_list_the_named_bits_set_in_order() {
+        let names = [(1, "IN"), (4, "OUT"), (8, "ERR")];
+        assert_eq!(bit_names(8 | 1 | 2, &names, "|", "none"), "IN|ERR");
+        assert_eq!(bit_names(2, &names, "|", "none"), "none");
+        assert_eq!(bit_names(4, &names, ",", "-"), "OUT");
     }
 }

@@ -256,17 +256,9 @@ fn revents_text(revents: i16) -> String {
         (libc::POLLHUP, "HUP"),
         (libc::POLLRDHUP, "RDHUP"),
         (libc::POLLNVAL, "NVAL"),
-    ];
-    let parts: Vec<_> = names
-        .iter()
-        .filter(|(bit, _)| revents & bit != 0)
-        .map(|(_, name)| *name)
-        .collect();
-    if parts.is_empty() {
-        "none".into()
-    } else {
-        parts.join("|")
-    }
+    ]
+    .map(|(bit, name)| (bit as u16 as u64, name));
+    integration::bit_names(revents as u16 as u64, &names, "|", "none")
 }
 
 fn epoll_events_text(events: u32) -> String {

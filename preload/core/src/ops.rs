@@ -1522,13 +1522,14 @@ unsafe fn epoll_wait_with_san(
     if crate::san::live_sockets() == 0 || guard::is_inside() || events.is_null() {
         return call(timeout_ms);
     }
-    let deadline = (timeout_ms >= 0)
-        .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout_ms as u64));
+    let start = std::time::Instant::now();
+    let deadline =
+        (timeout_ms >= 0).then(|| start + std::time::Duration::from_millis(timeout_ms as u64));
     // The safety net runs once per slice of waiting, also when the slices were cut short by
     // events that were all dropped (a socket whose wake-up was lost must not wait behind a
     // busy neighbour).
     let slice = std::time::Duration::from_millis(crate::runtime::wait_slice_ms() as u64);
-    let mut serviced = std::time::Instant::now();
+    let mut serviced = start;
     loop {
         {
             let _errno = errno::Preserved::save();
