@@ -181,11 +181,12 @@ connections_case() {
   report "$name" "$ok" "$conns connections, the $side under a 2 MiB memlock limit: $csan on the SAN, $ctcp on TCP (the $side's reasons:$reasons), every 1 MiB echo intact"
 }
 
-# READ mode (the default over rxe and siw): the receiver reads the sender's buffer through an
+# READ mode (the default over rxe, asked for with SANDIRECT_SAN_RDMA_READ=1 over siw, whose
+# default is WRITE mode): the receiver reads the sender's buffer through an
 # rkey, and every rendezvous exposes the cached registration anew (a new pin of the pages there
 # now), so invalidation is not what keeps it right. WRITE mode: the sender writes from its
 # cached registration with local rights only; only the invalidation keeps it off old pages.
-selected memory-changes-read && memory_case memory-changes-read $(( ROUNDS < 2 ? ROUNDS : 2 ))
+selected memory-changes-read && memory_case memory-changes-read $(( ROUNDS < 2 ? ROUNDS : 2 )) SANDIRECT_SAN_RDMA_READ=1
 selected memory-changes-write && memory_case memory-changes-write "$ROUNDS" SANDIRECT_SAN_RDMA_READ=0
 selected enobufs-memlock && enobufs_case enobufs-memlock client
 selected receiver-memlock && enobufs_case receiver-memlock server

@@ -7,6 +7,8 @@
 //! san_xhost client ADDR:PORT LOCAL BYTES [CHUNK]  # binds LOCAL:0, streams BYTES, checks the echo
 //! san_xhost sink ADDR                 # as server, but reads until end-of-file or an error
 //! san_xhost flood ADDR:PORT LOCAL     # as client, but writes until an error
+//! san_xhost answer ADDR               # answers one 4-byte request, then reads until the end
+//! san_xhost interrupted-client ADDR:PORT LOCAL  # a round trip, then a read a signal breaks
 //! san_xhost receiver ADDR             # as server, one way: reads until end-of-file
 //! san_xhost sender ADDR:PORT LOCAL BYTES [CHUNK]  # as client, one way: streams BYTES
 //! san_xhost fork-server ADDR N        # accepts N clients, forks a child per connection
@@ -340,6 +342,58 @@ fn keepalive_client(server: SocketAddr, local: std::net::IpAddr) -> std::io::Res
     ))
 }
 
+/// Set by [`on_interrupt`].
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// One round trip, then a blocking read with nothing to come, interrupted 100 ms later by a
+/// signal whose handler was installed without `SA_RESTART`: Linux ends the read with `EINTR`.
+/// Over the SAN a blocked reader may be polling the completion queue when the signal comes
+/// (`SANDIRECT_VERBS_POLLS`): the read must still end with `EINTR`, not sleep on.
+fn interrupted_client(server: SocketAddr, local: std::net::IpAddr) -> std::io::Result<String> {
+    let mut stream = integration::connect_from(local, server)?;
+    stream.write_all(b"ping")?;
+    let mut answer = [0u8; 4];
+    stream.read_exact(&mut answer)?;
+    let path = published(stream.as_raw_fd());
+    // SAFETY: installs a plain handler (it only stores to an atomic) without SA_RESTART.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_interrupt as *const () as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        action.sa_flags = 0;
+        if libc::sigaction(libc::SIGUSR1, &action, std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let reader = unsafe { libc::pthread_self() };
+    let signaller = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // SAFETY: the reading thread outlives this one (joined below).
+        unsafe { libc::pthread_kill(reader, libc::SIGUSR1) };
+    });
+    let start = std::time::Instant::now();
+    let mut buf = [0u8; 16];
+    // One read(2) (`read_exact` would retry after EINTR).
+    let outcome = match stream.read(&mut buf) {
+        Ok(n) => format!("read {n} bytes"),
+        Err(error) => format!("{:?}", error.kind()),
+    };
+    let took = start.elapsed().as_secs_f64();
+    signaller
+        .join()
+        .map_err(|_| std::io::Error::other("the signalling thread panicked"))?;
+    stream.shutdown(Shutdown::Write)?;
+    Ok(format!(
+        "client read: {outcome} after {took:.1} s, handler ran: {} ({path})",
+        INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst)
+    ))
+}
+
 fn sink(listener: TcpListener) -> std::io::Result<String> {
     let (mut stream, _) = listener.accept()?;
     println!("accepted");
@@ -600,6 +654,10 @@ fn main() -> std::io::Result<()> {
         "keepalive-client" => println!(
             "{}",
             keepalive_client(parsed(&args, 2)?, parsed(&args, 3)?)?
+        ),
+        "interrupted-client" => println!(
+            "{}",
+            interrupted_client(parsed(&args, 2)?, parsed(&args, 3)?)?
         ),
         "receiver" => println!("{}", receive(listen_announced(arg(2))?)?),
         "fork-server" => {

@@ -129,6 +129,36 @@ fn block(
         }
         return Ok(());
     }
+    // Verbs, a reader: poll before sleeping when that pays (signals held back meanwhile, see
+    // `poll_before_sleeping`); the sleep below then lets them in atomically.
+    let mut held_signals = None;
+    if fds.spin {
+        let mut outer = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
+        let mut all = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
+        // SAFETY: sigfillset initialises `all`; pthread_sigmask writes the previous mask into
+        // `outer` (only read when the call succeeded).
+        let blocked = unsafe {
+            libc::sigfillset(all.as_mut_ptr());
+            libc::pthread_sigmask(libc::SIG_BLOCK, all.as_ptr(), outer.as_mut_ptr()) == 0
+        };
+        if blocked {
+            // SAFETY: written by the successful pthread_sigmask above.
+            let outer = unsafe { outer.assume_init() };
+            let found = poll_before_sleeping(index);
+            if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+                socket.polled(found);
+                if found {
+                    socket.finish_polled_wait(&fds);
+                }
+            }
+            if found {
+                // SAFETY: restores the caller's own mask.
+                unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &outer, core::ptr::null_mut()) };
+                return Ok(());
+            }
+            held_signals = Some(outer);
+        }
+    }
     let mut pollfds = [libc::pollfd {
         fd: -1,
         events: 0,
@@ -176,13 +206,32 @@ fn block(
                 .min(wait_slice())
         })
         .min(fds.cap.unwrap_or(wait_slice()));
-    // SAFETY: `count` valid pollfds.
-    let rc = unsafe {
-        real::poll(
-            pollfds.as_mut_ptr(),
-            count as libc::nfds_t,
-            slice.as_millis().max(1) as c_int,
-        )
+    let rc = match held_signals.as_ref() {
+        // SAFETY: `count` valid pollfds.
+        None => unsafe {
+            real::poll(
+                pollfds.as_mut_ptr(),
+                count as libc::nfds_t,
+                slice.as_millis().max(1) as c_int,
+            )
+        },
+        Some(outer) => {
+            let millis = slice.as_millis().max(1) as u64;
+            let timeout = libc::timespec {
+                tv_sec: (millis / 1000) as libc::time_t,
+                tv_nsec: ((millis % 1000) * 1_000_000) as libc::c_long,
+            };
+            // SAFETY: `count` valid pollfds; the caller's own mask while asleep, so a signal
+            // that came while we polled interrupts this sleep as it would have the call.
+            let rc = unsafe {
+                real::ppoll(pollfds.as_mut_ptr(), count as libc::nfds_t, &timeout, outer)
+            };
+            let saved = errno::get();
+            // SAFETY: restores the caller's own mask.
+            unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, outer, core::ptr::null_mut()) };
+            errno::set(saved);
+            rc
+        }
     };
     let interrupted = rc < 0 && errno::get() == libc::EINTR;
     // Verbs: the connection's own fd woke us (it is first in the set): collect its channel
@@ -211,6 +260,28 @@ fn block(
         return Err(libc::EAGAIN);
     }
     Ok(())
+}
+
+/// A blocked verbs reader polls the completion queue, its lock taken per round so other
+/// threads keep using the socket, until there is news or the budget
+/// ([`super::verbs::poll_budget`]) is spent. Signals are held back meanwhile (the caller's
+/// mask is restored by the sleep that follows, or at once when news came): a signal that
+/// arrives while we poll must still interrupt the sleep, as it would have interrupted the
+/// call (`EINTR` for a handler without `SA_RESTART`); delivered at once, it would be gone
+/// before the sleep and a program that breaks a blocking read with `alarm()` would hang.
+fn poll_before_sleeping(index: u32) -> bool {
+    for _ in 0..super::verbs::poll_budget() {
+        match lock(index).as_mut() {
+            Some(SanObject::Socket(socket)) => {
+                if socket.poll_round() {
+                    return true;
+                }
+            }
+            _ => return true,
+        }
+        std::hint::spin_loop();
+    }
+    false
 }
 
 /// Whether every signal with a handler has `SA_RESTART` (then an interrupted blocking call is
@@ -872,6 +943,9 @@ pub(super) fn recv_tcp(
 /// `recv`/`read`/`readv`/`recvmsg` on a SAN socket. `None`: not (or no longer) a SAN socket.
 pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
     let result = recv_iov_inner(fd, index, bufs, recv_flags);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        socket.settle_direct_wait();
+    }
     if tracing::enabled!(tracing::Level::TRACE) {
         let first = bufs.first().filter(|b| !b.ptr.is_null());
         let shown = match (result, first) {
@@ -1079,7 +1153,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                             }
                             continue;
                         }
-                        socket.prepare_wait(0)
+                        socket.prepare_read_wait()
                     }
                     // The peer's `Downgrade` was just taken in: the next turn reads TCP.
                     Err(DOWNGRADED) => continue,

@@ -74,7 +74,7 @@
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it
 //! through the segment's window into the sink the peer advertised. Over verbs the threshold
 //! is 1 MiB and the peer RDMA-READs the buffer, or, when it does not offer reads
-//! (`SANDIRECT_SAN_RDMA_READ=0`), we RDMA-WRITE it into its sink. The call returns when the
+//! (iWARP by default, or `SANDIRECT_SAN_RDMA_READ=0`), we RDMA-WRITE it into its sink. The call returns when the
 //! session reports the send complete (a short count is legal). A refused registration (over
 //! verbs: `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`) is `ENOBUFS` with nothing sent; the bytes
 //! before and after it keep their order. Nonblocking sends always go inline.
@@ -218,8 +218,8 @@ struct Provider {
     /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
     rendezvous: bool,
     /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
-    /// (`SANDIRECT_SAN_RDMA_READ`).
-    rdma_read: bool,
+    /// (`SANDIRECT_SAN_RDMA_READ`; `None`: the device's default, see [`rdma_read_offered`]).
+    rdma_read: Option<bool>,
 }
 
 /// Turns the rendezvous off when set to `0` (large sends then go inline, like small ones).
@@ -231,15 +231,31 @@ fn rendezvous_enabled() -> bool {
     provider().is_some_and(|p| p.rendezvous)
 }
 
-/// Set to `0`, a verbs connection does not offer to RDMA-READ rendezvous sends: its peer then
-/// RDMA-WRITEs them into sinks this side advertises (WRITE mode), from a registration with
-/// local rights only. Soft-RoCE under emulation moves a WRITE several times faster than a READ;
-/// the VM tests use it to put the sender's cached local registrations to the test.
+/// Whether a verbs connection offers to RDMA-READ its peer's rendezvous sends (READ mode) or
+/// has them RDMA-WRITTEN into sinks it advertises (WRITE mode, from a registration with local
+/// rights only). `1`: READ wherever the device can read; `0`: WRITE; unset: READ on RoCE and
+/// InfiniBand, WRITE on iWARP. On iWARP the sink of a READ needs remote-write rights (a wider
+/// exposure than WRITE mode's), and soft-iWARP moves READs far slower than WRITEs: 1 MiB
+/// blocking sends over siw ran at ~0.6x the WRITE mode's rate (and of the inline path's), while
+/// over soft-RoCE both modes run at the inline path's rate with a third of its CPU time (issue
+/// 4's notes). The VM tests also use `0` to put the sender's cached local registrations to the
+/// test.
 const RDMA_READ_ENV: &str = "SANDIRECT_SAN_RDMA_READ";
 
-/// Whether this process's verbs connections offer READ-mode rendezvous (see [`RDMA_READ_ENV`]).
-fn rdma_read_enabled() -> bool {
-    provider().is_none_or(|p| p.rdma_read)
+/// Whether this process's verbs connections offer READ-mode rendezvous on a device that can
+/// read (see [`RDMA_READ_ENV`]); `iwarp`: the device follows iWARP's rules.
+fn rdma_read_offered(iwarp: bool) -> bool {
+    provider().and_then(|p| p.rdma_read).unwrap_or(!iwarp)
+}
+
+/// `SANDIRECT_SAN_RDMA_READ`'s value: `Some(false)` for `0`, `Some(true)` for `1`, `None`
+/// (the device's default) when unset or anything else.
+fn rdma_read_setting(value: Option<&std::ffi::OsStr>) -> Option<bool> {
+    match value.and_then(|v| v.to_str()).map(str::trim) {
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        _ => None,
+    }
 }
 
 static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
@@ -259,7 +275,7 @@ fn provider() -> Option<&'static Provider> {
                     negative: NegativeCache::new(NegativeCacheConfig::default()),
                     dir: dir.path().to_path_buf(),
                     rendezvous: std::env::var_os(RENDEZVOUS_ENV).is_none_or(|v| v != "0"),
-                    rdma_read: std::env::var_os(RDMA_READ_ENV).is_none_or(|v| v != "0"),
+                    rdma_read: rdma_read_setting(std::env::var_os(RDMA_READ_ENV).as_deref()),
                 }),
                 Err(error) => {
                     tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");
@@ -745,4 +761,21 @@ pub fn epoll_registrations_changed(index: u32) {
 /// Number of sockets currently with a SAN object.
 pub fn live_sockets() -> usize {
     LIVE.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rdma_read_setting_is_explicit_or_left_to_the_device() {
+        use std::ffi::OsStr;
+        assert_eq!(rdma_read_setting(Some(OsStr::new("0"))), Some(false));
+        assert_eq!(rdma_read_setting(Some(OsStr::new("1"))), Some(true));
+        assert_eq!(rdma_read_setting(Some(OsStr::new(" 1\n"))), Some(true));
+        assert_eq!(rdma_read_setting(None), None);
+        // Anything else is not a choice: the device's default, as if unset.
+        assert_eq!(rdma_read_setting(Some(OsStr::new("yes"))), None);
+        assert_eq!(rdma_read_setting(Some(OsStr::new(""))), None);
+    }
 }

@@ -221,6 +221,9 @@ pub(crate) struct WaitFds {
     pub cap: Option<Duration>,
     /// Verbs: the connection's pollable fd, watched by the blocked thread itself.
     pub link: Option<RawFd>,
+    /// Verbs, a reader: poll the completion queue for a while before sleeping (see
+    /// [`super::verbs::SpinPolicy`]; set by [`SanSocket::prepare_read_wait`]).
+    pub spin: bool,
 }
 
 /// What [`SanSocket::absorb_if_stalled`] found.
@@ -1601,6 +1604,7 @@ impl SanSocket {
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
             cap: None,
             link: None,
+            spin: false,
         };
         if !self.watch_link_directly(&mut wait) {
             if let Some(conn) = self.conn.as_ref() {
@@ -1610,6 +1614,41 @@ impl SanSocket {
         }
         self.waiters += 1;
         Some(wait)
+    }
+
+    /// [`SanSocket::prepare_wait`] for a reader of a switched socket: over verbs the wait may
+    /// poll the completion queue before it sleeps, when the connection's [`SpinPolicy`]
+    /// (adaptive) says polling pays. `None`: news arrived, do not block.
+    ///
+    /// [`SpinPolicy`]: super::verbs::SpinPolicy
+    pub(crate) fn prepare_read_wait(&mut self) -> Option<WaitFds> {
+        let mut wait = self.prepare_wait(0)?;
+        if wait.link.is_some() && super::verbs::poll_budget() > 0 {
+            wait.spin = self
+                .verbs_link_mut()
+                .is_some_and(|link| link.spin.should_poll());
+        }
+        Some(wait)
+    }
+
+    /// One poll round of a blocked reader (its lock held): true when there is news, a
+    /// completion waiting for the drive or a session another thread made readable.
+    pub(crate) fn poll_round(&mut self) -> bool {
+        if self.session.as_ref().is_none_or(|s| s.readiness().readable) {
+            return true;
+        }
+        self.verbs_link_mut().is_none_or(|link| link.gather())
+    }
+
+    /// The outcome of a blocked reader's polling (see [`super::verbs::SpinPolicy`]).
+    pub(crate) fn polled(&mut self, found: bool) {
+        if let Some(link) = self.verbs_link_mut() {
+            if found {
+                link.spin.found();
+            } else {
+                link.spin.missed();
+            }
+        }
     }
 
     /// Prepares a blocking wait for the completion of a rendezvous receive in flight. Not on
@@ -1645,6 +1684,7 @@ impl SanSocket {
             bell: None,
             cap: None,
             link: None,
+            spin: false,
         }
     }
 
@@ -1677,6 +1717,7 @@ impl SanSocket {
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
             cap: None,
             link: None,
+            spin: false,
         }
     }
 
@@ -1688,6 +1729,34 @@ impl SanSocket {
                 link.end_direct_wait();
             }
         }
+        self.finish_wait_common(fds, bell_rung);
+    }
+
+    /// After a reader's poll found news (see [`SanSocket::poll_round`]): as
+    /// [`SanSocket::finish_wait`], but the service thread's watch of the connection resumes
+    /// only at the next arm, after the drive that takes the news in: the armed queue raised
+    /// a channel event for it, which that arm consumes; resumed now, the watch would wake
+    /// the service thread for it, to contend for this socket's lock. Every call that drives
+    /// the socket ends with an arm ([`SanSocket::service`]), and the hook's way out settles
+    /// what is still owed ([`SanSocket::settle_direct_wait`]).
+    pub(crate) fn finish_polled_wait(&mut self, fds: &WaitFds) {
+        if fds.link.is_some() {
+            if let Some(link) = self.verbs_link_mut() {
+                link.end_direct_wait_after_arm();
+            }
+        }
+        self.finish_wait_common(fds, false);
+    }
+
+    /// Leaving a hook call: a direct wait whose end waited for an arm that did not come ends
+    /// now, so the service thread watches the connection while the application is away.
+    pub(crate) fn settle_direct_wait(&mut self) {
+        if let Some(link) = self.verbs_link_mut() {
+            link.settle_direct_wait();
+        }
+    }
+
+    fn finish_wait_common(&mut self, fds: &WaitFds, bell_rung: bool) {
         if !fds.asleep {
             return;
         }
@@ -1908,7 +1977,8 @@ impl SanSocket {
         link.set_own_mirror(k, SideWords::new(page.clone(), 0));
         let mut capabilities = link.capabilities();
         // Not offering to read makes the peer's rendezvous sends WRITE mode.
-        capabilities.rdma_read &= super::rdma_read_enabled();
+        capabilities.rdma_read &=
+            super::rdma_read_offered(capabilities.read_sink_needs_remote_write);
         let config = SessionConfig {
             rendezvous_threshold: if super::rendezvous_enabled() {
                 VERBS_RENDEZVOUS_THRESHOLD
