@@ -380,7 +380,7 @@ vanish_case server-host-vanished 1 san-verbs
 signal_case() {
   selected "$1" || return 0
   local name=$1 preload=$2 want=$3 port spid out
-  local run=(); [[ $preload == 1 ]] && run=("${pre[@]}" SANDIRECT_VERBS_POLLS=1000000)
+  local run=(); [[ $preload == 1 ]] && run=("${pre[@]}" SANDIRECT_VERBS_POLLS=200000)
   "${run[@]}" "$X" answer "$S" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
   spid=$!
   for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
