@@ -345,6 +345,30 @@ impl VerbsConnection {
         self.drain_cq() == 0
     }
 
+    /// Consumes the channel event that an armed notification raised (or is raising: the
+    /// completion can be polled before the kernel has queued its event), waiting up to
+    /// `timeout` for it; the CQ is then disarmed. Returns at once when no notification fired
+    /// (nothing polled since the arm raised one). For a caller that polled a completion which
+    /// fired the notification and wants its event gone before anyone else watches [`Self::fd`]
+    /// (a watcher resumed on a readable fd would be woken for it). False: no event came.
+    pub fn take_event(&mut self, timeout: Duration) -> bool {
+        if !(self.armed && self.fired) {
+            // No notification fired since the last arm: no event is owed, none is waited for.
+            return false;
+        }
+        let mut taken = self.cq.consume_one_event();
+        if !taken && !timeout.is_zero() {
+            let ms = i32::try_from(timeout.as_millis().max(1)).unwrap_or(i32::MAX);
+            taken =
+                cm::wait_readable(self.cq.fd(), ms).unwrap_or(false) && self.cq.consume_one_event();
+        }
+        if taken {
+            self.armed = false;
+            self.fired = false;
+        }
+        taken
+    }
+
     /// Handles queued connection events (non-blocking); a disconnect moves the QP to the
     /// error state so every outstanding work request completes (flushed).
     pub fn process_events(&mut self) {

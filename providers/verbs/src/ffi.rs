@@ -53,6 +53,7 @@ static VTABLE: VerbsVtable = VerbsVtable {
     domain_take_memory_changes,
     domain_is_watched,
     connection_arm_solicited,
+    connection_take_event,
 };
 
 /// The library's only exported symbol: the vtable of ABI version 1.
@@ -663,6 +664,21 @@ unsafe extern "C" fn connection_arm(conn: *mut AbiConnection) -> i32 {
 unsafe extern "C" fn connection_arm_solicited(conn: *mut AbiConnection) -> i32 {
     // SAFETY: caller contract (passed on).
     unsafe { arm_with(conn, VerbsConnection::arm_solicited) }
+}
+
+unsafe extern "C" fn connection_take_event(conn: *mut AbiConnection, timeout_ms: c_int) -> i32 {
+    guard(|| {
+        // SAFETY: caller contract.
+        let Some(conn) = (unsafe { handle::<VerbsConnection, _>(conn) }) else {
+            return status::INVALID_ARGUMENT;
+        };
+        let timeout = Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0));
+        if conn.take_event(timeout) {
+            status::OK
+        } else {
+            status::WOULD_BLOCK
+        }
+    })
 }
 
 /// The arming entries: `arm` on the connection, its answer as a status.

@@ -601,6 +601,12 @@ impl SanSocket {
         if self.phase != Phase::Switched || !self.is_verbs() {
             return;
         }
+        self.arm_verbs();
+    }
+
+    /// Verbs: arms the completion channel for whoever watches it next, driving what arrived
+    /// meanwhile first.
+    fn arm_verbs(&mut self) {
         // Completions that arrived meanwhile make `arm` refuse: drive them first (bounded;
         // a connection that keeps it busy longer re-arms at the next call or the sweep).
         for _ in 0..16 {
@@ -1742,17 +1748,27 @@ impl SanSocket {
     pub(crate) fn finish_polled_wait(&mut self, fds: &WaitFds) {
         if fds.link.is_some() {
             if let Some(link) = self.verbs_link_mut() {
-                link.end_direct_wait_after_arm();
+                link.owe_direct_wait_end();
             }
         }
         self.finish_wait_common(fds, false);
     }
 
-    /// Leaving a hook call: a direct wait whose end waited for an arm that did not come ends
-    /// now, so the service thread watches the connection while the application is away.
+    /// Leaving a hook call: what a polled wait owes is settled (its channel event consumed,
+    /// the queue armed, the service thread's watch resumed), so the service thread watches
+    /// the connection while the application is away.
     pub(crate) fn settle_direct_wait(&mut self) {
+        if !self
+            .verbs_link_mut()
+            .is_some_and(|link| link.take_owed_event())
+        {
+            return;
+        }
+        if self.phase == Phase::Switched {
+            self.arm_verbs();
+        }
         if let Some(link) = self.verbs_link_mut() {
-            link.settle_direct_wait();
+            link.end_direct_wait();
         }
     }
 

@@ -56,6 +56,10 @@ pub(crate) const POLLS_ENV: &str = "SANDIRECT_VERBS_POLLS";
 /// are ~1-2 ms, and 256 proved too few there (half the polls of a ping-pong ran out, and the
 /// round trip swung between the polled and the sleeping figure).
 const DEFAULT_POLLS: u32 = 1024;
+/// How long the end of a polled wait waits for the channel event of the completion it found
+/// (the kernel queues the event just after the completion becomes visible; see
+/// [`VerbsLink::take_owed_event`]). A bound, not a pace: the event is there long before.
+const OWED_EVENT_WAIT: Duration = Duration::from_millis(1);
 /// How long a peer address whose CM connects failed is not asked again.
 const NEGATIVE_TTL: Duration = Duration::from_secs(30);
 /// Rejections in a row after which a peer address counts as plain. One is not enough: a
@@ -429,10 +433,13 @@ pub(crate) struct VerbsLink {
     armed: bool,
     /// Whether a blocked reader polls before it sleeps.
     pub(crate) spin: SpinPolicy,
-    /// A reader's poll found news while the queue was armed: the direct wait ends (the
-    /// service thread's watch resumes) at the next successful arm, which consumes the
-    /// channel event first, so the resumed watch does not wake the service thread for it.
-    resume_after_arm: bool,
+    /// A reader's poll found news while the queue was armed: the end of its direct wait
+    /// (the service thread's watch resuming) and the channel event the armed queue raised
+    /// are owed until the call leaves ([`VerbsLink::take_owed`]); meanwhile the queue counts
+    /// as armed. Resumed before that event is consumed, the watch would wake the service
+    /// thread for it, to contend for the socket's lock; and the event can lag the
+    /// completion the poll found (the kernel queues it after the completion is visible).
+    owed: bool,
 }
 
 /// A receive slot's pre-posting state.
@@ -652,7 +659,11 @@ impl VerbsLink {
 
     /// Arms the completion channel (`solicited_only`: for the peer's messages alone, see
     /// `LoadedConnection::arm_solicited`); false when completions are pending (drive first).
+    /// While a polled wait's end is owed, the queue counts as armed (its event is owed).
     pub(crate) fn arm(&mut self, solicited_only: bool) -> bool {
+        if self.owed && self.armed {
+            return true;
+        }
         let armed = self.conn.as_mut().is_none_or(|conn| {
             if solicited_only {
                 conn.arm_solicited()
@@ -661,30 +672,33 @@ impl VerbsLink {
             }
         });
         self.armed = armed;
-        if armed && self.resume_after_arm {
-            self.resume_after_arm = false;
-            self.end_direct_wait();
-        }
         armed
     }
 
-    /// Ends a direct wait whose poll found news at the next successful [`VerbsLink::arm`]
-    /// instead of now (see `resume_after_arm`).
-    pub(crate) fn end_direct_wait_after_arm(&mut self) {
-        if self.resume_after_arm {
-            // (Two polls found news before an arm: the first one's end is still owed.)
+    /// A reader's poll found news: its direct wait ends at [`VerbsLink::take_owed`].
+    pub(crate) fn owe_direct_wait_end(&mut self) {
+        if self.owed {
+            // (Two polls found news before the call left: the first one's end now.)
             self.end_direct_wait();
         }
-        self.resume_after_arm = true;
+        self.owed = true;
     }
 
-    /// Ends a direct wait still owed by [`VerbsLink::end_direct_wait_after_arm`] (the call
-    /// is returning without having armed: the service thread must watch the connection).
-    pub(crate) fn settle_direct_wait(&mut self) {
-        if self.resume_after_arm {
-            self.resume_after_arm = false;
-            self.end_direct_wait();
+    /// Settles what a polled wait owes, first half (true when something was owed): consumes
+    /// the channel event its armed queue raised, waiting a little for one still being queued
+    /// (none is waited for when the queue's notification did not fire). The caller then
+    /// re-arms and ends the direct wait ([`VerbsLink::end_direct_wait`]).
+    pub(crate) fn take_owed_event(&mut self) -> bool {
+        if !self.owed {
+            return false;
         }
+        self.owed = false;
+        if let Some(conn) = self.conn.as_mut() {
+            if conn.take_event(OWED_EVENT_WAIT) {
+                self.armed = false;
+            }
+        }
+        true
     }
 
     /// A thread is about to block on this socket (its lock held, right after a drive that
@@ -784,7 +798,7 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         direct_waiters: 0,
         armed: false,
         spin: SpinPolicy::default(),
-        resume_after_arm: false,
+        owed: false,
     })
 }
 
@@ -824,7 +838,7 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
                 direct_waiters: 0,
                 armed: false,
                 spin: SpinPolicy::default(),
-                resume_after_arm: false,
+                owed: false,
             })
         }
         Err(error) => {

@@ -470,6 +470,12 @@ pub struct VerbsVtable {
     /// As [`Self::connection_arm`], but only the peer's next message (or a failed
     /// completion) raises the event, not the completion of our own sends.
     pub connection_arm_solicited: unsafe extern "C" fn(conn: *mut AbiConnection) -> i32,
+    // ---- Appended (polling readers). ----
+    /// Consumes the completion channel's pending (or arriving) event, waiting up to
+    /// `timeout_ms` for it, and disarms: [`status::OK`], or [`status::WOULD_BLOCK`] when none
+    /// came.
+    pub connection_take_event:
+        unsafe extern "C" fn(conn: *mut AbiConnection, timeout_ms: c_int) -> i32,
 }
 
 /// A byte range (`san_api::MemRange`).

@@ -367,6 +367,14 @@ impl LoadedConnection {
         unsafe { (self.library.vtable.connection_arm_solicited)(self.raw) == abi::status::OK }
     }
 
+    /// Consumes the channel event an armed notification raised (or is raising), waiting up
+    /// to `timeout` for it; the CQ is disarmed then. False: none came.
+    pub fn take_event(&mut self, timeout: Duration) -> bool {
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: live connection handle.
+        unsafe { (self.library.vtable.connection_take_event)(self.raw, ms) == abi::status::OK }
+    }
+
     /// A pollable fd for event loops (see [`Self::arm`]).
     pub fn fd(&self) -> RawFd {
         // SAFETY: live connection handle.
