@@ -1535,6 +1535,7 @@ unsafe fn epoll_wait_with_san(
             let _errno = errno::Preserved::save();
             let _guard = ReentrancyGuard::enter();
             crate::san::assist_all_in_process();
+            crate::san::settle_all_owed();
         }
         let left = crate::runtime::next_slice_ms(deadline);
         let n = call(left);

@@ -10,7 +10,9 @@ use core::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::downgrade::{self, MARKER_WAIT};
-use super::socket::{Phase, SanSocket, SinkRefused, WaitFds, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::socket::{
+    AfterPolling, Phase, SanSocket, SinkRefused, WaitFds, DOWNGRADED, REMOTE_SEGMENT_AHEAD,
+};
 use super::{lock, orphaned, SanObject, COUNTERS, LIVE};
 use crate::discovery::canonical_addr;
 use crate::record::{flags, Bypass, Counter, DataPath};
@@ -145,13 +147,16 @@ fn block(
             // SAFETY: written by the successful pthread_sigmask above.
             let outer = unsafe { outer.assume_init() };
             let found = poll_before_sleeping(index);
+            let mut after = AfterPolling::Found;
             if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-                socket.polled(found);
-                if found {
-                    socket.finish_polled_wait(&fds);
+                after = socket.polled(found);
+                match after {
+                    AfterPolling::Found => socket.finish_polled_wait(&fds),
+                    AfterPolling::LookAgain => socket.finish_wait(&fds, false),
+                    AfterPolling::Sleep => {}
                 }
             }
-            if found {
+            if after != AfterPolling::Sleep {
                 // SAFETY: restores the caller's own mask.
                 unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &outer, core::ptr::null_mut()) };
                 return Ok(());
@@ -545,6 +550,7 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
     let sent = send_iov_inner(fd, index, bufs, send_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
         socket.leaving_call();
+        socket.note_call();
     }
     sent
 }
@@ -944,7 +950,7 @@ pub(super) fn recv_tcp(
 pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
     let result = recv_iov_inner(fd, index, bufs, recv_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-        socket.settle_direct_wait();
+        socket.note_call();
     }
     if tracing::enabled!(tracing::Level::TRACE) {
         let first = bufs.first().filter(|b| !b.ptr.is_null());
@@ -1254,6 +1260,8 @@ pub fn poll_fds(
                 if socket.phase == Phase::Switched && !socket.epoll_on_tcp =>
             {
                 socket.set_watched();
+                // (The service thread must hear of arrivals while this thread sleeps.)
+                socket.settle_direct_wait();
                 socket.mirror_fd()
             }
             // Bytes in the stash: its eventfd (readable) stands in; the socket's own state

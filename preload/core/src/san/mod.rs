@@ -113,6 +113,7 @@ pub use io::{
     assist_all_in_process, correct_epoll_events, poll_fds, readable_bytes, recv_iov,
     select_via_poll, send_iov, service_all, RawBuf,
 };
+pub(crate) use verbs::settle_all_owed;
 
 use crate::discovery::{
     ConnectionKey, ListenerMarker, NegativeCache, NegativeCacheConfig, PeerKind, SegmentDir,

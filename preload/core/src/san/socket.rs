@@ -226,6 +226,19 @@ pub(crate) struct WaitFds {
     pub spin: bool,
 }
 
+/// What a blocked reader does after polling (see [`SanSocket::polled`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AfterPolling {
+    /// News came: the wait ends (its direct wait's end is owed, see
+    /// [`SanSocket::finish_polled_wait`]).
+    Found,
+    /// Nothing came and the queue was settled for sleeping: the wait ends without sleeping
+    /// and the call looks again (what settling drove is news nobody announced).
+    LookAgain,
+    /// Nothing came: sleep.
+    Sleep,
+}
+
 /// What [`SanSocket::absorb_if_stalled`] found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stall {
@@ -1574,6 +1587,12 @@ impl SanSocket {
     /// Prepares a blocking wait: spins briefly while the peer runs, then announces "asleep"
     /// and lowers the mirror. `None`: news arrived, do not block.
     pub(crate) fn prepare_wait(&mut self, tcp_events: i16) -> Option<WaitFds> {
+        self.prepare_wait_polling(tcp_events, false)
+    }
+
+    /// [`SanSocket::prepare_wait`]; `polls`: the wait polls the completion queue before it
+    /// sleeps (verbs, see [`SanSocket::prepare_read_wait`]).
+    fn prepare_wait_polling(&mut self, tcp_events: i16, polls: bool) -> Option<WaitFds> {
         if self.phase == Phase::Pending {
             if self.pending_bell.is_none() {
                 self.pending_bell = new_eventfd();
@@ -1610,7 +1629,7 @@ impl SanSocket {
             bell: self.local_bell.as_ref().map(AsRawFd::as_raw_fd),
             cap: None,
             link: None,
-            spin: false,
+            spin: polls,
         };
         if !self.watch_link_directly(&mut wait) {
             if let Some(conn) = self.conn.as_ref() {
@@ -1628,13 +1647,12 @@ impl SanSocket {
     ///
     /// [`SpinPolicy`]: super::verbs::SpinPolicy
     pub(crate) fn prepare_read_wait(&mut self) -> Option<WaitFds> {
-        let mut wait = self.prepare_wait(0)?;
-        if wait.link.is_some() && super::verbs::poll_budget() > 0 {
-            wait.spin = self
+        let polls = self.phase == Phase::Switched
+            && super::verbs::poll_budget() > 0
+            && self
                 .verbs_link_mut()
                 .is_some_and(|link| link.spin.should_poll());
-        }
-        Some(wait)
+        self.prepare_wait_polling(0, polls)
     }
 
     /// One poll round of a blocked reader (its lock held): true when there is news, a
@@ -1646,14 +1664,30 @@ impl SanSocket {
         self.verbs_link_mut().is_none_or(|link| link.gather())
     }
 
-    /// The outcome of a blocked reader's polling (see [`super::verbs::SpinPolicy`]).
-    pub(crate) fn polled(&mut self, found: bool) {
+    /// The outcome of a blocked reader's polling (see [`super::verbs::SpinPolicy`]), and
+    /// what the wait does next.
+    pub(crate) fn polled(&mut self, found: bool) -> AfterPolling {
+        let Some(link) = self.verbs_link_mut() else {
+            return AfterPolling::Sleep;
+        };
+        if found {
+            link.spin.found();
+            return AfterPolling::Found;
+        }
+        link.spin.missed();
+        if !link.owed() {
+            return AfterPolling::Sleep;
+        }
+        // The sleep needs an armed queue. Settling may drive what arrived meanwhile, with no
+        // wake-up for this wait (it is not counted among the waiters yet): look again first.
+        self.settle_direct_wait();
+        AfterPolling::LookAgain
+    }
+
+    /// The application made a call on this socket (see `VerbsLink::note_call`).
+    pub(crate) fn note_call(&mut self) {
         if let Some(link) = self.verbs_link_mut() {
-            if found {
-                link.spin.found();
-            } else {
-                link.spin.missed();
-            }
+            link.note_call();
         }
     }
 
@@ -1754,9 +1788,11 @@ impl SanSocket {
         self.finish_wait_common(fds, false);
     }
 
-    /// Leaving a hook call: what a polled wait owes is settled (its channel event consumed,
-    /// the queue armed, the service thread's watch resumed), so the service thread watches
-    /// the connection while the application is away.
+    /// Settles what a polled wait owes (its channel event consumed, the queue armed, the
+    /// service thread's watch resumed), so that a sleep on the connection's events, or the
+    /// service thread, learns of the next arrival. While owed, the application's calls poll
+    /// the queue themselves and a polled wait needs nothing of it: settling after every call
+    /// cost a consumed event, an arm and two `epoll_ctl` per message.
     pub(crate) fn settle_direct_wait(&mut self) {
         if !self
             .verbs_link_mut()
@@ -2122,6 +2158,13 @@ impl SanSocket {
     /// [`super::verbs::VerbsLink::begin_direct_wait`]). False: the channel is not armed,
     /// drive again instead of blocking.
     fn watch_link_directly(&mut self, fds: &mut WaitFds) -> bool {
+        if !fds.spin && self.verbs_link_mut().is_some_and(|link| link.owed()) {
+            // A wait that sleeps at once needs an armed queue: settle the owed one, then look
+            // again rather than sleep (what settling drove is news nobody announced: this
+            // wait is not counted among the waiters yet).
+            self.settle_direct_wait();
+            return false;
+        }
         let Some(link) = self.verbs_link_mut() else {
             return true;
         };

@@ -15,7 +15,7 @@
 //! * Verbs objects are not used across `fork`: a child process does not use verbs at all
 //!   (its inherited SAN sockets were downgraded to TCP before the fork).
 
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -56,6 +56,16 @@ pub(crate) const POLLS_ENV: &str = "SANDIRECT_VERBS_POLLS";
 /// are ~1-2 ms, and 256 proved too few there (half the polls of a ping-pong ran out, and the
 /// round trip swung between the polled and the sleeping figure).
 const DEFAULT_POLLS: u32 = 1024;
+/// Links whose polled wait's end is owed ([`VerbsLink::owe_direct_wait_end`]): while there
+/// are any, the service thread ticks every [`OWED_TICK_MS`].
+static OWED_LINKS: AtomicUsize = AtomicUsize::new(0);
+/// The service thread's tick while links are owed: an owed link whose application made no
+/// call for a whole tick is settled (its queue armed, the service thread's watch resumed).
+/// Until then an arrival on it wakes nobody but the application's next call on the socket,
+/// which polls the queue itself: a thread of the same program that sleeps on the socket's
+/// readiness (epoll on another thread) learns of it up to two ticks late.
+const OWED_TICK_MS: libc::c_int = 2;
+
 /// How long the end of a polled wait waits for the channel event of the completion it found
 /// (the kernel queues the event just after the completion becomes visible; see
 /// [`VerbsLink::take_owed_event`]). A bound, not a pace: the event is there long before.
@@ -440,6 +450,11 @@ pub(crate) struct VerbsLink {
     /// thread for it, to contend for the socket's lock; and the event can lag the
     /// completion the poll found (the kernel queues it after the completion is visible).
     owed: bool,
+    /// The application's calls on this socket (wrapping), and their number at the service
+    /// thread's last tick: an owed link is settled by the service thread only after a tick
+    /// without a call.
+    calls: u32,
+    calls_at_tick: u32,
 }
 
 /// A receive slot's pre-posting state.
@@ -678,10 +693,37 @@ impl VerbsLink {
     /// A reader's poll found news: its direct wait ends at [`VerbsLink::take_owed`].
     pub(crate) fn owe_direct_wait_end(&mut self) {
         if self.owed {
-            // (Two polls found news before the call left: the first one's end now.)
+            // (Owed already: this wait's own end now; the watch stays paused for the owed one.)
             self.end_direct_wait();
+            return;
         }
         self.owed = true;
+        if OWED_LINKS.fetch_add(1, Ordering::AcqRel) == 0 {
+            // The service thread ticks while any link is owed (see `settle_idle_owed`).
+            if let Some(service) = SERVICE.get().and_then(Option::as_ref) {
+                service.wake();
+            }
+        }
+    }
+
+    /// Whether a polled wait's end is owed (the queue may hold an unconsumed event and not
+    /// be armed; the service thread does not watch the connection).
+    pub(crate) fn owed(&self) -> bool {
+        self.owed
+    }
+
+    /// Counts a call of the application on this socket (the service thread settles an owed
+    /// link only after a tick without one).
+    pub(crate) fn note_call(&mut self) {
+        self.calls = self.calls.wrapping_add(1);
+    }
+
+    /// The service thread's tick: true when no call came since the last tick (the
+    /// application left the socket: time to settle).
+    fn idle_since_last_tick(&mut self) -> bool {
+        let idle = self.calls == self.calls_at_tick;
+        self.calls_at_tick = self.calls;
+        idle
     }
 
     /// Settles what a polled wait owes, first half (true when something was owed): consumes
@@ -693,6 +735,7 @@ impl VerbsLink {
             return false;
         }
         self.owed = false;
+        OWED_LINKS.fetch_sub(1, Ordering::AcqRel);
         if let Some(conn) = self.conn.as_mut() {
             if conn.take_event(OWED_EVENT_WAIT) {
                 self.armed = false;
@@ -740,6 +783,9 @@ impl VerbsLink {
 
 impl Drop for VerbsLink {
     fn drop(&mut self) {
+        if self.owed {
+            OWED_LINKS.fetch_sub(1, Ordering::AcqRel);
+        }
         if let Some(attach) = self.attach.take() {
             attach.abandon();
         }
@@ -799,6 +845,8 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         armed: false,
         spin: SpinPolicy::default(),
         owed: false,
+        calls: 0,
+        calls_at_tick: 0,
     })
 }
 
@@ -839,6 +887,8 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
                 armed: false,
                 spin: SpinPolicy::default(),
                 owed: false,
+                calls: 0,
+                calls_at_tick: 0,
             })
         }
         Err(error) => {
@@ -903,12 +953,16 @@ const TAG_SOCKET: u64 = 1 << 32;
 const TAG_ATTACH: u64 = 2 << 32;
 /// The kernel TCP socket of a switched verbs socket (its end, e.g. a keepalive timeout).
 const TAG_KERNEL: u64 = 3 << 32;
+/// The service thread's own ticker (an eventfd).
+const TAG_TICK: u64 = 4 << 32;
 
 /// The per-process service thread (see the module docs).
 struct Service {
     epoll: OwnedFd,
     attaches: Mutex<Vec<(u32, Arc<Attach>)>>,
     next: AtomicU32,
+    /// Rung when the first link becomes owed: the thread then ticks (see [`OWED_TICK_MS`]).
+    ticker: Option<OwnedFd>,
 }
 
 static SERVICE: OnceLock<Option<Service>> = OnceLock::new();
@@ -923,11 +977,22 @@ fn service() -> Option<&'static Service> {
             }
             // SAFETY: a fresh descriptor owned by nobody else.
             let epoll = mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(raw) });
-            Some(Service {
+            // SAFETY: plain eventfd(2); the result is owned below.
+            let ticker = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+            let ticker = (ticker >= 0).then(|| {
+                // SAFETY: a fresh descriptor owned by nobody else.
+                mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(ticker) })
+            });
+            let service = Service {
                 epoll,
                 attaches: Mutex::new(Vec::new()),
                 next: AtomicU32::new(0),
-            })
+                ticker,
+            };
+            if let Some(ticker) = service.ticker.as_ref() {
+                service.watch(ticker.as_raw_fd(), TAG_TICK);
+            }
+            Some(service)
         })
         .as_ref()
         .filter(|_| start_thread())
@@ -939,6 +1004,15 @@ fn start_thread() -> bool {
 }
 
 impl Service {
+    /// Wakes the thread (it then ticks while links are owed).
+    fn wake(&self) {
+        if let Some(ticker) = self.ticker.as_ref() {
+            let one = 1u64;
+            // SAFETY: an 8-byte write to our eventfd.
+            unsafe { libc::write(ticker.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
     fn watch(&self, fd: RawFd, data: u64) {
         let mut event = libc::epoll_event {
             events: (libc::EPOLLIN | libc::EPOLLET) as u32,
@@ -1011,7 +1085,11 @@ fn service_loop() {
                 service.epoll.as_raw_fd(),
                 events.as_mut_ptr(),
                 events.len() as libc::c_int,
-                1000,
+                if OWED_LINKS.load(Ordering::Acquire) > 0 {
+                    OWED_TICK_MS
+                } else {
+                    1000
+                },
             )
         };
         if n < 0 {
@@ -1020,6 +1098,9 @@ fn service_loop() {
             }
             std::thread::sleep(Duration::from_millis(10));
             continue;
+        }
+        if OWED_LINKS.load(Ordering::Acquire) > 0 {
+            settle_idle_owed();
         }
         if n == 0 {
             sweep();
@@ -1031,6 +1112,15 @@ fn service_loop() {
             match data & !0xffff_ffff {
                 TAG_SOCKET => service_socket(low),
                 TAG_KERNEL => check_kernel_socket(low),
+                TAG_TICK => {
+                    if let Some(ticker) = service.ticker.as_ref() {
+                        let mut count = 0u64;
+                        // SAFETY: an 8-byte read from our nonblocking eventfd.
+                        unsafe {
+                            libc::read(ticker.as_raw_fd(), (&mut count as *mut u64).cast(), 8)
+                        };
+                    }
+                }
                 TAG_ATTACH => {
                     let attach = guard(&service.attaches)
                         .iter()
@@ -1112,6 +1202,46 @@ fn kernel_tcp_state(fd: RawFd) -> Option<u8> {
 /// Reads (and so clears) socket `fd`'s pending error, `SO_ERROR`.
 fn take_socket_error(fd: RawFd) -> Option<libc::c_int> {
     super::io::socket_option::<libc::c_int>(fd, libc::SOL_SOCKET, libc::SO_ERROR)
+}
+
+/// The service thread's tick: every owed link whose application made no call since the last
+/// tick is settled (see [`OWED_TICK_MS`]).
+fn settle_idle_owed() {
+    for_each_verbs_socket(|socket| {
+        if socket
+            .verbs_link_mut()
+            .is_some_and(|link| link.owed() && link.idle_since_last_tick())
+        {
+            socket.settle_direct_wait();
+        }
+    });
+}
+
+/// Before a thread sleeps on readiness (epoll, poll, select): every owed link is settled, so
+/// the service thread hears of arrivals on it while this thread sleeps. One atomic load when
+/// nothing is owed.
+pub(crate) fn settle_all_owed() {
+    if OWED_LINKS.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    for_each_verbs_socket(super::socket::SanSocket::settle_direct_wait);
+}
+
+/// Runs `f` on every SAN socket of this process not in use by another thread (`try_lock`).
+fn for_each_verbs_socket(mut f: impl FnMut(&mut super::socket::SanSocket)) {
+    let mut indices = Vec::new();
+    crate::registry::registry().for_each_live(|index, record| {
+        if record.flags() & crate::record::flags::SAN != 0 {
+            indices.push(index);
+        }
+    });
+    for index in indices {
+        if let Ok(mut slot) = super::slot(index).try_lock() {
+            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
+                f(socket);
+            }
+        }
+    }
 }
 
 /// The safety net (once a second while idle): every verbs socket is serviced and re-armed.
