@@ -333,6 +333,28 @@ redis_case
 death_case server-killed server
 death_case client-killed client
 
+# answer_server NAME [PREFIX...]: starts san_xhost's `answer` server (under PREFIX, e.g. the
+# preload) and waits for its port: sets SPID and PORT.
+answer_server() {
+  local name=$1; shift
+  "$@" "$X" answer "$S" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  SPID=$!
+  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
+  PORT=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
+}
+
+# verdict NAME OK(0|1) DETAIL: counts a case and reports it (with the client's stderr on failure).
+verdict() {
+  if [[ $2 == 1 ]]; then
+    echo "san-verbs: $1 ok ($3)"
+    pass=$((pass+1))
+  else
+    echo "san-verbs: $1 FAIL ($3)"
+    echo "--- client stderr"; tail -n 30 "$LOGS/$1.client.err"
+    fail=$((fail+1))
+  fi
+}
+
 # vanish_case NAME PRELOADED(0|1) EXPECTED_PATH: the server's host vanishes (every packet from
 # its address dropped, TCP and RDMA alike: nothing tells the client, no CM disconnect, no
 # work request outstanding) under an idle connection whose client asked for TCP keepalive
@@ -341,13 +363,10 @@ death_case client-killed client
 # watched), within 15 s. Run natively too: the reference the SAN run must match.
 vanish_case() {
   selected "$1" || return 0
-  local name=$1 preload=$2 want=$3 port spid cpid waited=0 idle out
+  local name=$1 preload=$2 want=$3 cpid waited=0 idle out ok=0
   local run=(); [[ $preload == 1 ]] && run=("${pre[@]}")
-  "${run[@]}" "$X" answer "$S" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
-  spid=$!
-  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
-  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
-  "${run[@]}" timeout 60 "$X" keepalive-client "$SP:$port" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
+  answer_server "$name" "${run[@]}"
+  "${run[@]}" timeout 60 "$X" keepalive-client "$SP:$PORT" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
   cpid=$!
   for _ in $(seq 300); do grep -q '^idle ' "$LOGS/$name.client.out" 2>/dev/null && break; sleep 0.1; done
   idle=$(grep '^idle ' "$LOGS/$name.client.out")
@@ -359,16 +378,10 @@ NFT
   local nft_rc=$?
   while kill -0 "$cpid" 2>/dev/null && (( waited < 300 )); do sleep 0.1; waited=$((waited+1)); done
   nft delete table inet sandirect_vanish 2>/dev/null
-  kill -9 "$spid" "$cpid" 2>/dev/null; wait "$spid" "$cpid" 2>/dev/null
+  kill -9 "$SPID" "$cpid" 2>/dev/null; wait "$SPID" "$cpid" 2>/dev/null
   out=$(grep 'client stopped' "$LOGS/$name.client.out")
-  if [[ $nft_rc == 0 && $idle == *"path=$want "* && $out == "client stopped: TimedOut after "* ]] && (( waited < 150 )); then
-    echo "san-verbs: $name ok ($idle; $out)"
-    pass=$((pass+1))
-  else
-    echo "san-verbs: $name FAIL (nft rc=$nft_rc; '$idle'; '$out'; waited $((waited / 10)) s)"
-    echo "--- client stderr"; tail -n 30 "$LOGS/$name.client.err"
-    fail=$((fail+1))
-  fi
+  [[ $nft_rc == 0 && $idle == *"path=$want "* && $out == "client stopped: TimedOut after "* ]] && (( waited < 150 )) && ok=1
+  verdict "$name" "$ok" "nft rc=$nft_rc; '$idle'; '$out'; waited $((waited / 10)) s"
 }
 vanish_case server-host-vanished-native 0 tcp
 vanish_case server-host-vanished 1 san-verbs
@@ -379,24 +392,15 @@ vanish_case server-host-vanished 1 san-verbs
 # sleep), not be spent before the sleep. Run natively too.
 signal_case() {
   selected "$1" || return 0
-  local name=$1 preload=$2 want=$3 port spid out
+  local name=$1 preload=$2 want=$3 out ok=0
   local run=(); [[ $preload == 1 ]] && run=("${pre[@]}" SANDIRECT_VERBS_POLLS=200000)
-  "${run[@]}" "$X" answer "$S" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
-  spid=$!
-  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
-  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
-  "${run[@]}" timeout 60 "$X" interrupted-client "$SP:$port" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
-  for _ in $(seq 100); do kill -0 "$spid" 2>/dev/null || break; sleep 0.1; done
-  kill -9 "$spid" 2>/dev/null; wait "$spid" 2>/dev/null
+  answer_server "$name" "${run[@]}"
+  "${run[@]}" timeout 60 "$X" interrupted-client "$SP:$PORT" "$C" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err"
+  for _ in $(seq 100); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$SPID" 2>/dev/null; wait "$SPID" 2>/dev/null
   out=$(grep '^client read: ' "$LOGS/$name.client.out")
-  if [[ $out == "client read: Interrupted after "*", handler ran: true (path=$want "* ]]; then
-    echo "san-verbs: $name ok ($out)"
-    pass=$((pass+1))
-  else
-    echo "san-verbs: $name FAIL ('$out')"
-    echo "--- client stderr"; tail -n 30 "$LOGS/$name.client.err"
-    fail=$((fail+1))
-  fi
+  [[ $out == "client read: Interrupted after "*", handler ran: true (path=$want "* ]] && ok=1
+  verdict "$name" "$ok" "'$out'"
 }
 signal_case signal-while-blocked-native 0 tcp
 signal_case signal-while-polling 1 san-verbs

@@ -1661,7 +1661,11 @@ impl SanSocket {
         if self.session.as_ref().is_none_or(|s| s.readiness().readable) {
             return true;
         }
-        self.verbs_link_mut().is_none_or(|link| link.gather())
+        self.verbs_link_mut().is_none_or(|link| {
+            // (A thread polling is in a call: the service thread's tick leaves the link be.)
+            link.note_call();
+            link.gather()
+        })
     }
 
     /// The outcome of a blocked reader's polling (see [`super::verbs::SpinPolicy`]), and

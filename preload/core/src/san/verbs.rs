@@ -1249,19 +1249,7 @@ fn sweep() {
     if LIVE_VERBS.load(Ordering::Relaxed) == 0 {
         return;
     }
-    let mut indices = Vec::new();
-    crate::registry::registry().for_each_live(|index, record| {
-        if record.flags() & crate::record::flags::SAN != 0 {
-            indices.push(index);
-        }
-    });
-    for index in indices {
-        if let Ok(mut slot) = super::slot(index).try_lock() {
-            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
-                socket.service_verbs_event();
-            }
-        }
-    }
+    for_each_verbs_socket(super::socket::SanSocket::service_verbs_event);
 }
 
 #[cfg(test)]
