@@ -550,7 +550,7 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Op
     let sent = send_iov_inner(fd, index, bufs, send_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
         socket.leaving_call();
-        socket.note_call();
+        socket.note_call(sent.is_some_and(|n| n > 0), false);
     }
     sent
 }
@@ -950,7 +950,7 @@ pub(super) fn recv_tcp(
 pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
     let result = recv_iov_inner(fd, index, bufs, recv_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-        socket.note_call();
+        socket.note_call(false, result.is_some_and(|n| n > 0));
     }
     if tracing::enabled!(tracing::Level::TRACE) {
         let first = bufs.first().filter(|b| !b.ptr.is_null());

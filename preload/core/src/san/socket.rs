@@ -1651,7 +1651,7 @@ impl SanSocket {
             && super::verbs::poll_budget() > 0
             && self
                 .verbs_link_mut()
-                .is_some_and(|link| link.spin.should_poll());
+                .is_some_and(|link| link.answer_expected && link.spin.should_poll());
         self.prepare_wait_polling(0, polls)
     }
 
@@ -1688,10 +1688,18 @@ impl SanSocket {
         AfterPolling::LookAgain
     }
 
-    /// The application made a call on this socket (see `VerbsLink::note_call`).
-    pub(crate) fn note_call(&mut self) {
+    /// The application made a call on this socket (see `VerbsLink::note_call`) that moved
+    /// data: `sent` bytes out, `received` bytes in (whether a later read waits for an answer:
+    /// `VerbsLink::answer_expected`).
+    pub(crate) fn note_call(&mut self, sent: bool, received: bool) {
         if let Some(link) = self.verbs_link_mut() {
             link.note_call();
+            if received {
+                link.answer_expected = false;
+            }
+            if sent {
+                link.answer_expected = true;
+            }
         }
     }
 

@@ -111,7 +111,13 @@ pub(crate) fn poll_budget() -> u32 {
     })
 }
 
-/// When a blocked reader of a verbs socket polls before it sleeps: adaptive, per connection.
+/// When a blocked reader of a verbs socket polls before it sleeps: adaptive, per connection,
+/// and only for an answer (the application sent data since it last received some).
+///
+/// Only answers: a reader of a one-way stream waits for data the peer sends at its own pace,
+/// where the slots in flight hide a sleep's latency and polling only burns the CPU the two
+/// ends (and, on a small machine, the sender) need: polled, a 64 KiB stream over soft-RoCE ran
+/// at ~0.75x its sleeping rate.
 ///
 /// Sleeping costs a completion-channel arm, a sleep and a wake-up of the thread (and of an idle
 /// vCPU: the wake-up dominates a round trip); an answer that comes within about that much work
@@ -443,6 +449,10 @@ pub(crate) struct VerbsLink {
     armed: bool,
     /// Whether a blocked reader polls before it sleeps.
     pub(crate) spin: SpinPolicy,
+    /// The application sent data since it last received some: a read now waits for an
+    /// answer, which the peer may send at once (polled for); a reader of a one-way stream
+    /// waits for data the peer sends at its own pace, and sleeps (see [`SpinPolicy`]).
+    pub(crate) answer_expected: bool,
     /// A reader's poll found news while the queue was armed: the end of its direct wait
     /// (the service thread's watch resuming) and the channel event the armed queue raised
     /// are owed until the call leaves ([`VerbsLink::take_owed`]); meanwhile the queue counts
@@ -844,6 +854,7 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         direct_waiters: 0,
         armed: false,
         spin: SpinPolicy::default(),
+        answer_expected: false,
         owed: false,
         calls: 0,
         calls_at_tick: 0,
@@ -886,6 +897,7 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
                 direct_waiters: 0,
                 armed: false,
                 spin: SpinPolicy::default(),
+                answer_expected: false,
                 owed: false,
                 calls: 0,
                 calls_at_tick: 0,
