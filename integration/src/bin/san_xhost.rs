@@ -349,16 +349,20 @@ extern "C" fn on_interrupt(_: libc::c_int) {
     INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// One round trip, then a blocking read with nothing to come, interrupted 100 ms later by a
-/// signal whose handler was installed without `SA_RESTART`: Linux ends the read with `EINTR`.
-/// Over the SAN a blocked reader may be polling the completion queue when the signal comes
-/// (`SANDIRECT_VERBS_POLLS`): the read must still end with `EINTR`, not sleep on.
+/// One round trip, then a request the server does not answer and a blocking read for the
+/// answer, interrupted 100 ms later by a signal whose handler was installed without
+/// `SA_RESTART`: Linux ends the read with `EINTR`. Over the SAN a blocked reader waiting for
+/// an answer polls the completion queue first (`SANDIRECT_VERBS_POLLS`), and the signal
+/// comes while it polls: the read must still end with `EINTR`, not sleep on.
 fn interrupted_client(server: SocketAddr, local: std::net::IpAddr) -> std::io::Result<String> {
     let mut stream = integration::connect_from(local, server)?;
     stream.write_all(b"ping")?;
     let mut answer = [0u8; 4];
     stream.read_exact(&mut answer)?;
     let path = published(stream.as_raw_fd());
+    // (`answer` reads on until the end without answering: the read below waits for an
+    // answer, the kind of read that polls.)
+    stream.write_all(b"wait")?;
     // SAFETY: installs a plain handler (it only stores to an atomic) without SA_RESTART.
     unsafe {
         let mut action: libc::sigaction = std::mem::zeroed();

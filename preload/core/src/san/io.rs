@@ -131,39 +131,13 @@ fn block(
         }
         return Ok(());
     }
-    // Verbs, a reader: poll before sleeping when that pays (signals held back meanwhile, see
-    // `poll_before_sleeping`); the sleep below then lets them in atomically.
-    let mut held_signals = None;
-    if fds.spin {
-        let mut outer = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
-        let mut all = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
-        // SAFETY: sigfillset initialises `all`; pthread_sigmask writes the previous mask into
-        // `outer` (only read when the call succeeded).
-        let blocked = unsafe {
-            libc::sigfillset(all.as_mut_ptr());
-            libc::pthread_sigmask(libc::SIG_BLOCK, all.as_ptr(), outer.as_mut_ptr()) == 0
-        };
-        if blocked {
-            // SAFETY: written by the successful pthread_sigmask above.
-            let outer = unsafe { outer.assume_init() };
-            let found = poll_before_sleeping(index);
-            let mut after = AfterPolling::Found;
-            if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-                after = socket.polled(found);
-                match after {
-                    AfterPolling::Found => socket.finish_polled_wait(&fds),
-                    AfterPolling::LookAgain => socket.finish_wait(&fds, false),
-                    AfterPolling::Sleep => {}
-                }
-            }
-            if after != AfterPolling::Sleep {
-                // SAFETY: restores the caller's own mask.
-                unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &outer, core::ptr::null_mut()) };
-                return Ok(());
-            }
-            held_signals = Some(outer);
-        }
-    }
+    // Verbs, a reader: poll before sleeping when that pays; signals held back meanwhile are
+    // let in atomically by the sleep below.
+    let held_signals = match fds.spin.then(|| poll_with_signals_held(index, &fds)) {
+        Some(Polled::Done) => return Ok(()),
+        Some(Polled::Sleep(outer)) => Some(outer),
+        Some(Polled::NotHeld) | None => None,
+    };
     let mut pollfds = [libc::pollfd {
         fd: -1,
         events: 0,
@@ -265,6 +239,54 @@ fn block(
         return Err(libc::EAGAIN);
     }
     Ok(())
+}
+
+/// What [`poll_with_signals_held`] leaves the wait to do.
+enum Polled {
+    /// News came (or the queue was settled for sleeping and the call looks again): the
+    /// wait is over, the caller's signal mask restored.
+    Done,
+    /// Nothing came: sleep, letting in the signals held back with this mask (the caller's).
+    Sleep(libc::sigset_t),
+    /// Signals could not be held back: sleep at once, without polling.
+    NotHeld,
+}
+
+/// [`poll_before_sleeping`] with every signal held back, then the outcome applied to the
+/// socket's wait (see [`SanSocket::polled`]).
+fn poll_with_signals_held(index: u32, fds: &WaitFds) -> Polled {
+    let mut outer = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    let mut all = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: sigfillset initialises `all`; pthread_sigmask writes the previous mask into
+    // `outer` (only read when the call succeeded).
+    let blocked = unsafe {
+        libc::sigfillset(all.as_mut_ptr());
+        libc::pthread_sigmask(libc::SIG_BLOCK, all.as_ptr(), outer.as_mut_ptr()) == 0
+    };
+    if !blocked {
+        return Polled::NotHeld;
+    }
+    // SAFETY: written by the successful pthread_sigmask above.
+    let outer = unsafe { outer.assume_init() };
+    let found = poll_before_sleeping(index);
+    let after = match lock(index).as_mut() {
+        Some(SanObject::Socket(socket)) => {
+            let after = socket.polled(found);
+            match after {
+                AfterPolling::Found => socket.finish_polled_wait(fds),
+                AfterPolling::LookAgain => socket.finish_wait(fds, false),
+                AfterPolling::Sleep => {}
+            }
+            after
+        }
+        _ => AfterPolling::Found,
+    };
+    if after == AfterPolling::Sleep {
+        return Polled::Sleep(outer);
+    }
+    // SAFETY: restores the caller's own mask.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &outer, core::ptr::null_mut()) };
+    Polled::Done
 }
 
 /// A blocked verbs reader polls the completion queue, its lock taken per round so other

@@ -1785,12 +1785,11 @@ impl SanSocket {
     }
 
     /// After a reader's poll found news (see [`SanSocket::poll_round`]): as
-    /// [`SanSocket::finish_wait`], but the service thread's watch of the connection resumes
-    /// only at the next arm, after the drive that takes the news in: the armed queue raised
-    /// a channel event for it, which that arm consumes; resumed now, the watch would wake
-    /// the service thread for it, to contend for this socket's lock. Every call that drives
-    /// the socket ends with an arm ([`SanSocket::service`]), and the hook's way out settles
-    /// what is still owed ([`SanSocket::settle_direct_wait`]).
+    /// [`SanSocket::finish_wait`], but the end of the direct wait is owed
+    /// (`VerbsLink::owe_direct_wait_end`): the service thread's watch stays paused and the
+    /// channel event the armed queue raised stays unconsumed until the link is settled
+    /// ([`SanSocket::settle_direct_wait`]: before a sleep, before an epoll/poll/select
+    /// sleeps, or by the service thread's tick once the application stopped calling).
     pub(crate) fn finish_polled_wait(&mut self, fds: &WaitFds) {
         if fds.link.is_some() {
             if let Some(link) = self.verbs_link_mut() {

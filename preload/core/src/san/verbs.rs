@@ -455,10 +455,11 @@ pub(crate) struct VerbsLink {
     pub(crate) answer_expected: bool,
     /// A reader's poll found news while the queue was armed: the end of its direct wait
     /// (the service thread's watch resuming) and the channel event the armed queue raised
-    /// are owed until the call leaves ([`VerbsLink::take_owed`]); meanwhile the queue counts
-    /// as armed. Resumed before that event is consumed, the watch would wake the service
-    /// thread for it, to contend for the socket's lock; and the event can lag the
-    /// completion the poll found (the kernel queues it after the completion is visible).
+    /// are owed until the link is settled ([`VerbsLink::take_owed_event`], called by
+    /// `SanSocket::settle_direct_wait`); meanwhile the queue counts as armed and the
+    /// application's calls poll it themselves. Resumed before that event is consumed, the
+    /// watch would wake the service thread for it, to contend for the socket's lock; and the
+    /// event can lag the completion the poll found (queued after it becomes visible).
     owed: bool,
     /// The application's calls on this socket (wrapping), and their number at the service
     /// thread's last tick: an owed link is settled by the service thread only after a tick
@@ -700,7 +701,8 @@ impl VerbsLink {
         armed
     }
 
-    /// A reader's poll found news: its direct wait ends at [`VerbsLink::take_owed`].
+    /// A reader's poll found news: its direct wait ends when the link is settled
+    /// ([`VerbsLink::take_owed_event`]).
     pub(crate) fn owe_direct_wait_end(&mut self) {
         if self.owed {
             // (Owed already: this wait's own end now; the watch stays paused for the owed one.)
