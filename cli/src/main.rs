@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use preload_core::record::{flags, Counter, SocketState};
-use preload_core::{inventory, runtime, stats};
+use preload_core::{inventory, settings, stats};
 
 #[derive(Parser)]
 #[command(
@@ -90,7 +90,7 @@ fn main() -> ExitCode {
 /// Where the library is: `SANDIRECT_LIB`, next to this binary, `../lib` beside it, or the
 /// cargo target directory this binary was built from.
 fn find_library() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("SANDIRECT_LIB") {
+    if let Some(path) = std::env::var_os(settings::LIB) {
         let path = PathBuf::from(path);
         return if path.is_file() {
             Ok(path)
@@ -138,7 +138,7 @@ fn run(
         }
     };
     if let Some(mode) = &mode {
-        if runtime::Mode::parse(mode).is_none() {
+        if settings::Mode::parse(mode).is_none() {
             eprintln!("sandirect: --mode must be auto, tcp or off, not {mode:?}");
             return ExitCode::from(2);
         }
@@ -156,18 +156,18 @@ fn run(
     let mut child = std::process::Command::new(program);
     child.args(args);
     if let Some(config) = config {
-        if let Err(message) = runtime::load_config(&config) {
+        if let Err(message) = settings::load_config(&config) {
             eprintln!("sandirect: {message}");
             return ExitCode::from(2);
         }
         let absolute = std::fs::canonicalize(&config).unwrap_or(config);
-        child.env("SANDIRECT_CONFIG", absolute);
+        child.env(settings::CONFIG, absolute);
     }
     if let Some(level) = log {
-        child.env("SANDIRECT_LOG", level);
+        child.env(settings::LOG, level);
     }
     if let Some(mode) = mode {
-        child.env("SANDIRECT_MODE", mode);
+        child.env(settings::MODE, mode);
     }
     let mut preload = library.into_os_string();
     if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|value| !value.is_empty()) {
@@ -184,7 +184,7 @@ fn run(
 }
 
 fn check_config(file: &Path) -> ExitCode {
-    match runtime::load_config(file) {
+    match settings::load_config(file) {
         Ok(config) => {
             println!("{}: {} rule(s), valid", file.display(), config.rules.len());
             ExitCode::SUCCESS

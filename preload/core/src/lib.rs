@@ -8,7 +8,9 @@
 //! * [`real`] — the real functions, resolved once in the constructor;
 //! * [`fdtable`] — fd → socket object, one atomic load per lookup;
 //! * [`record`], [`registry`] — socket objects (all atomics) in published shared memory;
-//! * [`ops`] — the hooks' behaviour; [`runtime`] — init, environment, fork, logging;
+//! * [`ops`] — the hooks' behaviour; [`runtime`] — init, exit and the fork child handler;
+//! * [`settings`] — every `SANDIRECT_*` variable; [`logging`]; [`process`] — pid across
+//!   fork, the library's own threads;
 //! * [`san`] — the SAN path: switch-over, session-driven I/O, readiness substitution;
 //! * [`config`] — the rules file; [`inventory`] — the symbol inventory; [`stats`] — reading
 //!   other processes' published connections (for `sandirect stat`);
@@ -22,11 +24,14 @@ pub mod guard;
 #[macro_use]
 pub mod hooks;
 pub mod inventory;
+pub mod logging;
 pub mod mirror;
 pub mod ops;
+pub mod process;
 pub mod real;
 pub mod record;
 pub mod registry;
 pub mod runtime;
 pub mod san;
+pub mod settings;
 pub mod stats;

@@ -28,7 +28,7 @@ use crate::guard::{self, ReentrancyGuard};
 use crate::record::{flags, Bypass, Counter, SocketRecord, SocketState};
 use crate::registry::registry;
 use crate::san::RawBuf;
-use crate::{errno, real, runtime};
+use crate::{errno, real, settings};
 
 static INTERNAL_FAULTS: AtomicU64 = AtomicU64::new(0);
 
@@ -395,7 +395,7 @@ fn mark_connected(
     record.set_addresses(local, peer);
     // A client's rules match the peer; a server's match its own (listening) address.
     let endpoint = if role == Role::Client { peer } else { local };
-    let bypass = runtime::decide(role, endpoint);
+    let bypass = settings::decide(role, endpoint);
     record.bypass.store(bypass as u32, Ordering::Release);
     // (A pending client can be switched by another thread — an in-process acceptor, a
     // sweep — before its `connect()` returns here: `San` then stands.)
@@ -420,7 +420,10 @@ fn mark_connected(
 pub unsafe fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
     // SAFETY: forwarded.
     let fd = unsafe { real::socket(domain, ty, protocol) };
-    if fd >= 0 && is_tcp(domain, ty, protocol) && runtime::tracking_enabled() && !guard::is_inside()
+    if fd >= 0
+        && is_tcp(domain, ty, protocol)
+        && settings::tracking_enabled()
+        && !guard::is_inside()
     {
         bookkeeping(|| {
             let nonblock = if ty & libc::SOCK_NONBLOCK != 0 {
@@ -652,7 +655,7 @@ pub unsafe fn setsockopt(
     // SAFETY: forwarded.
     let rc = unsafe { real::setsockopt(fd, level, name, value, len) };
     if rc == 0 && level == libc::SOL_SOCKET {
-        if let Some(flag) = timeout_flag(name) {
+        if let Some(flag) = crate::record::timeout_flag(name) {
             if let Some(entry) = tracked(fd) {
                 bookkeeping(|| {
                     if let Some((_, record)) = record_of(entry) {
@@ -663,20 +666,6 @@ pub unsafe fn setsockopt(
         }
     }
     rc
-}
-
-/// The record flag that says a socket may have the timeout `name` (`SO_RCVTIMEO`,
-/// `SO_SNDTIMEO`, in their old and new (64-bit time) forms). Never cleared: a later zero
-/// only costs the query.
-pub(crate) fn timeout_flag(name: c_int) -> Option<u32> {
-    // The 64-bit-time option numbers (asm-generic/socket.h); libc may not name them.
-    const SO_RCVTIMEO_NEW: c_int = 66;
-    const SO_SNDTIMEO_NEW: c_int = 67;
-    match name {
-        libc::SO_RCVTIMEO | SO_RCVTIMEO_NEW => Some(flags::RCVTIMEO),
-        libc::SO_SNDTIMEO | SO_SNDTIMEO_NEW => Some(flags::SNDTIMEO),
-        _ => None,
-    }
 }
 
 /// `getsockopt(2)`. `SO_ERROR` is how a non-blocking connect reports its outcome, so it
@@ -1472,11 +1461,11 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
         // SAFETY: forwarded.
         return unsafe { real::poll(fds, nfds, timeout) };
     }
-    // Sliced like the epoll waits (see `runtime::wait_slice_ms`).
+    // Sliced like the epoll waits (see `settings::wait_slice_ms`).
     let deadline = (timeout >= 0)
         .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
     loop {
-        let slice = crate::runtime::next_slice_ms(deadline);
+        let slice = crate::settings::next_slice_ms(deadline);
         // SAFETY: forwarded; `fds` is the caller's array.
         let rc = unsafe { with_mirrors(fds, nfds, || real::poll(fds, nfds, slice)) };
         if rc != 0 || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
@@ -1505,7 +1494,7 @@ pub unsafe fn ppoll(
 
 /// An epoll wait with SAN sockets alive: connections with both ends in this process are
 /// driven first (see `san::assist_all_in_process`), the kernel wait is cut into slices
-/// (see [`crate::runtime::wait_slice_ms`]), and events that only reflect a handshake or credit token of
+/// (see [`crate::settings::wait_slice_ms`]), and events that only reflect a handshake or credit token of
 /// a SAN mirror are dropped (`san::correct_epoll_events`); a wait left with no event goes on
 /// until the caller's timeout (`timeout_ms < 0`: none).
 ///
@@ -1528,7 +1517,7 @@ unsafe fn epoll_wait_with_san(
     // The safety net runs once per slice of waiting, also when the slices were cut short by
     // events that were all dropped (a socket whose wake-up was lost must not wait behind a
     // busy neighbour).
-    let slice = std::time::Duration::from_millis(crate::runtime::wait_slice_ms() as u64);
+    let slice = std::time::Duration::from_millis(crate::settings::wait_slice_ms() as u64);
     let mut serviced = start;
     loop {
         {
@@ -1537,7 +1526,7 @@ unsafe fn epoll_wait_with_san(
             crate::san::assist_all_in_process();
             crate::san::settle_all_owed();
         }
-        let left = crate::runtime::next_slice_ms(deadline);
+        let left = crate::settings::next_slice_ms(deadline);
         let n = call(left);
         if n < 0 || n > maxevents {
             return n;
@@ -1732,7 +1721,7 @@ pub unsafe fn fork() -> libc::pid_t {
         let _guard = ReentrancyGuard::enter();
         crate::san::before_fork()
     });
-    let signal = published.then(crate::runtime::ForkSignal::new).flatten();
+    let signal = published.then(ForkSignal::new).flatten();
     // SAFETY: forwarded.
     let pid = unsafe { real::fork() };
     let _errno = errno::Preserved::save();
@@ -1791,7 +1780,7 @@ fn prepare_exec() -> Option<std::ffi::CString> {
     if crate::san::live_sockets() == 0 || guard::is_inside() {
         return None;
     }
-    let stashes = if guard::in_vfork_child() || crate::runtime::in_vfork_child() {
+    let stashes = if guard::in_vfork_child() || crate::process::in_vfork_child() {
         // The parent downgraded every SAN connection before the vfork; only the copies this
         // child passes on are to be found (by identity: the table is the parent's). No
         // reentrancy guard: this thread's TLS is the parent's, and a successful exec would
@@ -1809,7 +1798,7 @@ fn prepare_exec() -> Option<std::ffi::CString> {
         crate::san::downgrade_all(Some(&survives));
         crate::san::stash_env()
     }?;
-    std::ffi::CString::new(format!("{}={stashes}", crate::san::STASH_ENV)).ok()
+    std::ffi::CString::new(format!("{}={stashes}", crate::settings::STASHES)).ok()
 }
 
 /// What a `posix_spawn` child receives of our sockets, read from glibc's file actions.
@@ -1976,7 +1965,7 @@ fn stash_environment(dup2s: &[(c_int, c_int)]) -> Option<ChildStashes> {
         }
     }
     let value = crate::san::pass_on(&entries, false)?;
-    let variable = std::ffi::CString::new(format!("{}={value}", crate::san::STASH_ENV)).ok()?;
+    let variable = std::ffi::CString::new(format!("{}={value}", crate::settings::STASHES)).ok()?;
     let mut memfds: Vec<c_int> = entries.iter().map(|&(_, memfd, _)| memfd).collect();
     memfds.sort_unstable();
     memfds.dedup();
@@ -2106,7 +2095,7 @@ unsafe fn environment_with(
     envp: *const *const libc::c_char,
     ours: &std::ffi::CStr,
 ) -> Vec<*const libc::c_char> {
-    let prefix = format!("{}=", crate::san::STASH_ENV);
+    let prefix = format!("{}=", crate::settings::STASHES);
     let mut entries: Vec<*const libc::c_char> = Vec::new();
     if !envp.is_null() {
         // Bounded by the caller's NULL-terminated array.
@@ -2267,7 +2256,7 @@ pub fn adopt_inherited_socket(fd: c_int) -> Option<u32> {
 }
 
 fn track_epoll_instance(epfd: c_int, cloexec: bool) {
-    if epfd >= 0 && runtime::tracking_enabled() && !guard::is_inside() {
+    if epfd >= 0 && settings::tracking_enabled() && !guard::is_inside() {
         bookkeeping(|| {
             if let Ok(previous) = table().replace(epfd, FdEntry::epoll(cloexec)) {
                 release_entry(epfd, previous);
@@ -2355,6 +2344,103 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
         });
     }
     rc
+}
+
+/// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.
+pub extern "C" fn after_fork_in_child() {
+    crate::process::note_process_id();
+    registry().after_fork_in_child();
+    crate::san::after_fork_in_child();
+    if let Some((read, write)) = unpack_pipe(FORK_SIGNAL.swap(NO_PIPE, Ordering::AcqRel)) {
+        // SAFETY: one byte to the pipe our fork hook made; then our copies of it are closed.
+        unsafe {
+            libc::write(write, [1u8].as_ptr().cast(), 1);
+            libc::close(write);
+            libc::close(read);
+        }
+    }
+}
+
+/// The pipe of a fork in progress, both ends in one word (read end low, write end high), so
+/// the child handler takes it with one atomic swap; [`NO_PIPE`] when none.
+static FORK_SIGNAL: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(NO_PIPE);
+const NO_PIPE: u64 = u64::MAX;
+
+fn pack_pipe(read: c_int, write: c_int) -> u64 {
+    u64::from(read as u32) | u64::from(write as u32) << 32
+}
+
+fn unpack_pipe(word: u64) -> Option<(c_int, c_int)> {
+    (word != NO_PIPE).then_some((word as u32 as c_int, (word >> 32) as u32 as c_int))
+}
+
+/// The child's "my records are copied" signal to the parent of a fork (see `ops::fork`).
+pub struct ForkSignal {
+    read: c_int,
+    write: c_int,
+}
+
+impl ForkSignal {
+    /// A pipe whose ends the child's atfork handler takes; `None` if no pipe (or another fork
+    /// of this process is in progress: that one keeps the signal).
+    pub fn new() -> Option<ForkSignal> {
+        let mut ends = [-1; 2];
+        // SAFETY: plain pipe2(2) into our array.
+        if unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return None;
+        }
+        // Owns the ends from here on: closed on drop, whatever happens next.
+        let signal = ForkSignal {
+            read: ends[0],
+            write: ends[1],
+        };
+        FORK_SIGNAL
+            .compare_exchange(
+                NO_PIPE,
+                signal.packed(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .ok()
+            .map(|_| signal)
+    }
+
+    fn packed(&self) -> u64 {
+        pack_pipe(self.read, self.write)
+    }
+
+    /// No later fork may signal through this pipe (the parent's copy of the slot).
+    fn disarm(&self) {
+        let _ = FORK_SIGNAL.compare_exchange(
+            self.packed(),
+            NO_PIPE,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// Parent: waits (up to a second) until the child copied its records.
+    pub fn wait_for_child(&self) {
+        self.disarm();
+        let mut entry = libc::pollfd {
+            fd: self.read,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        unsafe { real::poll(&mut entry, 1, 1000) };
+    }
+}
+
+impl Drop for ForkSignal {
+    fn drop(&mut self) {
+        self.disarm();
+        // SAFETY: closing our own pipe ends.
+        unsafe {
+            real::close(self.read);
+            real::close(self.write);
+        }
+    }
 }
 
 #[cfg(test)]

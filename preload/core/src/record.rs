@@ -481,6 +481,20 @@ pub fn unmap_v4(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The record flag that says a socket may have the timeout `name` (`SO_RCVTIMEO`,
+/// `SO_SNDTIMEO`, in their old and new (64-bit time) forms). Never cleared: a later zero
+/// only costs the query.
+pub fn timeout_flag(name: core::ffi::c_int) -> Option<u32> {
+    // The 64-bit-time option numbers (asm-generic/socket.h); libc may not name them.
+    const SO_RCVTIMEO_NEW: core::ffi::c_int = 66;
+    const SO_SNDTIMEO_NEW: core::ffi::c_int = 67;
+    match name {
+        libc::SO_RCVTIMEO | SO_RCVTIMEO_NEW => Some(flags::RCVTIMEO),
+        libc::SO_SNDTIMEO | SO_SNDTIMEO_NEW => Some(flags::SNDTIMEO),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

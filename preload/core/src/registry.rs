@@ -607,7 +607,7 @@ impl Default for PathBuf {
 /// False when publication is off or the directory is unusable.
 pub fn stats_dir(path: &mut PathBuf) -> bool {
     // SAFETY: getenv with a NUL-terminated name; the result is only read, right away.
-    let custom = unsafe { libc::getenv(c"SANDIRECT_STAT_DIR".as_ptr()) };
+    let custom = unsafe { libc::getenv(crate::settings::STAT_DIR_C.as_ptr()) };
     if custom.is_null() {
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };

@@ -28,10 +28,6 @@ pub const FORK_BUDGET: Duration = Duration::from_millis(1000);
 /// How long a client waits for the acceptor's switch marker before reading TCP again.
 pub(super) const MARKER_WAIT: Duration = Duration::from_millis(1000);
 
-/// The environment variable carrying stashes across `exec`: `fd:memfd:inode` entries, comma
-/// separated (the socket's inode lets the new image check that `fd` is that very socket).
-pub const STASH_ENV: &str = "SANDIRECT_STASHES";
-
 /// A downgraded socket whose stash still holds bytes.
 #[derive(Debug)]
 pub(crate) struct Stashed {
@@ -424,7 +420,8 @@ fn stashes_with_bytes() -> Vec<(u64, RawFd, u64)> {
     stashes
 }
 
-/// `STASH_ENV` for the image about to be exec'd by this process: every descriptor it passes
+/// `SANDIRECT_STASHES` (`fd:memfd:inode` entries, comma separated; the socket's inode lets
+/// the new image check that `fd` is that very socket) for the image about to be exec'd by this process: every descriptor it passes
 /// on (open, without close-on-exec) that is a socket whose stash still holds bytes, found by
 /// the socket's identity, so copies count (a `vfork` child's `dup2` onto 0-2 is not in our
 /// table: the table is its parent's). Their memfds are made inheritable. `None`: none.
@@ -475,7 +472,7 @@ pub fn stash_env() -> Option<String> {
     pass_on(&handed, true)
 }
 
-/// `STASH_ENV` for `entries` (fd in the new image, memfd, socket inode); with `inheritable`
+/// `SANDIRECT_STASHES` for `entries` (fd in the new image, memfd, socket inode); with `inheritable`
 /// the memfds lose close-on-exec here (an exec); otherwise the caller arranges it.
 pub(crate) fn pass_on(entries: &[(c_int, RawFd, u64)], inheritable: bool) -> Option<String> {
     let mut out = String::new();
@@ -507,8 +504,10 @@ pub(crate) fn stash_of(fd: c_int) -> Option<(RawFd, u64)> {
 /// In a new image: adopts the stashes an exec'ing image handed over. Bad entries are
 /// ignored (the socket is then plain TCP, as it would be without us): malformed text, a
 /// descriptor that is not open, or not the socket the inode names. Several entries may
-/// share a memfd (copies of one socket): each adopts its own duplicate of it.
-pub fn adopt_stashes(value: &str) {
+/// share a memfd (copies of one socket): each adopts its own duplicate of it. `track` starts
+/// tracking an inherited socket and gives its record index (`None`: not a connected stream
+/// socket, or not trackable).
+pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
     tracing::debug!(value, "stashes handed over by exec");
     let mut adopted: Vec<c_int> = Vec::new();
     for entry in value.split(',').take(4096) {
@@ -547,7 +546,7 @@ pub fn adopt_stashes(value: &str) {
         let Some(stash) = Stash::adopt(owned) else {
             continue;
         };
-        let Some(index) = crate::ops::adopt_inherited_socket(fd) else {
+        let Some(index) = track(fd) else {
             continue;
         };
         *lock(index) = Some(SanObject::Stashed(Box::new(Stashed::new(

@@ -21,9 +21,9 @@ use crate::{errno, real};
 use switch::session::SendTicket;
 
 /// Longest single sleep: bounds how long a missed wake-up (or a peer death the mirror did not
-/// show) could go unnoticed (see `runtime::wait_slice_ms`).
+/// show) could go unnoticed (see `settings::wait_slice_ms`).
 fn wait_slice() -> Duration {
-    Duration::from_millis(crate::runtime::wait_slice_ms() as u64)
+    crate::settings::wait_slice()
 }
 
 /// Longest wait of a nonblocking read that consumed the switch marker (see `recv_iov`).
@@ -59,7 +59,7 @@ fn record_flag(index: u32, flag: u32) -> bool {
 /// now; `None` without one. Asked of the kernel only when the record's flag for the option
 /// says it may be set (see `record::flags::RCVTIMEO`).
 fn timeout_of(index: u32, fd: c_int, option: c_int) -> Option<Instant> {
-    if !crate::ops::timeout_flag(option).is_some_and(|flag| record_flag(index, flag)) {
+    if !crate::record::timeout_flag(option).is_some_and(|flag| record_flag(index, flag)) {
         return None;
     }
     let mut value = libc::timeval {

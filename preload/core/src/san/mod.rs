@@ -107,7 +107,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-pub use downgrade::{adopt_stashes, downgrade_all, stash_env, FORK_BUDGET, STASH_ENV};
+pub use downgrade::{adopt_stashes, downgrade_all, stash_env, FORK_BUDGET};
 pub(crate) use downgrade::{pass_on, stash_of};
 pub use io::{
     assist_all_in_process, correct_epoll_events, poll_fds, readable_bytes, recv_iov,
@@ -121,6 +121,7 @@ use crate::discovery::{
 use crate::fdtable::FdEntry;
 use crate::record::{flags, Bypass, DataPath, SocketRecord};
 use crate::registry::registry;
+use crate::settings::ProviderChoice;
 use socket::{SanSocket, SetupError};
 
 /// What the slot of a socket record holds.
@@ -223,40 +224,20 @@ struct Provider {
     rdma_read: Option<bool>,
 }
 
-/// Turns the rendezvous off when set to `0` (large sends then go inline, like small ones).
-const RENDEZVOUS_ENV: &str = "SANDIRECT_SAN_RENDEZVOUS";
-
 /// Whether this process offers rendezvous to its peers (the negotiated threshold is the
 /// larger of both sides', so one side turning it off turns it off for the connection).
 fn rendezvous_enabled() -> bool {
     provider().is_some_and(|p| p.rendezvous)
 }
 
-/// Whether a verbs connection offers to RDMA-READ its peer's rendezvous sends (READ mode) or
-/// has them RDMA-WRITTEN into sinks it advertises (WRITE mode, from a registration with local
-/// rights only). `1`: READ wherever the device can read; `0`: WRITE; unset: READ on RoCE and
-/// InfiniBand, WRITE on iWARP. On iWARP the sink of a READ needs remote-write rights (a wider
-/// exposure than WRITE mode's), and soft-iWARP moves READs far slower than WRITEs: 1 MiB
-/// blocking sends over siw ran at ~0.6x the WRITE mode's rate (and of the inline path's), while
-/// over soft-RoCE both modes run at the inline path's rate with a third of its CPU time (issue
-/// 4's notes). The VM tests also use `0` to put the sender's cached local registrations to the
-/// test.
-const RDMA_READ_ENV: &str = "SANDIRECT_SAN_RDMA_READ";
-
 /// Whether this process's verbs connections offer READ-mode rendezvous on a device that can
-/// read (see [`RDMA_READ_ENV`]); `iwarp`: the device follows iWARP's rules.
+/// read: `SANDIRECT_SAN_RDMA_READ` when set, else READ on RoCE and InfiniBand and WRITE on
+/// iWARP, where the sink of a READ needs remote-write rights (a wider exposure than WRITE
+/// mode's) and soft-iWARP moves READs far slower than WRITEs (1 MiB blocking sends over siw ran
+/// at ~0.6x the WRITE mode's rate); over soft-RoCE both modes run at the inline path's rate
+/// with a third of its CPU time. `iwarp`: the device follows iWARP's rules.
 fn rdma_read_offered(iwarp: bool) -> bool {
     provider().and_then(|p| p.rdma_read).unwrap_or(!iwarp)
-}
-
-/// `SANDIRECT_SAN_RDMA_READ`'s value: `Some(false)` for `0`, `Some(true)` for `1`, `None`
-/// (the device's default) when unset or anything else.
-fn rdma_read_setting(value: Option<&std::ffi::OsStr>) -> Option<bool> {
-    match value.and_then(|v| v.to_str()).map(str::trim) {
-        Some("0") => Some(false),
-        Some("1") => Some(true),
-        _ => None,
-    }
 }
 
 static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
@@ -267,7 +248,7 @@ fn provider() -> Option<&'static Provider> {
     }
     PROVIDER
         .get_or_init(|| {
-            let override_dir = std::env::var_os("SANDIRECT_SHM_DIR").map(PathBuf::from);
+            let override_dir = crate::settings::shm_dir();
             match SegmentDir::open(override_dir.as_deref()) {
                 Ok(dir) => Some(Provider {
                     registrations: registrations::SharedRegistrations::new(
@@ -275,8 +256,8 @@ fn provider() -> Option<&'static Provider> {
                     ),
                     negative: NegativeCache::new(NegativeCacheConfig::default()),
                     dir: dir.path().to_path_buf(),
-                    rendezvous: std::env::var_os(RENDEZVOUS_ENV).is_none_or(|v| v != "0"),
-                    rdma_read: rdma_read_setting(std::env::var_os(RDMA_READ_ENV).as_deref()),
+                    rendezvous: crate::settings::rendezvous_allowed(),
+                    rdma_read: crate::settings::rdma_read(),
                 }),
                 Err(error) => {
                     tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");
@@ -289,7 +270,7 @@ fn provider() -> Option<&'static Provider> {
 
 /// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
 pub fn enabled() -> bool {
-    crate::runtime::settings().is_some_and(|s| s.san)
+    crate::settings::san_enabled()
 }
 
 /// The SAN slot index of `entry` when its socket has a SAN object (the data-path check:
@@ -468,21 +449,21 @@ pub fn before_connect(
     let Some(provider) = provider() else {
         return ClientPlan::Skip;
     };
-    if crate::runtime::decide(crate::config::Role::Client, Some(peer)) != Bypass::None
+    if crate::settings::decide(crate::config::Role::Client, Some(peer)) != Bypass::None
         || record.flags() & flags::SAN != 0
     {
         return ClientPlan::Skip;
     }
     // Same host (a listener marker answers): shared memory. Otherwise, when a device serves
     // the route's source address: verbs (`verbs::client`).
-    let mode = verbs::mode();
-    let kind = if mode == verbs::Mode::Verbs {
+    let mode = crate::settings::provider_choice();
+    let kind = if mode == ProviderChoice::Verbs {
         PeerKind::Plain
     } else {
         provider.negative.probe(peer)
     };
     let via_verbs = kind != PeerKind::Preloaded
-        && mode != verbs::Mode::Shm
+        && mode != ProviderChoice::Shm
         && route_source(peer).and_then(verbs::domain_for).is_some();
     if kind != PeerKind::Preloaded && !via_verbs {
         COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
@@ -595,15 +576,15 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
         return;
     };
     let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
-    let mode = verbs::mode();
-    let shm = if mode == verbs::Mode::Verbs {
+    let mode = crate::settings::provider_choice();
+    let shm = if mode == ProviderChoice::Verbs {
         Err(SetupError::PeerPlain)
     } else {
         SanSocket::acceptor(record, &provider.dir, &name, &provider.registrations)
     };
     let accepted = match shm {
         // Not a same-host client: a cross-host one, if a device serves this address.
-        Err(SetupError::PeerPlain) if mode != verbs::Mode::Shm => {
+        Err(SetupError::PeerPlain) if mode != ProviderChoice::Shm => {
             match verbs::acceptor(local, peer) {
                 Ok(link) => SanSocket::verbs_acceptor(record, &name, link),
                 Err(verbs::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
@@ -762,21 +743,4 @@ pub fn epoll_registrations_changed(index: u32) {
 /// Number of sockets currently with a SAN object.
 pub fn live_sockets() -> usize {
     LIVE.load(Ordering::Relaxed)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_rdma_read_setting_is_explicit_or_left_to_the_device() {
-        use std::ffi::OsStr;
-        assert_eq!(rdma_read_setting(Some(OsStr::new("0"))), Some(false));
-        assert_eq!(rdma_read_setting(Some(OsStr::new("1"))), Some(true));
-        assert_eq!(rdma_read_setting(Some(OsStr::new(" 1\n"))), Some(true));
-        assert_eq!(rdma_read_setting(None), None);
-        // Anything else is not a choice: the device's default, as if unset.
-        assert_eq!(rdma_read_setting(Some(OsStr::new("yes"))), None);
-        assert_eq!(rdma_read_setting(Some(OsStr::new(""))), None);
-    }
 }

@@ -67,7 +67,7 @@ pub(crate) fn ensure_responder() {
             // return: the application's steady state must see no allocation of ours.
             let ready = ReadySignal::new();
             let signal = ready.as_ref().map(ReadySignal::fd);
-            let started = crate::runtime::spawn_internal_thread("sandirect-nudge", move || {
+            let started = crate::process::spawn_internal_thread("sandirect-nudge", move || {
                 if let Some(fd) = signal {
                     ReadySignal::ring(fd);
                 }

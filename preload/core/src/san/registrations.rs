@@ -40,9 +40,6 @@ use san_verbs_loader::LoadedDomain;
 use switch::mr_cache::{CacheConfig, MrCache, MrHandle, OwnerId};
 use switch::session::{MrHandleId, RegisteredRange};
 
-/// The environment variable of the test knob (see the module docs).
-pub(super) const REFUSE_REGISTRATIONS_ENV: &str = "SANDIRECT_SAN_REFUSE_REGISTRATIONS";
-
 /// The protection domain behind a cache.
 pub(super) enum AnyDomain {
     /// The intra-host shared-memory domain.
@@ -141,10 +138,7 @@ impl SharedRegistrations {
     }
 
     fn with_domain(domain: AnyDomain) -> SharedRegistrations {
-        let refuse_left = std::env::var(REFUSE_REGISTRATIONS_ENV)
-            .ok()
-            .and_then(|value| value.trim().parse().ok())
-            .unwrap_or(0);
+        let refuse_left = crate::settings::refused_registrations();
         SharedRegistrations(Mutex::new(Registrations {
             domain,
             cache: MrCache::new(CacheConfig::default()),

@@ -37,25 +37,6 @@ use crate::discovery::canonical_addr;
 use crate::mirror;
 use crate::real;
 
-/// `SANDIRECT_SAN_PROVIDER=shm|auto|verbs`: which SAN providers the process may use
-/// (default `shm`: the SAN path is on by default, the verbs path is opt-in until it is as
-/// complete as the intra-host one).
-pub(crate) const PROVIDER_ENV: &str = "SANDIRECT_SAN_PROVIDER";
-/// `SANDIRECT_VERBS_TIMEOUT_MS`: bound on one connection set-up (resolution + establishment).
-pub(crate) const TIMEOUT_ENV: &str = "SANDIRECT_VERBS_TIMEOUT_MS";
-const DEFAULT_TIMEOUT: Duration = Duration::from_millis(3000);
-/// `SANDIRECT_VERBS_POLLS`: how many times a blocked reader polls the completion queue before
-/// it sleeps (0: sleep at once). See [`SpinPolicy`].
-pub(crate) const POLLS_ENV: &str = "SANDIRECT_VERBS_POLLS";
-/// The default poll budget. One poll round (the socket's lock, the provider's completion-queue
-/// poll, the session's readability) is ~500 instructions: 1024 rounds are ~150 µs on current
-/// hardware, a few times the cost of waking an idle vCPU there (~35 µs), which is about what an
-/// answer over RDMA takes at most when the peer answers at once. Counted in polls rather than
-/// time, the budget needs no clock read per round (in the soft-RDMA guest a clock read is a
-/// system call) and scales with the machine's speed; under that guest's emulation 1024 rounds
-/// are ~1-2 ms, and 256 proved too few there (half the polls of a ping-pong ran out, and the
-/// round trip swung between the polled and the sleeping figure).
-const DEFAULT_POLLS: u32 = 1024;
 /// Links whose polled wait's end is owed ([`VerbsLink::owe_direct_wait_end`]): while there
 /// are any, the service thread ticks every [`OWED_TICK_MS`].
 static OWED_LINKS: AtomicUsize = AtomicUsize::new(0);
@@ -79,36 +60,9 @@ const NEGATIVE_ENTRIES: usize = 64;
 /// Private data: magic, version, family, then server and client address and port.
 const MAGIC: &[u8; 4] = b"SDV1";
 
-/// Which providers `SANDIRECT_SAN_PROVIDER` allows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// Shared memory for same-host peers, verbs otherwise.
-    Auto,
-    /// Shared memory only (the default).
-    Shm,
-    /// Verbs only (the VM tests: their two "hosts" are one guest).
-    Verbs,
-}
-
-/// The configured mode (read once).
-pub(crate) fn mode() -> Mode {
-    static MODE: OnceLock<Mode> = OnceLock::new();
-    *MODE.get_or_init(|| match std::env::var(PROVIDER_ENV).as_deref() {
-        Ok("auto") => Mode::Auto,
-        Ok("verbs") => Mode::Verbs,
-        _ => Mode::Shm,
-    })
-}
-
-/// The configured poll budget of a blocked reader (read once; see [`SpinPolicy`]).
+/// The configured poll budget of a blocked reader (see [`SpinPolicy`]).
 pub(crate) fn poll_budget() -> u32 {
-    static POLLS: OnceLock<u32> = OnceLock::new();
-    *POLLS.get_or_init(|| {
-        std::env::var(POLLS_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<u32>().ok())
-            .map_or(DEFAULT_POLLS, |polls| polls.min(1 << 20))
-    })
+    crate::settings::verbs_polls()
 }
 
 /// When a blocked reader of a verbs socket polls before it sleeps: adaptive, per connection,
@@ -160,13 +114,7 @@ impl SpinPolicy {
 
 /// The bound on one connection set-up.
 pub(crate) fn setup_timeout() -> Duration {
-    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
-    *TIMEOUT.get_or_init(|| {
-        std::env::var(TIMEOUT_ENV)
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .map_or(DEFAULT_TIMEOUT, Duration::from_millis)
-    })
+    crate::settings::verbs_setup_timeout()
 }
 
 /// A protection domain shared by the connections of one local address, with its
@@ -201,26 +149,30 @@ struct Verbs {
 static VERBS: OnceLock<Option<Verbs>> = OnceLock::new();
 
 fn verbs() -> Option<&'static Verbs> {
-    if mode() == Mode::Shm || !super::enabled() {
+    if crate::settings::provider_choice() == crate::settings::ProviderChoice::Shm
+        || !super::enabled()
+    {
         return None;
     }
     let verbs = VERBS
-        .get_or_init(|| match VerbsLibrary::load() {
-            Ok(library) => Some(Verbs {
-                library,
-                pid: std::process::id(),
-                domains: Mutex::new(Vec::new()),
-                negative: Mutex::new(Vec::new()),
-            }),
-            Err(LoadError::NoProvider(reason)) => {
-                tracing::debug!(?reason, "no RDMA provider: cross-host SAN off");
-                None
-            }
-            Err(error) => {
-                tracing::warn!(%error, "RDMA provider unusable: cross-host SAN off");
-                None
-            }
-        })
+        .get_or_init(
+            || match VerbsLibrary::load(crate::settings::verbs_library().as_deref()) {
+                Ok(library) => Some(Verbs {
+                    library,
+                    pid: std::process::id(),
+                    domains: Mutex::new(Vec::new()),
+                    negative: Mutex::new(Vec::new()),
+                }),
+                Err(LoadError::NoProvider(reason)) => {
+                    tracing::debug!(?reason, "no RDMA provider: cross-host SAN off");
+                    None
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "RDMA provider unusable: cross-host SAN off");
+                    None
+                }
+            },
+        )
         .as_ref()?;
     (verbs.pid == std::process::id()).then_some(verbs)
 }
@@ -1014,7 +966,7 @@ fn service() -> Option<&'static Service> {
 
 fn start_thread() -> bool {
     static STARTED: OnceLock<bool> = OnceLock::new();
-    *STARTED.get_or_init(|| crate::runtime::spawn_internal_thread("sandirect-verbs", service_loop))
+    *STARTED.get_or_init(|| crate::process::spawn_internal_thread("sandirect-verbs", service_loop))
 }
 
 impl Service {

@@ -11,7 +11,7 @@
 //!
 //! ```no_run
 //! use san_verbs_loader::{VerbsLibrary, LoadError};
-//! match VerbsLibrary::load() {
+//! match VerbsLibrary::load(None) {
 //!     Ok(lib) => { let _domain = lib.open_domain_for(std::net::Ipv4Addr::new(192, 0, 2, 1).into()); }
 //!     Err(LoadError::NoProvider(why)) => eprintln!("no RDMA, staying on TCP: {why:?}"),
 //!     Err(other) => eprintln!("RDMA provider unusable: {other}"),
@@ -110,17 +110,16 @@ pub(crate) struct Library {
 
 impl VerbsLibrary {
     /// Loads `libsandirect_verbs.so` through the dynamic linker's search path, if the host
-    /// has RDMA devices. `SANDIRECT_VERBS_LIBRARY` overrides the path.
+    /// has RDMA devices; `library` (the preload's `SANDIRECT_VERBS_LIBRARY`) overrides the
+    /// path.
     ///
     /// # Errors
     /// [`LoadError::NoProvider`] when there is nothing to use (no device, library or
     /// libibverbs absent): the caller stays on TCP. [`LoadError::Incompatible`] when the
     /// library is there but speaks another ABI.
-    pub fn load() -> Result<Self, LoadError> {
-        let path = std::env::var_os("SANDIRECT_VERBS_LIBRARY")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| abi::LIBRARY_NAME.into());
-        Self::load_from(&path, Path::new(SYSFS_DEVICES))
+    pub fn load(library: Option<&Path>) -> Result<Self, LoadError> {
+        let path = library.unwrap_or_else(|| Path::new(abi::LIBRARY_NAME));
+        Self::load_from(path, Path::new(SYSFS_DEVICES))
     }
 
     /// Loads the library at `library` (a bare name goes through the search path), checking

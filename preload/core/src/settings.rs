@@ -1,0 +1,592 @@
+//! Every setting of the library: the `SANDIRECT_*` environment variables (one entry each in
+//! [`KNOBS`], with its values, default and effect; README's settings table is checked against
+//! it), the settings fixed at init, and the path decision the rules make for a connection.
+//!
+//! Each variable is read in one place, here: the process-wide ones by [`load`] in the
+//! constructor, the SAN path's tunables once on first use (a process that never opens a SAN
+//! socket never reads them). A value that does not parse is reported once on stderr and the
+//! default is used; nothing here can fail the host program.
+
+use core::ffi::c_int;
+use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::ffi::CStr;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::config::{self, Config, Role, UseMode};
+use crate::record::Bypass;
+
+/// One environment variable of the library.
+#[derive(Clone, Copy, Debug)]
+pub struct Knob {
+    /// The variable's name.
+    pub name: &'static str,
+    /// The values it takes.
+    pub values: &'static str,
+    /// Its default (what an unset or unparsable value means).
+    pub default: &'static str,
+    /// What it does.
+    pub effect: &'static str,
+}
+
+/// `SANDIRECT_MODE`.
+pub const MODE: &str = "SANDIRECT_MODE";
+/// `SANDIRECT_CONFIG`.
+pub const CONFIG: &str = "SANDIRECT_CONFIG";
+/// `SANDIRECT_LOG`.
+pub const LOG: &str = "SANDIRECT_LOG";
+/// `SANDIRECT_STAT_DIR`.
+pub const STAT_DIR: &str = "SANDIRECT_STAT_DIR";
+/// `SANDIRECT_STAT_DIR` for the constructor-time reader, which may not allocate.
+pub const STAT_DIR_C: &CStr = c"SANDIRECT_STAT_DIR";
+/// `SANDIRECT_SAN`.
+pub const SAN: &str = "SANDIRECT_SAN";
+/// `SANDIRECT_WAIT_SLICE_MS`.
+pub const WAIT_SLICE_MS: &str = "SANDIRECT_WAIT_SLICE_MS";
+/// `SANDIRECT_SHM_DIR`.
+pub const SHM_DIR: &str = "SANDIRECT_SHM_DIR";
+/// `SANDIRECT_SAN_RENDEZVOUS`.
+pub const SAN_RENDEZVOUS: &str = "SANDIRECT_SAN_RENDEZVOUS";
+/// `SANDIRECT_SAN_RDMA_READ`.
+pub const SAN_RDMA_READ: &str = "SANDIRECT_SAN_RDMA_READ";
+/// `SANDIRECT_SAN_PROVIDER`.
+pub const SAN_PROVIDER: &str = "SANDIRECT_SAN_PROVIDER";
+/// `SANDIRECT_VERBS_TIMEOUT_MS`.
+pub const VERBS_TIMEOUT_MS: &str = "SANDIRECT_VERBS_TIMEOUT_MS";
+/// `SANDIRECT_VERBS_POLLS`.
+pub const VERBS_POLLS: &str = "SANDIRECT_VERBS_POLLS";
+/// `SANDIRECT_VERBS_LIBRARY`.
+pub const VERBS_LIBRARY: &str = "SANDIRECT_VERBS_LIBRARY";
+/// `SANDIRECT_LIB` (read by the `sandirect` command, not by the library).
+pub const LIB: &str = "SANDIRECT_LIB";
+/// `SANDIRECT_STASHES` (set by the library itself across exec).
+pub const STASHES: &str = "SANDIRECT_STASHES";
+/// `SANDIRECT_SAN_REFUSE_REGISTRATIONS` (a test knob).
+pub const SAN_REFUSE_REGISTRATIONS: &str = "SANDIRECT_SAN_REFUSE_REGISTRATIONS";
+
+/// Every `SANDIRECT_*` variable, in README's order.
+pub const KNOBS: &[Knob] = &[
+    Knob {
+        name: MODE,
+        values: "auto, tcp, off",
+        default: "auto",
+        effect: "off: track nothing, pure passthrough; tcp: track, never use the SAN; auto: the rules decide",
+    },
+    Knob {
+        name: CONFIG,
+        values: "path",
+        default: "none (every connection may use the SAN)",
+        effect: "the rules file; an invalid file keeps every connection on TCP",
+    },
+    Knob {
+        name: LOG,
+        values: "error, warn, info, debug, trace",
+        default: "off",
+        effect: "tracing output on stderr (free when off)",
+    },
+    Knob {
+        name: STAT_DIR,
+        values: "path, off",
+        default: "/dev/shm/sandirect-$UID",
+        effect: "where live connections are published for `sandirect stat`",
+    },
+    Knob {
+        name: SAN,
+        values: "0, 1",
+        default: "1",
+        effect: "0 keeps every connection on kernel TCP (still tracked and counted)",
+    },
+    Knob {
+        name: SAN_PROVIDER,
+        values: "shm, auto, verbs",
+        default: "shm",
+        effect: "which SAN providers may be used: shm intra-host only; auto adds RDMA verbs across hosts; verbs only",
+    },
+    Knob {
+        name: SHM_DIR,
+        values: "path",
+        default: "/dev/shm/sandirect-$UID",
+        effect: "directory of the shared-memory segments and listener markers",
+    },
+    Knob {
+        name: SAN_RENDEZVOUS,
+        values: "0, 1",
+        default: "1",
+        effect: "0 keeps large sends inline instead of the zero-copy rendezvous",
+    },
+    Knob {
+        name: SAN_RDMA_READ,
+        values: "0, 1",
+        default: "READ on RoCE/InfiniBand, WRITE on iWARP",
+        effect: "verbs rendezvous: 1 the receiver RDMA-READs the sender's buffer; 0 the sender RDMA-WRITEs into a sink the receiver advertises",
+    },
+    Knob {
+        name: VERBS_POLLS,
+        values: "0..=1048576",
+        default: "1024",
+        effect: "how many times a blocked reader of a verbs socket polls for the answer before it sleeps (adaptively; 0 sleeps at once)",
+    },
+    Knob {
+        name: VERBS_TIMEOUT_MS,
+        values: "milliseconds",
+        default: "3000",
+        effect: "bound on one RDMA connection set-up; past it the connection stays on TCP",
+    },
+    Knob {
+        name: VERBS_LIBRARY,
+        values: "path",
+        default: "libsandirect_verbs.so on the library search path",
+        effect: "the verbs provider library",
+    },
+    Knob {
+        name: WAIT_SLICE_MS,
+        values: "1..=600000",
+        default: "239",
+        effect: "longest kernel wait between two safety-net services of every SAN socket",
+    },
+    Knob {
+        name: LIB,
+        values: "path",
+        default: "next to the `sandirect` binary",
+        effect: "the preload library `sandirect run` injects",
+    },
+    Knob {
+        name: STASHES,
+        values: "internal",
+        default: "unset",
+        effect: "set by the library across exec: received bytes a downgraded socket still holds",
+    },
+    Knob {
+        name: SAN_REFUSE_REGISTRATIONS,
+        values: "count",
+        default: "0",
+        effect: "testing: refuse this many memory registrations, as an exhausted RLIMIT_MEMLOCK would",
+    },
+];
+
+/// `SANDIRECT_MODE`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[non_exhaustive]
+pub enum Mode {
+    /// Track sockets; rules decide.
+    Auto,
+    /// Track sockets; everything stays on TCP.
+    Tcp,
+    /// Track nothing.
+    Off,
+}
+
+impl Mode {
+    /// Parses the variable's value.
+    pub fn parse(value: &str) -> Option<Mode> {
+        match value {
+            "auto" | "" => Some(Self::Auto),
+            "tcp" => Some(Self::Tcp),
+            "off" => Some(Self::Off),
+            _ => None,
+        }
+    }
+}
+
+/// Settings fixed at init.
+#[derive(Debug)]
+pub struct Settings {
+    /// The mode.
+    pub mode: Mode,
+    /// Program name (basename of `argv[0]`).
+    pub program: String,
+    /// Rules already filtered for this program; `None` when the file was invalid.
+    pub rules: Option<Config>,
+    /// Connections between preloaded processes switch to the intra-host SAN (the default;
+    /// `SANDIRECT_SAN=0` turns it off).
+    pub san: bool,
+}
+
+static SETTINGS: OnceLock<Settings> = OnceLock::new();
+static TRACKING: AtomicBool = AtomicBool::new(true);
+
+/// The settings, once the constructor ran.
+pub fn settings() -> Option<&'static Settings> {
+    SETTINGS.get()
+}
+
+/// False when `SANDIRECT_MODE=off` (or init failed): no socket is tracked.
+#[inline(always)]
+pub fn tracking_enabled() -> bool {
+    TRACKING.load(Ordering::Relaxed)
+}
+
+/// Turns tracking off for good (init failed: the library stays a passthrough).
+pub fn disable_tracking() {
+    TRACKING.store(false, Ordering::Relaxed);
+}
+
+/// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
+pub fn san_enabled() -> bool {
+    settings().is_some_and(|s| s.san)
+}
+
+/// Reads the process-wide variables (mode, rules, SAN on/off, wait slice) once, at init.
+pub fn load(argv0: Option<&CStr>) {
+    let mode = match std::env::var(MODE) {
+        Err(_) => Mode::Auto,
+        Ok(value) => Mode::parse(&value).unwrap_or_else(|| {
+            eprintln!("sandirect: {MODE}={value:?} is not auto, tcp or off; using auto");
+            Mode::Auto
+        }),
+    };
+    if mode == Mode::Off {
+        disable_tracking();
+    }
+    let program = program_name(argv0);
+    let rules = match std::env::var_os(CONFIG) {
+        None => Some(Config::default()),
+        Some(path) => match load_config(std::path::Path::new(&path)) {
+            Ok(config) => Some(config.for_program(&program)),
+            Err(message) => {
+                eprintln!("sandirect: {message}; every connection stays on TCP");
+                None
+            }
+        },
+    };
+    tracing::debug!(?mode, program, rules = ?rules.as_ref().map(|r| r.rules.len()), "sandirect initialised");
+    // On unless turned off: `SANDIRECT_SAN=0` keeps every connection on kernel TCP (the
+    // interposer still tracks and counts them).
+    let san = std::env::var(SAN).map_or(true, |value| value != "0");
+    if let Ok(value) = std::env::var(WAIT_SLICE_MS) {
+        match value.parse::<c_int>() {
+            Ok(ms) if (1..=600_000).contains(&ms) => WAIT_SLICE.store(ms, Ordering::Relaxed),
+            _ => eprintln!(
+                "sandirect: {WAIT_SLICE_MS}={value:?} is not 1..=600000; using {DEFAULT_WAIT_SLICE_MS}"
+            ),
+        }
+    }
+    let _ = SETTINGS.set(Settings {
+        mode,
+        program,
+        rules,
+        san,
+    });
+}
+
+/// The path decision for a new connection: `Bypass::None` means "upgrade when the peer is
+/// capable" and is only returned with the SAN path enabled (not `SANDIRECT_SAN=0`); otherwise
+/// every outcome is a TCP reason (`NoProvider` when the rules would allow the SAN).
+pub fn decide(role: Role, endpoint: Option<SocketAddr>) -> Bypass {
+    let Some(settings) = settings() else {
+        return Bypass::NoProvider;
+    };
+    let Some(rules) = &settings.rules else {
+        return Bypass::ConfigInvalid;
+    };
+    if settings.mode == Mode::Tcp {
+        return Bypass::ConfigSaysTcp;
+    }
+    let mode = endpoint.map_or(UseMode::Both, |endpoint| {
+        rules.decide(&settings.program, role, endpoint.ip(), endpoint.port())
+    });
+    match mode {
+        UseMode::Tcp => Bypass::ConfigSaysTcp,
+        _ if settings.san => Bypass::None,
+        UseMode::San => {
+            tracing::warn!(
+                ?endpoint,
+                "rule requires SAN, but no SAN provider is available; using TCP"
+            );
+            Bypass::NoProvider
+        }
+        _ => Bypass::NoProvider,
+    }
+}
+
+/// The default of [`wait_slice_ms`]: odd, so that the servicing between slices does not line
+/// up with round-numbered timers.
+const DEFAULT_WAIT_SLICE_MS: c_int = 239;
+
+static WAIT_SLICE: AtomicI32 = AtomicI32::new(DEFAULT_WAIT_SLICE_MS);
+
+/// Longest single kernel wait (epoll, poll, a blocking SAN call) while SAN sockets are alive:
+/// after it every SAN socket of the process is serviced once, so that a wake-up that never
+/// came would cost this much latency instead of a hang. Every wake-up the tests know of is
+/// delivered without it (they run with `SANDIRECT_WAIT_SLICE_MS=600000` in CI); it stays as
+/// a safety net. A signal that lands between two slices (a few µs of servicing) does not
+/// interrupt the wait.
+pub fn wait_slice_ms() -> c_int {
+    WAIT_SLICE.load(Ordering::Relaxed)
+}
+
+/// [`wait_slice_ms`] as a duration.
+pub fn wait_slice() -> Duration {
+    Duration::from_millis(wait_slice_ms() as u64)
+}
+
+/// The next kernel wait of a sliced wait that ends at `deadline` (`None`: no end), in
+/// milliseconds: at most one slice, and rounded *up* as the kernel rounds a timeout, so the
+/// last sub-millisecond of a wait sleeps instead of returning at once (a 0 ms wait there made
+/// every timed `epoll_wait` spin for up to a millisecond before its timeout).
+pub fn next_slice_ms(deadline: Option<std::time::Instant>) -> c_int {
+    let slice = wait_slice_ms();
+    deadline.map_or(slice, |deadline| {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let ms = left.as_micros().div_ceil(1000);
+        ms.min(slice as u128) as c_int
+    })
+}
+
+/// Reads and parses a rules file; the message names file and line.
+pub fn load_config(path: &std::path::Path) -> Result<Config, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|error| format!("cannot read config {}: {error}", path.display()))?;
+    config::parse(&text, &path.display().to_string())
+        .map_err(|error| format!("config error: {error}"))
+}
+
+fn program_name(argv0: Option<&CStr>) -> String {
+    let from_argv = argv0.map(|arg| arg.to_string_lossy().into_owned());
+    let full = from_argv
+        .filter(|name| !name.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/proc/self/comm")
+                .ok()
+                .map(|s| s.trim_end().to_owned())
+        })
+        .unwrap_or_default();
+    full.rsplit('/').next().unwrap_or_default().to_owned()
+}
+
+/// Which SAN providers `SANDIRECT_SAN_PROVIDER` allows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProviderChoice {
+    /// Shared memory for same-host peers, verbs otherwise.
+    Auto,
+    /// Shared memory only (the default: verbs across hosts is opt-in).
+    Shm,
+    /// Verbs only (the VM tests: their two "hosts" are one guest).
+    Verbs,
+}
+
+/// `SANDIRECT_SAN_PROVIDER` (read once).
+pub fn provider_choice() -> ProviderChoice {
+    static CHOICE: OnceLock<ProviderChoice> = OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(SAN_PROVIDER).as_deref() {
+        Ok("auto") => ProviderChoice::Auto,
+        Ok("verbs") => ProviderChoice::Verbs,
+        Ok("shm") | Err(_) => ProviderChoice::Shm,
+        Ok(other) => {
+            eprintln!("sandirect: {SAN_PROVIDER}={other:?} is not shm, auto or verbs; using shm");
+            ProviderChoice::Shm
+        }
+    })
+}
+
+/// `SANDIRECT_SHM_DIR`: the segment directory, `None` for the default.
+pub fn shm_dir() -> Option<PathBuf> {
+    std::env::var_os(SHM_DIR).map(PathBuf::from)
+}
+
+/// `SANDIRECT_SAN_RENDEZVOUS`: false when set to `0`.
+pub fn rendezvous_allowed() -> bool {
+    std::env::var_os(SAN_RENDEZVOUS).is_none_or(|v| v != "0")
+}
+
+/// `SANDIRECT_SAN_RDMA_READ`: `Some(false)` for `0`, `Some(true)` for `1`, `None` (the
+/// device's default) when unset or anything else.
+pub fn rdma_read() -> Option<bool> {
+    rdma_read_setting(std::env::var_os(SAN_RDMA_READ).as_deref())
+}
+
+fn rdma_read_setting(value: Option<&std::ffi::OsStr>) -> Option<bool> {
+    match value.and_then(|v| v.to_str()).map(str::trim) {
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        _ => None,
+    }
+}
+
+/// The default poll budget of a blocked verbs reader. One poll round (the socket's lock, the
+/// provider's completion-queue poll, the session's readability) is ~500 instructions: 1024
+/// rounds are ~150 µs on current hardware, a few times the cost of waking an idle vCPU there
+/// (~35 µs), which is about what an answer over RDMA takes at most when the peer answers at
+/// once. Counted in polls rather than time, the budget needs no clock read per round (in the
+/// soft-RDMA guest a clock read is a system call) and scales with the machine's speed; under
+/// that guest's emulation 1024 rounds are ~1-2 ms, and 256 proved too few there (half the polls
+/// of a ping-pong ran out, and the round trip swung between the polled and the sleeping
+/// figure).
+const DEFAULT_VERBS_POLLS: u32 = 1024;
+
+/// `SANDIRECT_VERBS_POLLS` (read once): how many rounds a blocked verbs reader polls.
+pub fn verbs_polls() -> u32 {
+    static POLLS: OnceLock<u32> = OnceLock::new();
+    *POLLS.get_or_init(|| {
+        std::env::var(VERBS_POLLS)
+            .ok()
+            .and_then(|v| v.trim().parse::<u32>().ok())
+            .map_or(DEFAULT_VERBS_POLLS, |polls| polls.min(1 << 20))
+    })
+}
+
+/// `SANDIRECT_VERBS_TIMEOUT_MS` (read once): the bound on one verbs connection set-up.
+pub fn verbs_setup_timeout() -> Duration {
+    static TIMEOUT: OnceLock<Duration> = OnceLock::new();
+    *TIMEOUT.get_or_init(|| {
+        std::env::var(VERBS_TIMEOUT_MS)
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(Duration::from_millis(3000), Duration::from_millis)
+    })
+}
+
+/// `SANDIRECT_VERBS_LIBRARY`: the verbs provider library, `None` for the default name.
+pub fn verbs_library() -> Option<PathBuf> {
+    std::env::var_os(VERBS_LIBRARY).map(PathBuf::from)
+}
+
+/// `SANDIRECT_SAN_REFUSE_REGISTRATIONS`: how many registrations to refuse (testing).
+pub fn refused_registrations() -> u64 {
+    std::env::var(SAN_REFUSE_REGISTRATIONS)
+        .ok()
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!(Mode::parse("off"), Some(Mode::Off));
+        assert_eq!(Mode::parse("tcp"), Some(Mode::Tcp));
+        assert_eq!(Mode::parse("auto"), Some(Mode::Auto));
+        assert_eq!(Mode::parse("fast"), None);
+    }
+
+    #[test]
+    fn rdma_read_parses_only_0_and_1() {
+        use std::ffi::OsStr;
+        assert_eq!(rdma_read_setting(Some(OsStr::new("0"))), Some(false));
+        assert_eq!(rdma_read_setting(Some(OsStr::new(" 1 "))), Some(true));
+        assert_eq!(rdma_read_setting(Some(OsStr::new("yes"))), None);
+        assert_eq!(rdma_read_setting(None), None);
+    }
+
+    #[test]
+    fn program_name_is_the_basename() {
+        assert_eq!(program_name(Some(c"/usr/bin/redis-server")), "redis-server");
+        assert_eq!(program_name(Some(c"curl")), "curl");
+        assert!(
+            !program_name(None).is_empty(),
+            "falls back to /proc/self/comm"
+        );
+    }
+
+    #[test]
+    fn load_config_reports_file_and_line() {
+        let dir = std::env::temp_dir().join(format!("sandirect-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("bad.conf");
+        std::fs::write(&path, "use tcp any * *:*\nuse sun any * *:*\n").unwrap();
+        let message = load_config(&path).unwrap_err();
+        assert!(
+            message.contains(&format!("{}:2:", path.display())),
+            "{message}"
+        );
+        assert!(load_config(&dir.join("missing.conf"))
+            .unwrap_err()
+            .contains("cannot read config"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn workspace() -> &'static Path {
+        Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+    }
+
+    /// Every `SANDIRECT_[A-Z_]+` name in `text`.
+    fn names_in(text: &str, out: &mut BTreeSet<String>) {
+        let mut rest = text;
+        while let Some(at) = rest.find("SANDIRECT_") {
+            let tail = &rest[at..];
+            let len = tail
+                .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(tail.len());
+            let name = tail[..len].trim_end_matches('_');
+            if name.len() > "SANDIRECT_".len() {
+                out.insert(name.to_owned());
+            }
+            rest = &tail[len..];
+        }
+    }
+
+    fn knob_names() -> BTreeSet<String> {
+        KNOBS.iter().map(|k| k.name.to_owned()).collect()
+    }
+
+    #[test]
+    fn knobs_are_unique_and_documented() {
+        assert_eq!(
+            knob_names().len(),
+            KNOBS.len(),
+            "a variable is listed twice"
+        );
+        for knob in KNOBS {
+            assert!(knob.name.starts_with("SANDIRECT_"), "{}", knob.name);
+            assert!(
+                !knob.values.is_empty() && !knob.default.is_empty() && !knob.effect.is_empty(),
+                "{} lacks values, default or effect",
+                knob.name
+            );
+        }
+    }
+
+    /// README's settings table lists exactly the variables of [`KNOBS`].
+    #[test]
+    fn readme_table_lists_every_knob() {
+        let readme = std::fs::read_to_string(workspace().join("README.md")).unwrap();
+        let mut in_table = BTreeSet::new();
+        for line in readme.lines().filter(|l| l.starts_with("| `SANDIRECT_")) {
+            names_in(line.split('|').nth(1).unwrap_or_default(), &mut in_table);
+        }
+        assert_eq!(
+            in_table,
+            knob_names(),
+            "README.md's settings table (rows `| `SANDIRECT_…` | …`) differs from settings::KNOBS"
+        );
+    }
+
+    /// No library or command code names a variable that [`KNOBS`] does not list.
+    #[test]
+    fn code_reads_no_unlisted_variable() {
+        fn walk(dir: &Path, out: &mut BTreeSet<String>) {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let name = entry.file_name();
+                // Test harnesses under `tests/` have variables of their own.
+                if name == "target" || name == "tests" || name.to_string_lossy().starts_with('.') {
+                    continue;
+                }
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    names_in(&std::fs::read_to_string(&path).unwrap_or_default(), out);
+                }
+            }
+        }
+        let mut used = BTreeSet::new();
+        for crate_dir in ["preload", "providers", "cli"] {
+            walk(&workspace().join(crate_dir), &mut used);
+        }
+        let listed = knob_names();
+        let unlisted: Vec<_> = used.difference(&listed).collect();
+        assert!(
+            unlisted.is_empty(),
+            "named in code but not in settings::KNOBS: {unlisted:?}"
+        );
+    }
+}
