@@ -859,6 +859,145 @@ fn poll_and_select() -> CaseResult {
     ))
 }
 
+extern "C" {
+    // glibc's FORTIFY_SOURCE entry points (debug/poll_chk.c, debug/ppoll_chk.c): what `poll`
+    // and `ppoll` become in a program built with `-D_FORTIFY_SOURCE=2` when the compiler knows
+    // the array's size (`fdslen`, in bytes). glibc calls its own poll/ppoll inside, so an
+    // interposer must hook these two as well.
+    fn __poll_chk(
+        fds: *mut libc::pollfd,
+        nfds: libc::nfds_t,
+        timeout: c_int,
+        fdslen: libc::size_t,
+    ) -> c_int;
+    fn __ppoll_chk(
+        fds: *mut libc::pollfd,
+        nfds: libc::nfds_t,
+        timeout: *const libc::timespec,
+        sigmask: *const libc::sigset_t,
+        fdslen: libc::size_t,
+    ) -> c_int;
+}
+
+/// One fd through `__poll_chk` (`ppoll`: through `__ppoll_chk`) with a 5 s bound: the return
+/// value, revents and whether it returned at once (well under the bound) or waited.
+fn fortified_poll_one(fd: c_int, events: i16, ppoll: bool) -> String {
+    let mut fds = [libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    }];
+    let fdslen = size_of_val(&fds);
+    let start = std::time::Instant::now();
+    let rc = if ppoll {
+        let timeout = libc::timespec {
+            tv_sec: 5,
+            tv_nsec: 0,
+        };
+        // SAFETY: a live array of one pollfd, `fdslen` its size in bytes; a live timespec.
+        unsafe { __ppoll_chk(fds.as_mut_ptr(), 1, &timeout, null(), fdslen) }
+    } else {
+        // SAFETY: a live array of one pollfd, `fdslen` its size in bytes.
+        unsafe { __poll_chk(fds.as_mut_ptr(), 1, 5000, fdslen) }
+    };
+    let rc = outcome(rc as isize);
+    let waited = if start.elapsed() < Duration::from_secs(1) {
+        "at-once".to_string()
+    } else {
+        format!("after-{}s", start.elapsed().as_secs())
+    };
+    format!("{rc}:{}:{waited}", revents_text(fds[0].revents))
+}
+
+/// A program built with `-D_FORTIFY_SOURCE=2` waits through `__poll_chk`/`__ppoll_chk`: on an
+/// established pair (carried over the SAN when both ends are preloaded; the first round trip
+/// makes sure of the switch-over) they report readability in both directions, writability, the
+/// peer's FIN and then both FINs exactly as `poll`/`ppoll` do.
+fn fortify_poll() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(client.raw(), b"a")?;
+    read_text(server.raw())?;
+    write_all(server.raw(), b"b")?;
+    read_text(client.raw())?;
+
+    write_all(client.raw(), b"ping")?;
+    let poll_in = fortified_poll_one(server.raw(), libc::POLLIN, false);
+    write_all(server.raw(), b"pong")?;
+    let ppoll_in = fortified_poll_one(client.raw(), libc::POLLIN, true);
+    let got = read_text(server.raw())?;
+    let reply = read_text(client.raw())?;
+    let poll_out = fortified_poll_one(client.raw(), libc::POLLOUT, false);
+    // The peer's FIN (RDHUP), then ours too (HUP).
+    // SAFETY: a valid socket.
+    unsafe { libc::shutdown(client.raw(), libc::SHUT_WR) };
+    settle();
+    let peer_shut = fortified_poll_one(server.raw(), libc::POLLIN | libc::POLLRDHUP, true);
+    // SAFETY: a valid socket.
+    unsafe { libc::shutdown(server.raw(), libc::SHUT_WR) };
+    settle();
+    let both_shut = fortified_poll_one(server.raw(), libc::POLLIN | libc::POLLRDHUP, false);
+    let (eof, _) = read_some(server.raw(), 16);
+    Ok(format!(
+        "poll_chk-in={poll_in} ppoll_chk-in={ppoll_in} read {got:?}/{reply:?} poll_chk-out={poll_out} ppoll_chk-peer-shut={peer_shut} poll_chk-both-shut={both_shut} read={}",
+        outcome(eof)
+    ))
+}
+
+/// `__poll_chk`/`__ppoll_chk` with `nfds` beyond `fdslen` end the process as glibc's
+/// `__chk_fail` does (SIGABRT), checked in a forked child.
+fn fortify_poll_overflow() -> CaseResult {
+    let mut results = Vec::new();
+    for ppoll in [false, true] {
+        // SAFETY: the child makes async-signal-safe calls only (the check fails before any
+        // wait) and _exits if it survives.
+        let pid = unsafe { libc::fork() };
+        check(pid as isize, "fork")?;
+        if pid == 0 {
+            // SAFETY: child: no core file, glibc's message to /dev/null, then two pollfds
+            // claimed in an array of one.
+            unsafe {
+                let no_core = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                libc::setrlimit(libc::RLIMIT_CORE, &no_core);
+                let null_fd = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+                libc::dup2(null_fd, 2);
+                let mut fds = [libc::pollfd {
+                    fd: -1,
+                    events: 0,
+                    revents: 0,
+                }];
+                let fdslen = size_of_val(&fds);
+                let timeout = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                if ppoll {
+                    __ppoll_chk(fds.as_mut_ptr(), 2, &timeout, null(), fdslen);
+                } else {
+                    __poll_chk(fds.as_mut_ptr(), 2, 0, fdslen);
+                }
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        check(
+            // SAFETY: waiting for our child.
+            unsafe { libc::waitpid(pid, &mut status, 0) } as isize,
+            "waitpid",
+        )?;
+        let name = if ppoll { "ppoll_chk" } else { "poll_chk" };
+        let ended = if libc::WIFSIGNALED(status) {
+            format!("signal-{}", libc::WTERMSIG(status))
+        } else {
+            format!("exit-{}", libc::WEXITSTATUS(status))
+        };
+        results.push(format!("{name}={ended}"));
+    }
+    Ok(results.join(" "))
+}
+
 static SIGNALLED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_usr1(_: c_int) {
@@ -1299,6 +1438,8 @@ const CASES: &[Case] = &[
     ("epoll-exclusive", epoll_exclusive),
     ("epoll-two-sets-and-nested", epoll_two_sets_and_nested),
     ("poll-and-select", poll_and_select),
+    ("fortify-poll", fortify_poll),
+    ("fortify-poll-overflow", fortify_poll_overflow),
     ("eintr", eintr),
     ("eintr-restart", eintr_restart),
     ("recv-flags", recv_flags),

@@ -118,9 +118,9 @@ macro_rules! sandirect_hook_table {
                 fn poll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int) -> ::libc::c_int;
             Accelerate libc generated "as poll"
                 fn ppoll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
-            Accelerate glibc generated "FORTIFY_SOURCE poll (glibc debug/poll_chk.c)"
+            Accelerate glibc generated "FORTIFY_SOURCE poll (glibc debug/poll_chk.c): glibc's size check, then as poll"
                 fn __poll_chk(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int, fdslen: ::libc::size_t) -> ::libc::c_int;
-            Accelerate glibc generated "FORTIFY_SOURCE ppoll (glibc debug/ppoll_chk.c)"
+            Accelerate glibc generated "FORTIFY_SOURCE ppoll (glibc debug/ppoll_chk.c): glibc's size check, then as ppoll"
                 fn __ppoll_chk(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t, fdslen: ::libc::size_t) -> ::libc::c_int;
             Accelerate libc generated "as poll"
                 fn select(nfds: ::libc::c_int, readfds: *mut ::libc::fd_set, writefds: *mut ::libc::fd_set, exceptfds: *mut ::libc::fd_set, timeout: *mut ::libc::timeval) -> ::libc::c_int;

@@ -1397,20 +1397,6 @@ unsafe fn san_sendfile(
 
 // ---- readiness ------------------------------------------------------------------------------
 
-macro_rules! passthrough_ops {
-    ($( $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty; )*) => {$(
-        #[doc = concat!("`", stringify!($name), "`: kernel readiness (no SAN socket exists yet).")]
-        ///
-        /// # Safety
-        /// As the C function.
-        #[inline(always)]
-        pub unsafe fn $name($($arg: $ty),*) -> $ret {
-            // SAFETY: forwarded.
-            unsafe { real::$name($($arg),*) }
-        }
-    )*};
-}
-
 /// Runs a poll-style call with every switched SAN socket in `fds` replaced by its mirror `M`
 /// for the duration of the call (the application's array is restored before returning).
 ///
@@ -1695,9 +1681,50 @@ pub unsafe fn pselect(
     unsafe { real::pselect(nfds, readfds, writefds, exceptfds, timeout, sigmask) }
 }
 
-passthrough_ops! {
-    __poll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int, fdslen: size_t) -> c_int;
-    __ppoll_chk(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: *const libc::timespec, sigmask: *const libc::sigset_t, fdslen: size_t) -> c_int;
+/// `__poll_chk`: the `poll` of a program built with `-D_FORTIFY_SOURCE` (glibc
+/// debug/poll_chk.c). glibc checks the array's size and then calls its own `poll`
+/// internally, past the [`poll`] hook: passed through, a SAN socket would be watched on its
+/// kernel TCP descriptor, which stays silent. So the check is made here and the call is then
+/// exactly [`poll`] (SAN sockets watched through their mirrors).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn __poll_chk(
+    fds: *mut libc::pollfd,
+    nfds: libc::nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    if nfds > (fdslen / core::mem::size_of::<libc::pollfd>()) as libc::nfds_t {
+        // An overflowing request goes to the real function, which aborts (`__chk_fail`).
+        // SAFETY: forwarded.
+        return unsafe { real::__poll_chk(fds, nfds, timeout, fdslen) };
+    }
+    // SAFETY: the caller's arguments, valid as for `poll`.
+    unsafe { poll(fds, nfds, timeout) }
+}
+
+/// `__ppoll_chk`: the `ppoll` of a program built with `-D_FORTIFY_SOURCE` (glibc
+/// debug/ppoll_chk.c): the size check as in [`__poll_chk`], then exactly [`ppoll`].
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn __ppoll_chk(
+    fds: *mut libc::pollfd,
+    nfds: libc::nfds_t,
+    timeout: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    if nfds > (fdslen / core::mem::size_of::<libc::pollfd>()) as libc::nfds_t {
+        // An overflowing request goes to the real function, which aborts (`__chk_fail`).
+        // SAFETY: forwarded.
+        return unsafe { real::__ppoll_chk(fds, nfds, timeout, sigmask, fdslen) };
+    }
+    // SAFETY: the caller's arguments, valid as for `ppoll`.
+    unsafe { ppoll(fds, nfds, timeout, sigmask) }
 }
 
 /// `fork(2)`: a SAN session cannot be shared by two processes, so every SAN connection is
