@@ -135,6 +135,7 @@ def split_top_level(text, sep=","):
 
 
 CFG_ATTR = re.compile(r"#\s*\[\s*cfg\s*\(")
+INNER_CFG = re.compile(r"#!\s*\[\s*cfg\s*\((.*?)\)\s*\]", re.S)
 
 
 def remove_test_items(text):
@@ -152,16 +153,16 @@ def remove_test_items(text):
                 continue
             # The item runs to the first `;` or balanced `{...}` (skipping further attributes
             # and bracketed parts such as `#[derive(...)]` or `[u8; 4]`).
-            k, square = j, 0
+            k, square = text.find("]", j) + 1 or len(text), 0
             while k < len(text):
                 if text[k] == "[":
                     square += 1
                 elif text[k] == "]":
                     square -= 1
-                elif square <= 0 and text[k] == ";":
+                elif square == 0 and text[k] == ";":
                     k += 1
                     break
-                elif square <= 0 and text[k] == "{":
+                elif square == 0 and text[k] == "{":
                     k = matching_brace(text, k)
                     break
                 k += 1
@@ -212,6 +213,10 @@ class Crate:
                 with open(os.path.join(root, name), encoding="utf-8") as f:
                     text = strip_comments_and_literals(f.read())
                 texts[rel], test_decls[rel] = remove_test_items(text)
+                # `#![cfg(test)]`: the whole file is test code.
+                for m in INNER_CFG.finditer(text):
+                    if is_test_only(m.group(1)):
+                        self.test_files.add(rel)
         for rel in texts:
             self.file_module[rel] = module_path_of(rel)
         # Files declared by test-only `mod x;` (and everything below them) are test code.
@@ -290,7 +295,11 @@ class Crate:
             if bound is not None:
                 hit = self.resolve(at, bound + rest[1:], self.aliases[rel])
                 return self.target(*hit, depth + 1) if hit else None
-        return rel, (rest[0] if rest else (at[-1] if at else "crate"))
+        if rest:
+            return rel, rest[0]
+        # The module itself (`use crate::runtime;`): the names used through it, if any, say
+        # more (see `shown_names`).
+        return rel, "mod " + (at[-1] if at else "crate")
 
 
 def expand_use_tree(tree):
@@ -311,13 +320,12 @@ def expand_use_tree(tree):
                 walk(base, part)
             return
         segments = prefix + [s for s in t.split("::") if s]
-        rename = None
-        last = segments[-1]
-        if last == "self":
-            rename = segments[-2] if len(segments) > 1 else None
-        elif last != "*":
-            rename = last
-        out.append((segments, rename))
+        bound = None
+        if segments[-1] == "self":
+            bound = segments[-2] if len(segments) > 1 else None
+        elif segments[-1] != "*":
+            bound = segments[-1]
+        out.append((segments, bound))
 
     walk([], tree)
     return out
@@ -346,8 +354,6 @@ def parse_use(decl):
             original, new = renames[segments[-1]]
             segments = segments[:-1] + [original]
             bound = new if new != "_" else None
-            if original == "self":
-                bound = new
         result.append((segments, bound))
     return result
 
@@ -459,6 +465,13 @@ def circles(src):
     return crate, edges, sorted(comps)
 
 
+def shown_names(names):
+    """The names tying an edge; a module imported whole only when nothing more precise is
+    known of the edge."""
+    items = sorted(n for n in names if not n.startswith("mod "))
+    return ", ".join(items or sorted(names))
+
+
 def check(src, out=sys.stdout):
     """Prints the verdict for one crate; returns True when it has no circle."""
     crate, edges, comps = circles(src)
@@ -479,7 +492,7 @@ def check(src, out=sys.stdout):
         print("  circle of %d files: %s" % (len(comp), ", ".join(comp)), file=out)
         for (a, b), names in sorted(edges.items()):
             if a in members and b in members:
-                print("    %s -> %s: %s" % (a, b, ", ".join(sorted(names))), file=out)
+                print("    %s -> %s: %s" % (a, b, shown_names(names)), file=out)
     return False
 
 
