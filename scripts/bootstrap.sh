@@ -34,7 +34,7 @@ apt_install() {
 
 # libclang-dev, libibverbs-dev and librdmacm-dev build the verbs provider (rdma-sys runs bindgen);
 # only libsandirect_verbs.so links them, the preload itself loads on hosts without rdma-core.
-apt_install ca-certificates build-essential pkg-config iproute2 procps \
+apt_install ca-certificates build-essential pkg-config iproute2 procps python3 \
   libclang-dev libibverbs-dev librdmacm-dev
 
 # Rust: use the machine's toolchain when there is one (rustup or distribution); otherwise

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The switch is sans-IO: its normal dependency tree must hold no OS or RDMA crate.
+# Dependency direction, between crates and inside them:
+# - the switch is sans-IO: its normal dependency tree must hold no OS or RDMA crate;
+# - the module graphs of preload-core and san-verbs have no circle: no file reaches, directly
+#   or through others, code of a file that reaches its own (see scripts/check-layering.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tree=$(cargo tree -p switch -e normal --prefix none)
@@ -15,3 +18,6 @@ for crate in switch san-api; do
 done
 echo "switch and san-api depend on no OS crate:"
 cargo tree -p switch -e normal
+
+python3 scripts/check-layering.py --self-test
+python3 scripts/check-layering.py preload/core/src providers/verbs/src

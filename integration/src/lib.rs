@@ -1,9 +1,11 @@
 //! Helpers shared by the conformance program and the integration tests: thin, checked wrappers
 //! over `libc` socket calls (the conformance suite exercises exactly the calls C programs make),
-//! and locating the build products.
+//! locating the build products, and the test data both ends of a connection regenerate
+//! ([`pattern`]).
 
 pub mod apps;
 pub mod hang;
+pub mod pattern;
 
 use std::ffi::c_int;
 use std::path::PathBuf;

@@ -10,6 +10,7 @@ use integration::apps::{
     assert_paths, exclusive, free_port, require_program, wait_for_port, PathRecorder, Preloaded,
     Sandbox,
 };
+use integration::pattern::XorShift64;
 
 const LARGE_FILE_BYTES: usize = 64 << 20;
 
@@ -53,14 +54,11 @@ http {{
 /// A deterministic, incompressible-looking file of `bytes` bytes.
 fn write_document(path: &Path, bytes: usize) {
     let mut file = std::io::BufWriter::new(std::fs::File::create(path).expect("create document"));
-    let mut state = 0x1234_5678_9abc_def1u64;
+    let mut generator = XorShift64::new(0x1234_5678_9abc_def1);
     let mut block = [0u8; 8192];
     for _ in 0..bytes / block.len() {
         for chunk in block.chunks_exact_mut(8) {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            chunk.copy_from_slice(&state.to_le_bytes());
+            chunk.copy_from_slice(&generator.next_u64().to_le_bytes());
         }
         file.write_all(&block).expect("write document");
     }

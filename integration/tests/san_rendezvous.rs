@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use integration::pattern::{fnv1a, XorShift64};
 use preload_core::record::{Counter, SocketState};
 
 /// `libsandirect.so`, built once per test run (same profile as this test).
@@ -200,22 +201,7 @@ fn run(name: &str, transfer: &Transfer) -> (Report, Report) {
 }
 
 fn pattern(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
-
-fn checksum(data: &[u8]) -> u64 {
-    // FNV-1a: order-sensitive, so a reordered, lost or duplicated chunk changes it.
-    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    XorShift64::new(0x9e37_79b9_7f4a_7c15).low_bytes(len)
 }
 
 /// Checks the data arrived whole and in order.
@@ -223,7 +209,7 @@ fn assert_delivered(server: &Report, transfer: &Transfer) {
     assert_eq!(server.number("bytes"), transfer.bytes as u64, "{server:?}");
     assert_eq!(
         server.get("checksum"),
-        format!("{:016x}", checksum(&pattern(transfer.bytes))),
+        format!("{:016x}", fnv1a(&pattern(transfer.bytes))),
         "{server:?}"
     );
 }
@@ -402,7 +388,7 @@ fn serve() {
     println!(
         "server ok bytes={} checksum={:016x} rendezvous_received={rendezvous_received} reads={reads} peek={peek} fionread={fionread}",
         received.len(),
-        checksum(&received)
+        fnv1a(&received)
     );
     std::io::stdout().flush().unwrap();
     // "Done": the client reads its counters while the connection is still open.

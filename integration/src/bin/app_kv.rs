@@ -15,6 +15,8 @@ use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::process::ExitCode;
 use std::sync::{mpsc, Arc, Barrier};
 
+use integration::pattern::XorShift64;
+
 /// Value sizes cycled through by key index: small, around common buffer sizes, and large enough
 /// to need many segments (and, on the SAN, the rendezvous path).
 const VALUE_SIZES: [usize; 8] = [1, 63, 512, 1460, 4096, 16_384, 65_537, 262_144];
@@ -78,16 +80,8 @@ fn key_name(settings: &Settings, connection: usize, key: usize) -> String {
 /// xorshift generator seeded by the key, so any misplaced, stale or corrupted byte shows.
 fn expected_value(settings: &Settings, connection: usize, key: usize) -> Vec<u8> {
     let size = VALUE_SIZES[key % VALUE_SIZES.len()];
-    let mut state =
-        settings.seed ^ ((connection as u64) << 32) ^ (key as u64) ^ 0x9e37_79b9_7f4a_7c15;
-    (0..size)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    let seed = settings.seed ^ ((connection as u64) << 32) ^ (key as u64) ^ 0x9e37_79b9_7f4a_7c15;
+    XorShift64::new(seed).low_bytes(size)
 }
 
 struct Client {

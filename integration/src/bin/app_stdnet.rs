@@ -17,27 +17,16 @@ use std::net::{IpAddr, Ipv4Addr, Shutdown, TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::sync::mpsc;
 
+use integration::pattern::XorShift64;
+
 /// Chunk sizes cycled through by the writer: odd sizes so message boundaries never line up
 /// with buffer sizes on either side.
 const CHUNK_SIZES: [usize; 6] = [1, 17, 1000, 4093, 65_521, 300_007];
 
 /// The byte stream of connection `index`: a xorshift sequence, cheap to regenerate on the
 /// reading side.
-struct Stream(u64);
-
-impl Stream {
-    fn new(index: usize) -> Stream {
-        Stream(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
-    }
-
-    fn fill(&mut self, buffer: &mut [u8]) {
-        for byte in buffer {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            *byte = self.0 as u8;
-        }
-    }
+fn byte_stream(index: usize) -> XorShift64 {
+    XorShift64::new(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 fn serve(connections: usize, addr: IpAddr) -> io::Result<()> {
@@ -76,12 +65,12 @@ fn exchange(addr: IpAddr, port: u16, index: usize, bytes: usize) -> io::Result<T
     let stream = TcpStream::connect((addr, port))?;
     let mut writer = stream.try_clone()?;
     let sender = std::thread::spawn(move || -> io::Result<()> {
-        let mut generator = Stream::new(index);
+        let mut generator = byte_stream(index);
         let mut chunk = vec![0u8; CHUNK_SIZES.iter().copied().max().unwrap_or(1)];
         let (mut sent, mut turn) = (0, 0);
         while sent < bytes {
             let size = CHUNK_SIZES[turn % CHUNK_SIZES.len()].min(bytes - sent);
-            generator.fill(&mut chunk[..size]);
+            generator.fill_low_bytes(&mut chunk[..size]);
             writer.write_all(&chunk[..size])?;
             sent += size;
             turn += 1;
@@ -89,7 +78,7 @@ fn exchange(addr: IpAddr, port: u16, index: usize, bytes: usize) -> io::Result<T
         Ok(())
     });
     let mut reader = stream.try_clone()?;
-    let mut generator = Stream::new(index);
+    let mut generator = byte_stream(index);
     let (mut received, mut buffer, mut expected) = (0, vec![0u8; 128 * 1024], vec![0u8; 0]);
     while received < bytes {
         let n = reader.read(&mut buffer)?;
@@ -100,7 +89,7 @@ fn exchange(addr: IpAddr, port: u16, index: usize, bytes: usize) -> io::Result<T
             ));
         }
         expected.resize(n, 0);
-        generator.fill(&mut expected);
+        generator.fill_low_bytes(&mut expected);
         if buffer[..n] != expected[..] {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,

@@ -43,25 +43,12 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::Duration;
 
+use integration::pattern::{fnv1a, XorShift64};
+
 const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJK";
 
 fn pattern(len: usize) -> Vec<u8> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
-}
-
-fn checksum(data: &[u8]) -> u64 {
-    // FNV-1a: order-sensitive, so a reordered or duplicated chunk changes it.
-    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, &byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    XorShift64::new(0x9e37_79b9_7f4a_7c15).low_bytes(len)
 }
 
 /// The data path the interposer published for this process's connected socket from `local`
@@ -221,7 +208,7 @@ fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
     Ok(format!(
         "server ok bytes={} checksum={:016x} path={path}",
         received.len(),
-        checksum(&received)
+        fnv1a(&received)
     ))
 }
 
@@ -292,7 +279,7 @@ fn client_timeouts(mut stream: TcpStream, port: u16, bytes: usize) -> std::io::R
     stream.shutdown(Shutdown::Write)?;
     Ok(format!(
         "client ok bytes={bytes} checksum={:016x} path={path}",
-        checksum(&data)
+        fnv1a(&data)
     ))
 }
 
@@ -323,7 +310,7 @@ fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
         return Ok(format!(
             "server ok bytes={} checksum={:016x} path={path}",
             received.len(),
-            checksum(&received)
+            fnv1a(&received)
         ));
     }
     let mut received = Vec::new();
@@ -341,7 +328,7 @@ fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
     Ok(format!(
         "server ok bytes={} checksum={:016x} path={path}",
         received.len(),
-        checksum(&received)
+        fnv1a(&received)
     ))
 }
 
@@ -416,7 +403,7 @@ fn check_echo(
     Ok(format!(
         "client ok bytes={} checksum={:016x} path={path}",
         echo.len(),
-        checksum(&echo)
+        fnv1a(&echo)
     ))
 }
 

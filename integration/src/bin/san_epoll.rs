@@ -13,18 +13,11 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::RawFd;
 
+use integration::pattern::XorShift64;
 use preload_core::record::{flags, DataPath};
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut state = seed | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    XorShift64::new(seed | 1).low_bytes(len)
 }
 
 fn check(rc: libc::c_int, what: &str) -> libc::c_int {

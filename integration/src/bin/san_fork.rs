@@ -38,6 +38,7 @@ use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
 use std::time::Duration;
 
+use integration::pattern::XorShift64;
 use preload_core::record::{Counter, DataPath};
 
 const R0: usize = 1 << 10;
@@ -47,15 +48,7 @@ const A1: usize = 1 << 20;
 const R2: usize = 1 << 20;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    XorShift64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).low_bytes(len)
 }
 
 fn expect(stream: &mut TcpStream, seed: u64, len: usize, what: &str) {

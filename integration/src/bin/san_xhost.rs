@@ -51,6 +51,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 
+use integration::pattern::XorShift64;
 use preload_core::record::{Counter, DataPath, SocketState};
 
 const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJK";
@@ -59,7 +60,7 @@ const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxy
 /// 256 MiB stream is never held in memory; word steps keep the debug build fast enough for
 /// the emulated guest).
 struct Pattern {
-    state: u64,
+    generator: XorShift64,
     /// The current word and how many of its bytes were handed out.
     word: [u8; 8],
     used: usize,
@@ -68,17 +69,14 @@ struct Pattern {
 impl Pattern {
     fn new() -> Pattern {
         Pattern {
-            state: 0x9e37_79b9_7f4a_7c15,
+            generator: XorShift64::new(0x9e37_79b9_7f4a_7c15),
             word: [0; 8],
             used: 8,
         }
     }
 
     fn next_word(&mut self) -> [u8; 8] {
-        self.state ^= self.state << 13;
-        self.state ^= self.state >> 7;
-        self.state ^= self.state << 17;
-        self.state.to_le_bytes()
+        self.generator.next_u64().to_le_bytes()
     }
 
     fn fill(&mut self, out: &mut [u8]) {

@@ -14,10 +14,11 @@ use rdma_sys::{
 };
 use san_verbs_loader::abi::MAX_PRIVATE_DATA;
 
-use crate::cq::set_nonblocking;
+use crate::device::Device;
 use crate::pd::ProtectionDomain;
 use crate::qp::QueuePair;
-use crate::{errno, SetupError};
+use crate::sys::{errno, set_nonblocking};
+use crate::SetupError;
 
 /// An rdma_cm event channel with a non-blocking fd. Shared (`Arc`) by the ids reporting
 /// on it, so that it is destroyed only after all of them.
@@ -383,8 +384,14 @@ pub(crate) fn bound_port(id: &CmId) -> u16 {
     }
 }
 
+/// The device rdma_cm binds the local address `ip` to.
+pub(crate) fn device_for_local_ip(ip: IpAddr) -> Result<Device, SetupError> {
+    let context = device_of_local_address(ip)?;
+    Device::query(context)
+}
+
 /// The device context rdma_cm binds the local address `ip` to.
-pub(crate) fn device_of_local_address(ip: IpAddr) -> Result<NonNull<ibv_context>, SetupError> {
+fn device_of_local_address(ip: IpAddr) -> Result<NonNull<ibv_context>, SetupError> {
     let channel = EventChannel::new()?;
     let id = CmId::new(&channel)?;
     let (mut storage, _) = sockaddr(SocketAddr::new(ip, 0));

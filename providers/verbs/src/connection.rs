@@ -18,7 +18,8 @@ use crate::cq::CompletionQueue;
 use crate::domain::{DomainShared, VerbsDomain};
 use crate::qp::{QueuePair, SendOp};
 use crate::slots::SlotPool;
-use crate::{errno, ConnectParams, SetupError};
+use crate::sys::errno;
+use crate::{ConnectParams, SetupError};
 
 /// How long [`VerbsConnection::wait`] polls the CQ before arming the channel and blocking:
 /// about one cross-core wake-up on the 2-vCPU machines this runs on, so a reply that is

@@ -10,7 +10,8 @@ use rdma_sys::{
 };
 
 use crate::device::Device;
-use crate::{errno, SetupError};
+use crate::sys::{errno, set_nonblocking};
+use crate::SetupError;
 
 /// A CQ bound to its own completion channel, whose fd is non-blocking so that it can sit
 /// in an epoll set. Must be dropped after every QP that uses it.
@@ -127,15 +128,4 @@ impl Drop for CompletionQueue {
             ibv_destroy_comp_channel(self.channel.as_ptr());
         }
     }
-}
-
-/// Puts `fd` in non-blocking mode.
-pub(crate) fn set_nonblocking(fd: RawFd) -> Result<(), SetupError> {
-    // SAFETY: fcntl on an fd we own; F_GETFL/F_SETFL have no memory arguments.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    // SAFETY: as above.
-    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-        return Err(SetupError::Os(errno()));
-    }
-    Ok(())
 }

@@ -1,7 +1,6 @@
 //! RDMA devices as librdmacm sees them, and their capabilities (read once).
 
 use std::ffi::CStr;
-use std::net::IpAddr;
 use std::ptr::NonNull;
 
 use rdma_sys::{
@@ -10,7 +9,8 @@ use rdma_sys::{
 };
 use san_api::Capabilities;
 
-use crate::{cm, errno, SetupError};
+use crate::sys::errno;
+use crate::SetupError;
 
 /// Largest control buffer we allocate per slot (control messages are small; this only
 /// bounds a caller's mistake).
@@ -78,12 +78,6 @@ impl Device {
             .into_iter()
             .find(|device| name.is_none_or(|name| device.name == name))
             .ok_or(SetupError::NoDevice)
-    }
-
-    /// The device rdma_cm binds `ip` to.
-    pub(crate) fn for_local_ip(ip: IpAddr) -> Result<Device, SetupError> {
-        let context = cm::device_of_local_address(ip)?;
-        Device::query(context)
     }
 
     /// Reads the name, transport and limits of an open context.

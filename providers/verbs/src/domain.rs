@@ -31,6 +31,7 @@ use san_api::{
     Access, Capabilities, LocalKey, MemRange, RegisterError, Registration, RemoteKey, SanDomain,
 };
 
+use crate::cm;
 use crate::device::Device;
 use crate::monitor::{
     Coverage, EventCounts, MemoryChanges, Monitor, MonitorUnavailable, SubscriberId,
@@ -100,7 +101,7 @@ impl VerbsDomain {
     /// # Errors
     /// [`SetupError::NoDevice`] when no RDMA device serves it.
     pub fn open_for_address(ip: IpAddr) -> Result<Self, SetupError> {
-        Self::on_device(Device::for_local_ip(ip)?)
+        Self::on_device(cm::device_for_local_ip(ip)?)
     }
 
     fn on_device(device: Device) -> Result<Self, SetupError> {

@@ -11,8 +11,8 @@
 //! only on hosts that have RDMA devices, so that the preload itself never links rdma-core.
 //!
 //! ## Where `unsafe` lives
-//! Only in the small per-object modules (`device`, `pd`, `mr`, `cq`, `cm`, `qp`, `slots`)
-//! and in [`ffi`]; every block carries a `// SAFETY:` line. Everything above them
+//! Only in the small per-object modules (`device`, `pd`, `mr`, `cq`, `cm`, `qp`, `slots`),
+//! the C helpers (`sys`) and [`ffi`]; every block carries a `// SAFETY:` line. Everything above them
 //! (`domain`, `connection`, `listener`) validates arguments in Rust before any C call.
 //!
 //! ## Why posted buffers outlive their completions
@@ -42,6 +42,7 @@ mod pd;
 mod qp;
 mod setup;
 mod slots;
+mod sys;
 
 pub use connection::{VerbsConnection, WaitOutcome};
 pub use domain::VerbsDomain;
@@ -49,10 +50,3 @@ pub use listener::{IncomingRequest, VerbsListener};
 pub use monitor::{EventCounts, MemoryChanges, MonitorUnavailable};
 pub use san_verbs_loader::{ConnectParams, ConnectorConfig, SetupError};
 pub use setup::{VerbsConnecting, VerbsConnector};
-
-/// The current thread's errno.
-pub(crate) fn errno() -> i32 {
-    std::io::Error::last_os_error()
-        .raw_os_error()
-        .unwrap_or(libc::EIO)
-}

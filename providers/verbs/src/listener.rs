@@ -10,7 +10,8 @@ use rdma_sys::rdma_cm_event_type;
 use crate::cm::{self, CmId, EventChannel};
 use crate::connection::VerbsConnection;
 use crate::domain::VerbsDomain;
-use crate::{errno, ConnectParams, SetupError};
+use crate::sys::errno;
+use crate::{ConnectParams, SetupError};
 
 /// A listening endpoint on one address (which must be served by the domain's device).
 pub struct VerbsListener {

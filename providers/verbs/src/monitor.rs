@@ -297,7 +297,7 @@ impl Monitor {
         };
         // SAFETY: a live userfaultfd and a properly laid-out `uffdio_api` the kernel fills.
         if unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, &mut api) } != 0 {
-            return Err(MonitorUnavailable::EventsUnsupported(crate::errno()));
+            return Err(MonitorUnavailable::EventsUnsupported(crate::sys::errno()));
         }
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
@@ -346,7 +346,7 @@ impl Monitor {
         if unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_REGISTER, &mut register) } == 0 {
             Coverage::Watched
         } else {
-            Coverage::Unwatched(crate::errno())
+            Coverage::Unwatched(crate::sys::errno())
         }
     }
 
@@ -379,14 +379,14 @@ fn open_userfaultfd() -> Result<OwnedFd, MonitorUnavailable> {
     let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
     // SAFETY: userfaultfd(2) takes flags and returns a new fd or -1.
     let mut fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY) };
-    if fd < 0 && crate::errno() == libc::EINVAL {
+    if fd < 0 && crate::sys::errno() == libc::EINVAL {
         // Kernels before 5.11 do not know UFFD_USER_MODE_ONLY.
         // SAFETY: as above.
         fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
     }
     let fd = i32::try_from(fd).map_err(|_| MonitorUnavailable::NoUserfaultfd(libc::EBADF))?;
     if fd < 0 {
-        return Err(MonitorUnavailable::NoUserfaultfd(crate::errno()));
+        return Err(MonitorUnavailable::NoUserfaultfd(crate::sys::errno()));
     }
     // SAFETY: a fresh fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })

@@ -5,8 +5,8 @@ use std::ptr::NonNull;
 use rdma_sys::{ibv_access_flags, ibv_dereg_mr, ibv_mr, ibv_reg_mr};
 use san_api::{Access, RegisterError};
 
-use crate::errno;
 use crate::pd::ProtectionDomain;
+use crate::sys::errno;
 
 /// A registered memory region. It pins `[addr, addr + len)` until dropped; it must be
 /// dropped before its protection domain (its owner guarantees the order).

@@ -5,7 +5,8 @@ use std::ptr::NonNull;
 use rdma_sys::{ibv_alloc_pd, ibv_dealloc_pd, ibv_pd};
 
 use crate::device::Device;
-use crate::{errno, SetupError};
+use crate::sys::errno;
+use crate::SetupError;
 
 /// An allocated protection domain on one device. Everything registered or created on it
 /// (memory regions, queue pairs) must be destroyed before it; the owners guarantee that by
