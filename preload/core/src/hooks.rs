@@ -57,7 +57,7 @@ macro_rules! sandirect_hook_table {
                 fn setsockopt(fd: ::libc::c_int, level: ::libc::c_int, name: ::libc::c_int, value: *const ::libc::c_void, len: ::libc::socklen_t) -> ::libc::c_int;
             PassThrough libc generated "answered by the kernel anchor; an SO_ERROR answer settles a pending non-blocking connect"
                 fn getsockopt(fd: ::libc::c_int, level: ::libc::c_int, name: ::libc::c_int, value: *mut ::libc::c_void, len: *mut ::libc::socklen_t) -> ::libc::c_int;
-            Accelerate libc generated "half-close recorded per socket"
+            Accelerate libc generated "half-close recorded per socket; on a SAN socket the session sends its FIN too"
                 fn shutdown(fd: ::libc::c_int, how: ::libc::c_int) -> ::libc::c_int;
             // ---- descriptor lifetime ------------------------------------------------------------
             Accelerate libc generated "drops this fd's reference to the socket object"
@@ -74,32 +74,32 @@ macro_rules! sandirect_hook_table {
                 fn fcntl(fd: ::libc::c_int, cmd: ::libc::c_int; arg: usize) -> ::libc::c_int;
             Accelerate glibc generated "glibc >= 2.28 alias of fcntl with 64-bit locks; tracked as fcntl"
                 fn fcntl64(fd: ::libc::c_int, cmd: ::libc::c_int; arg: usize) -> ::libc::c_int;
-            Accelerate libc generated "FIONBIO is tracked; FIONREAD/SIOCOUTQ answered by the kernel today"
+            Accelerate libc generated "FIONBIO and FIOCLEX/FIONCLEX are tracked; FIONREAD on a SAN socket counts the bytes unread in its session (or stash) and on TCP; other requests are the kernel's"
                 fn ioctl(fd: ::libc::c_int, request: ::libc::c_ulong; arg: usize) -> ::libc::c_int;
             // ---- data transfer --------------------------------------------------------------------
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "SAN sockets read from their session (and, in stream order, what TCP carried before the switch or after a downgrade); byte counters per path"
                 fn read(fd: ::libc::c_int, buf: *mut ::libc::c_void, count: ::libc::size_t) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as read"
                 fn readv(fd: ::libc::c_int, iov: *const ::libc::iovec, iovcnt: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "SAN sockets write into their session (large blocking writes by rendezvous); byte counters per path"
                 fn write(fd: ::libc::c_int, buf: *const ::libc::c_void, count: ::libc::size_t) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as write"
                 fn writev(fd: ::libc::c_int, iov: *const ::libc::iovec, iovcnt: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as write"
                 fn send(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path; MSG_FASTOPEN connects like connect"
+            Accelerate libc generated "as write; MSG_FASTOPEN connects like connect"
                 fn sendto(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int, addr: *const ::libc::sockaddr, addrlen: ::libc::socklen_t) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as write"
                 fn sendmsg(fd: ::libc::c_int, msg: *const ::libc::msghdr, flags: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "SAN sockets: one sendmsg per message; byte counters per path"
                 fn sendmmsg(fd: ::libc::c_int, msgvec: *mut ::libc::mmsghdr, vlen: ::libc::c_uint, flags: ::libc::c_int) -> ::libc::c_int;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as read"
                 fn recv(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as read"
                 fn recvfrom(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int, addr: *mut ::libc::sockaddr, addrlen: *mut ::libc::socklen_t) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "as read"
                 fn recvmsg(fd: ::libc::c_int, msg: *mut ::libc::msghdr, flags: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "byte counters per path"
+            Accelerate libc generated "SAN sockets: one recvmsg per message; byte counters per path"
                 fn recvmmsg(fd: ::libc::c_int, msgvec: *mut ::libc::mmsghdr, vlen: ::libc::c_uint, flags: ::libc::c_int, timeout: *mut ::libc::timespec) -> ::libc::c_int;
             Accelerate glibc generated "FORTIFY_SOURCE read (glibc debug/read_chk.c)"
                 fn __read_chk(fd: ::libc::c_int, buf: *mut ::libc::c_void, nbytes: ::libc::size_t, buflen: ::libc::size_t) -> ::libc::ssize_t;
@@ -107,36 +107,36 @@ macro_rules! sandirect_hook_table {
                 fn __recv_chk(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, buflen: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
             Accelerate glibc generated "FORTIFY_SOURCE recvfrom (glibc debug/recvfrom_chk.c)"
                 fn __recvfrom_chk(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, buflen: ::libc::size_t, flags: ::libc::c_int, addr: *mut ::libc::sockaddr, addrlen: *mut ::libc::socklen_t) -> ::libc::ssize_t;
-            FallBack libc generated "kernel sendfile; a SAN socket as target will be downgraded to TCP"
+            Accelerate libc generated "into a SAN socket: read from in_fd in 64 KiB chunks and sent through the session; otherwise the kernel's sendfile"
                 fn sendfile(out_fd: ::libc::c_int, in_fd: ::libc::c_int, offset: *mut ::libc::off_t, count: ::libc::size_t) -> ::libc::ssize_t;
-            FallBack libc generated "as sendfile"
+            Accelerate libc generated "as sendfile"
                 fn sendfile64(out_fd: ::libc::c_int, in_fd: ::libc::c_int, offset: *mut ::libc::off64_t, count: ::libc::size_t) -> ::libc::ssize_t;
-            FallBack libc generated "kernel splice; a SAN socket on either end will be downgraded to TCP"
+            Accelerate libc generated "a SAN socket on either end: copied through a 64 KiB buffer, consuming exactly what the target took; otherwise the kernel's splice"
                 fn splice(fd_in: ::libc::c_int, off_in: *mut ::libc::loff_t, fd_out: ::libc::c_int, off_out: *mut ::libc::loff_t, len: ::libc::size_t, flags: ::libc::c_uint) -> ::libc::ssize_t;
             // ---- readiness ------------------------------------------------------------------------
-            Accelerate libc generated "kernel readiness today; SAN sockets will report mirrored readiness"
+            Accelerate libc generated "SAN sockets are watched through their readiness mirrors; while any exist the wait is cut into slices that service them"
                 fn poll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int) -> ::libc::c_int;
-            Accelerate libc generated "as poll"
+            Accelerate libc generated "SAN sockets are watched through their readiness mirrors, as poll (one wait, not sliced)"
                 fn ppoll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
             Accelerate glibc generated "FORTIFY_SOURCE poll (glibc debug/poll_chk.c): glibc's size check, then as poll"
                 fn __poll_chk(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int, fdslen: ::libc::size_t) -> ::libc::c_int;
             Accelerate glibc generated "FORTIFY_SOURCE ppoll (glibc debug/ppoll_chk.c): glibc's size check, then as ppoll"
                 fn __ppoll_chk(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t, fdslen: ::libc::size_t) -> ::libc::c_int;
-            Accelerate libc generated "as poll"
+            Accelerate libc generated "with SAN sockets in the sets, runs as ppoll over their readiness mirrors"
                 fn select(nfds: ::libc::c_int, readfds: *mut ::libc::fd_set, writefds: *mut ::libc::fd_set, exceptfds: *mut ::libc::fd_set, timeout: *mut ::libc::timeval) -> ::libc::c_int;
-            Accelerate libc generated "as poll"
+            Accelerate libc generated "as select"
                 fn pselect(nfds: ::libc::c_int, readfds: *mut ::libc::fd_set, writefds: *mut ::libc::fd_set, exceptfds: *mut ::libc::fd_set, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
             Accelerate libc generated "epoll instances are tracked so registrations can move to a readiness mirror"
                 fn epoll_create(size: ::libc::c_int) -> ::libc::c_int;
             Accelerate libc generated "as epoll_create"
                 fn epoll_create1(flags: ::libc::c_int) -> ::libc::c_int;
-            Accelerate libc generated "registrations of tracked sockets (epfd, events, data) are recorded"
+            Accelerate libc generated "registrations of tracked sockets (epfd, events, data) are recorded; a SAN socket is registered through its readiness mirror"
                 fn epoll_ctl(epfd: ::libc::c_int, op: ::libc::c_int, fd: ::libc::c_int, event: *mut ::libc::epoll_event) -> ::libc::c_int;
-            Accelerate libc generated "kernel readiness today"
+            Accelerate libc generated "SAN sockets report through their mirrors; events that are only handshake or credit tokens are dropped; while SAN sockets exist the wait is sliced"
                 fn epoll_wait(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: ::libc::c_int) -> ::libc::c_int;
-            Accelerate libc generated "kernel readiness today"
+            Accelerate libc generated "as epoll_wait"
                 fn epoll_pwait(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: ::libc::c_int, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
-            Accelerate libc generated "kernel readiness today (ENOSYS where glibc < 2.35 lacks it)"
+            Accelerate libc generated "as epoll_wait, in millisecond epoll_pwait slices while SAN sockets exist (ENOSYS where glibc < 2.35 lacks it)"
                 fn epoll_pwait2(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
             // ---- processes ------------------------------------------------------------------------
             Accelerate libc generated "SAN connections are first downgraded to kernel TCP, exactly (a session cannot be shared); unread SAN bytes go to a stash both processes share"

@@ -55,7 +55,9 @@ pub enum Bypass {
     PeerNotCapable = 2,
     /// A config rule (or `SANDIRECT_MODE=tcp`) says TCP.
     ConfigSaysTcp = 3,
-    /// No SAN provider can reach the peer (today: none is linked in yet).
+    /// No SAN provider carried the connection: the SAN path is off (`SANDIRECT_SAN=0`, also
+    /// when a rule asks for `san`), its setup failed for a reason other than the peer or our
+    /// own resources, or the switch failed after the acceptor had committed to it.
     NoProvider = 4,
     /// Inherited across fork: SAN sessions are not shared between processes.
     AfterFork = 5,
@@ -63,9 +65,11 @@ pub enum Bypass {
     ConfigInvalid = 6,
     /// Registered in more epoll sets than the record can mirror.
     TooManyEpollSets = 7,
-    /// Used with sendfile/splice, which only the kernel path can serve.
+    /// Not set: `sendfile`/`splice` on a SAN socket are served through a buffer. The value
+    /// stays reserved so that published records keep their meaning for `sandirect stat`.
     KernelOnlyCall = 8,
-    /// Was on the SAN, moved back to kernel TCP live (before fork or exec).
+    /// Was on the SAN, moved back to kernel TCP live (before fork, exec or spawn, or because
+    /// the peer did).
     Downgraded = 9,
     /// This side could not set the SAN connection up (memory `RLIMIT_MEMLOCK` does not let
     /// it pin, queue pairs, descriptors); the peer may well be capable (a client that

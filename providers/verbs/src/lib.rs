@@ -11,9 +11,13 @@
 //! only on hosts that have RDMA devices, so that the preload itself never links rdma-core.
 //!
 //! ## Where `unsafe` lives
-//! Only in the small per-object modules (`device`, `pd`, `mr`, `cq`, `cm`, `qp`, `slots`),
-//! the C helpers (`sys`) and [`ffi`]; every block carries a `// SAFETY:` line. Everything above them
-//! (`domain`, `connection`, `listener`) validates arguments in Rust before any C call.
+//! Mostly in the small per-object modules (`device`, `pd`, `mr`, `cq`, `cm`, `qp`, `slots`),
+//! the C helpers (`sys`) and [`ffi`]. Three modules above them make C calls of their own: `connection`
+//! (rdma_cm address and route resolution, connect and disconnect, posts through its queue
+//! pair, the epoll set over its channels), `listener` (rdma_cm bind, listen, accept and
+//! reject) and [`monitor`] (the userfaultfd system calls). `domain` and `setup` have none.
+//! Every block carries a `// SAFETY:` line, and arguments are validated in Rust before any
+//! C call.
 //!
 //! ## Why posted buffers outlive their completions
 //! The connection owns its slot memory (anonymous mappings, registered once). A slot is
