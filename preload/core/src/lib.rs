@@ -35,3 +35,4 @@ pub mod runtime;
 pub mod san;
 pub mod settings;
 pub mod stats;
+pub mod track;
