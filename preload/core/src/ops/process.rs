@@ -439,6 +439,28 @@ fn process_environment() -> *const *const libc::c_char {
     unsafe { core::ptr::addr_of!(environ).read() }
 }
 
+/// An exec call. Surviving SAN sockets are downgraded to kernel TCP first (`prepare_exec`);
+/// when stashes of bytes received but not read yet are left for the new image, `exec` gets
+/// `envp` (the process environment when `None`) plus `SANDIRECT_STASHES`, otherwise `None`:
+/// the call exactly as the caller made it.
+///
+/// # Safety
+/// `envp` is null or a NULL-terminated array of C strings.
+#[inline(always)]
+unsafe fn exec_with(
+    envp: Option<*const *const libc::c_char>,
+    exec: impl FnOnce(Option<*const *const libc::c_char>) -> c_int,
+) -> c_int {
+    let Some(ours) = prepare_exec() else {
+        return exec(None);
+    };
+    let base = envp.unwrap_or_else(process_environment);
+    // SAFETY: the caller's environment array or the process environment, NULL-terminated.
+    let env = unsafe { environment_with(base, &ours) };
+    // `env` (and the strings it points to) outlives the call.
+    exec(Some(env.as_ptr()))
+}
+
 /// `execve(2)`: surviving SAN sockets are downgraded to kernel TCP first, and the stashes of
 /// bytes received but not read yet are handed to the new image (`SANDIRECT_STASHES`).
 ///
@@ -450,14 +472,12 @@ pub unsafe fn execve(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> c_int {
-    let Some(ours) = prepare_exec() else {
-        // SAFETY: forwarded.
-        return unsafe { real::execve(path, argv, envp) };
-    };
-    // SAFETY: the caller's environment array.
-    let env = unsafe { environment_with(envp, &ours) };
-    // SAFETY: forwarded with a valid NULL-terminated environment that outlives the call.
-    unsafe { real::execve(path, argv, env.as_ptr()) }
+    // SAFETY: forwarded, with the caller's environment or a valid copy of it.
+    unsafe {
+        exec_with(Some(envp), |env| {
+            real::execve(path, argv, env.unwrap_or(envp))
+        })
+    }
 }
 
 /// `execvpe(3)`: as [`execve`].
@@ -470,14 +490,12 @@ pub unsafe fn execvpe(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> c_int {
-    let Some(ours) = prepare_exec() else {
-        // SAFETY: forwarded.
-        return unsafe { real::execvpe(file, argv, envp) };
-    };
-    // SAFETY: the caller's environment array.
-    let env = unsafe { environment_with(envp, &ours) };
-    // SAFETY: forwarded with a valid environment that outlives the call.
-    unsafe { real::execvpe(file, argv, env.as_ptr()) }
+    // SAFETY: forwarded, with the caller's environment or a valid copy of it.
+    unsafe {
+        exec_with(Some(envp), |env| {
+            real::execvpe(file, argv, env.unwrap_or(envp))
+        })
+    }
 }
 
 /// `fexecve(3)`: as [`execve`].
@@ -490,14 +508,12 @@ pub unsafe fn fexecve(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> c_int {
-    let Some(ours) = prepare_exec() else {
-        // SAFETY: forwarded.
-        return unsafe { real::fexecve(fd, argv, envp) };
-    };
-    // SAFETY: the caller's environment array.
-    let env = unsafe { environment_with(envp, &ours) };
-    // SAFETY: forwarded with a valid environment that outlives the call.
-    unsafe { real::fexecve(fd, argv, env.as_ptr()) }
+    // SAFETY: forwarded, with the caller's environment or a valid copy of it.
+    unsafe {
+        exec_with(Some(envp), |env| {
+            real::fexecve(fd, argv, env.unwrap_or(envp))
+        })
+    }
 }
 
 /// `execv(3)`: as [`execve`] with the process environment (glibc's `execv` calls its internal
@@ -507,14 +523,14 @@ pub unsafe fn fexecve(
 /// As the C function.
 #[inline(always)]
 pub unsafe fn execv(path: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
-    let Some(ours) = prepare_exec() else {
-        // SAFETY: forwarded.
-        return unsafe { real::execv(path, argv) };
-    };
-    // SAFETY: the process environment is a NULL-terminated array.
-    let env = unsafe { environment_with(process_environment(), &ours) };
-    // SAFETY: forwarded with a valid environment that outlives the call.
-    unsafe { real::execve(path, argv, env.as_ptr()) }
+    // SAFETY: forwarded; with stashes, as `execve` with a valid copy of the process
+    // environment.
+    unsafe {
+        exec_with(None, |env| match env {
+            Some(env) => real::execve(path, argv, env),
+            None => real::execv(path, argv),
+        })
+    }
 }
 
 /// `execvp(3)`: as [`execvpe`] with the process environment.
@@ -523,14 +539,14 @@ pub unsafe fn execv(path: *const libc::c_char, argv: *const *const libc::c_char)
 /// As the C function.
 #[inline(always)]
 pub unsafe fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char) -> c_int {
-    let Some(ours) = prepare_exec() else {
-        // SAFETY: forwarded.
-        return unsafe { real::execvp(file, argv) };
-    };
-    // SAFETY: the process environment is a NULL-terminated array.
-    let env = unsafe { environment_with(process_environment(), &ours) };
-    // SAFETY: forwarded with a valid environment that outlives the call.
-    unsafe { real::execvpe(file, argv, env.as_ptr()) }
+    // SAFETY: forwarded; with stashes, as `execvpe` with a valid copy of the process
+    // environment.
+    unsafe {
+        exec_with(None, |env| match env {
+            Some(env) => real::execvpe(file, argv, env),
+            None => real::execvp(file, argv),
+        })
+    }
 }
 
 /// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.
