@@ -5,7 +5,8 @@ use core::ffi::{c_int, c_void};
 
 use libc::{size_t, ssize_t};
 
-use crate::errno;
+use super::outcome::{Outcome, Why};
+use crate::errno::Errno;
 use crate::fdtable::{table, FdEntry};
 use crate::guard::{self, ReentrancyGuard};
 use crate::record::Counter;
@@ -13,52 +14,80 @@ use crate::san::RawBuf;
 use crate::track::count_bytes;
 
 /// A data call: one lookup, the real call, and a counter bump for our sockets. A socket on
-/// the SAN path goes through `san` instead (which may answer `None`: it is TCP after all).
+/// the SAN path goes through `san` instead, whose [`Outcome`] may still be a bypass (TCP after
+/// all): then the real call is made and counted as for any tracked socket.
 #[inline(always)]
 pub(super) fn data_call(
     fd: c_int,
     counter: Counter,
-    san: impl FnOnce(u32) -> Option<ssize_t>,
+    san: impl FnOnce(u32) -> Outcome<ssize_t>,
     call: impl FnOnce() -> ssize_t,
 ) -> ssize_t {
     let entry = table().lookup(fd);
-    if !entry.is_none() {
-        if let Some(result) = san_data_call(entry, san) {
-            return result;
+    if entry.is_none() {
+        // The passthrough path: not ours, the real call alone.
+        return call();
+    }
+    san_data_call(entry, san).or_real(|_| {
+        let result = call();
+        if result > 0 {
+            count_bytes(entry, counter, result as u64);
         }
-    }
-    let result = call();
-    if !entry.is_none() && result > 0 {
-        count_bytes(entry, counter, result as u64);
-    }
-    result
+        result
+    })
 }
 
-/// The SAN branch of [`data_call`]: guard held (our own libc calls pass through), a panic
-/// counted and reported as a reset connection rather than unwinding into C.
+/// The SAN branch of [`data_call`]: a bypass unless `entry` is a SAN socket; guard held (our
+/// own libc calls pass through), a panic counted and reported as a reset connection rather
+/// than unwinding into C.
 #[inline]
-pub(super) fn san_data_call(
-    entry: FdEntry,
-    san: impl FnOnce(u32) -> Option<ssize_t>,
-) -> Option<ssize_t> {
-    let index = crate::san::san_index(entry)?;
+pub(super) fn san_data_call<T>(entry: FdEntry, san: impl FnOnce(u32) -> Outcome<T>) -> Outcome<T> {
+    let Some(index) = crate::san::san_index(entry) else {
+        return Outcome::Bypass(Why::NotOnSan);
+    };
     if guard::is_inside() {
         // Only a signal handler that interrupted one of our own hooks on this thread gets
         // here (our code never does data calls through the hooks). The SAN state may be
         // mid-update under a lock this thread holds, and the kernel socket would put the bytes
         // out of order: the call is interrupted instead, which the handler can retry later.
-        errno::set(libc::EINTR);
-        return Some(-1);
+        return Outcome::Failed(Errno(libc::EINTR));
     }
     let _guard = ReentrancyGuard::enter();
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| san(index))) {
-        Ok(result) => result,
+        Ok(outcome) => outcome,
         Err(_) => {
             guard::note_internal_fault();
-            errno::set(libc::ECONNRESET);
-            Some(-1)
+            Outcome::Failed(Errno(libc::ECONNRESET))
         }
     }
+}
+
+/// `san::send_iov` as an [`Outcome`].
+#[inline]
+pub(super) fn san_send(
+    fd: c_int,
+    index: u32,
+    bufs: &[RawBuf],
+    send_flags: c_int,
+) -> Outcome<ssize_t> {
+    Outcome::from_san(
+        crate::san::send_iov(fd, index, bufs, send_flags),
+        Why::Downgraded,
+    )
+}
+
+/// `san::recv_iov` as an [`Outcome`].
+#[inline]
+pub(super) fn san_recv(
+    fd: c_int,
+    index: u32,
+    bufs: &[RawBuf],
+    recv_flags: c_int,
+) -> Outcome<ssize_t> {
+    Outcome::from_san(
+        crate::san::recv_iov(fd, index, bufs, recv_flags),
+        Why::Downgraded,
+    )
 }
 
 pub(super) fn one_buf(ptr: *const c_void, len: size_t) -> [RawBuf; 1] {

@@ -5,7 +5,9 @@ use core::ffi::{c_int, c_uint, c_void};
 
 use libc::{size_t, sockaddr, socklen_t, ssize_t};
 
-use super::call::{data_call, iov_bufs, one_buf, san_data_call};
+use super::call::{data_call, iov_bufs, one_buf, san_data_call, san_recv, san_send};
+use super::outcome::{Outcome, Why};
+use crate::errno::Errno;
 use crate::fdtable::table;
 use crate::guard::bookkeeping;
 use crate::record::Counter;
@@ -13,33 +15,29 @@ use crate::san::RawBuf;
 use crate::track::{count_bytes, decode_sockaddr, on_connect_started, tracked};
 use crate::{errno, real};
 
+/// [`san_send`] of a caller's iovec array (`None`: an invalid one, `EINVAL`).
 fn san_send_iov(
     fd: c_int,
     index: u32,
     bufs: Option<Vec<RawBuf>>,
     send_flags: c_int,
-) -> Option<ssize_t> {
+) -> Outcome<ssize_t> {
     match bufs {
-        Some(bufs) => crate::san::send_iov(fd, index, &bufs, send_flags),
-        None => {
-            errno::set(libc::EINVAL);
-            Some(-1)
-        }
+        Some(bufs) => san_send(fd, index, &bufs, send_flags),
+        None => Outcome::Failed(Errno(libc::EINVAL)),
     }
 }
 
+/// [`san_recv`] into a caller's iovec array (`None`: an invalid one, `EINVAL`).
 fn san_recv_iov(
     fd: c_int,
     index: u32,
     bufs: Option<Vec<RawBuf>>,
     recv_flags: c_int,
-) -> Option<ssize_t> {
+) -> Outcome<ssize_t> {
     match bufs {
-        Some(bufs) => crate::san::recv_iov(fd, index, &bufs, recv_flags),
-        None => {
-            errno::set(libc::EINVAL);
-            Some(-1)
-        }
+        Some(bufs) => san_recv(fd, index, &bufs, recv_flags),
+        None => Outcome::Failed(Errno(libc::EINVAL)),
     }
 }
 
@@ -96,40 +94,38 @@ macro_rules! data_ops {
 
 data_ops! {
     read(fd, buf: *mut c_void, count: size_t) => TcpReceived,
-        |index| crate::san::recv_iov(fd, index, &one_buf(buf, count), 0);
+        |index| san_recv(fd, index, &one_buf(buf, count), 0);
     readv(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpReceived,
         |index| san_recv_iov(fd, index, iov_bufs(iov, iovcnt), 0);
     write(fd, buf: *const c_void, count: size_t) => TcpSent,
-        |index| crate::san::send_iov(fd, index, &one_buf(buf, count), 0);
+        |index| san_send(fd, index, &one_buf(buf, count), 0);
     writev(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpSent,
         |index| san_send_iov(fd, index, iov_bufs(iov, iovcnt), 0);
     send(fd, buf: *const c_void, len: size_t, send_flags: c_int) => TcpSent,
-        |index| crate::san::send_iov(fd, index, &one_buf(buf, len), send_flags);
+        |index| san_send(fd, index, &one_buf(buf, len), send_flags);
     sendmsg(fd, msg: *const libc::msghdr, send_flags: c_int) => TcpSent,
         |index| if msg.is_null() {
-            errno::set(libc::EFAULT);
-            Some(-1)
+            Outcome::Failed(Errno(libc::EFAULT))
         } else {
             san_send_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), send_flags)
         };
     recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived,
-        |index| crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags);
+        |index| san_recv(fd, index, &one_buf(buf, len), recv_flags);
     recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
         |index| {
             let _ = addr;
-            let result = crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags);
-            if result.is_some_and(|n| n >= 0) {
+            let result = san_recv(fd, index, &one_buf(buf, len), recv_flags);
+            if let Outcome::Done(_) = result {
                 clear_addrlen(addrlen);
             }
             result
         };
     recvmsg(fd, msg: *mut libc::msghdr, recv_flags: c_int) => TcpReceived,
         |index| if msg.is_null() {
-            errno::set(libc::EFAULT);
-            Some(-1)
+            Outcome::Failed(Errno(libc::EFAULT))
         } else {
             let result = san_recv_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), recv_flags);
-            if result.is_some_and(|n| n >= 0) {
+            if let Outcome::Done(_) = result {
                 (*msg).msg_namelen = 0;
                 (*msg).msg_controllen = 0;
                 (*msg).msg_flags = 0;
@@ -138,14 +134,14 @@ data_ops! {
         };
     __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived,
         // An overflowing request goes to the real function, which aborts as it must.
-        |index| if nbytes > buflen { None } else { crate::san::recv_iov(fd, index, &one_buf(buf, nbytes), 0) };
+        |index| if nbytes > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, nbytes), 0) };
     __recv_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int) => TcpReceived,
-        |index| if len > buflen { None } else { crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags) };
+        |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, len), recv_flags) };
     __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
-        |index| if len > buflen { None } else {
+        |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else {
             let _ = addr;
-            let result = crate::san::recv_iov(fd, index, &one_buf(buf, len), recv_flags);
-            if result.is_some_and(|n| n >= 0) {
+            let result = san_recv(fd, index, &one_buf(buf, len), recv_flags);
+            if let Outcome::Done(_) = result {
                 clear_addrlen(addrlen);
             }
             result
@@ -169,7 +165,7 @@ pub unsafe fn sendto(
     let sent = data_call(
         fd,
         Counter::TcpSent,
-        |index| crate::san::send_iov(fd, index, &one_buf(buf, len), send_flags),
+        |index| san_send(fd, index, &one_buf(buf, len), send_flags),
         // SAFETY: forwarded.
         || unsafe { real::sendto(fd, buf, len, send_flags, addr, addrlen) },
     );
@@ -199,8 +195,8 @@ pub unsafe fn sendmmsg(
     if !entry.is_none() && !msgvec.is_null() {
         // SAFETY: the caller's vector of `vlen` messages.
         let san = |index| unsafe { san_mmsg(fd, index, msgvec, vlen, send_flags, true) };
-        if let Some(result) = san_data_call(entry, san) {
-            return result as c_int;
+        if let Ok(result) = san_data_call(entry, san).map(|n| n as c_int).returned() {
+            return result;
         }
     }
     // SAFETY: forwarded.
@@ -226,8 +222,8 @@ pub unsafe fn recvmmsg(
     if !entry.is_none() && !msgvec.is_null() {
         // SAFETY: the caller's vector of `vlen` messages.
         let san = |index| unsafe { san_mmsg(fd, index, msgvec, vlen, recv_flags, false) };
-        if let Some(result) = san_data_call(entry, san) {
-            return result as c_int;
+        if let Ok(result) = san_data_call(entry, san).map(|n| n as c_int).returned() {
+            return result;
         }
     }
     // SAFETY: forwarded.
@@ -248,7 +244,7 @@ unsafe fn san_mmsg(
     vlen: c_uint,
     flags: c_int,
     sending: bool,
-) -> Option<ssize_t> {
+) -> Outcome<ssize_t> {
     let mut done = 0;
     for position in 0..vlen.min(libc::UIO_MAXIOV as c_uint) as usize {
         // SAFETY: inside the caller's vector.
@@ -261,21 +257,23 @@ unsafe fn san_mmsg(
         } else {
             flags
         };
-        let result = if sending {
-            san_send_iov(fd, index, bufs, flags)?
+        let outcome = if sending {
+            san_send_iov(fd, index, bufs, flags)
         } else {
-            san_recv_iov(fd, index, bufs, flags)?
+            san_recv_iov(fd, index, bufs, flags)
         };
-        if result < 0 {
-            return Some(if done > 0 { done } else { -1 });
-        }
+        let result = match outcome {
+            Outcome::Done(result) => result,
+            Outcome::Failed(_) if done > 0 => return Outcome::Done(done),
+            other => return other,
+        };
         message.msg_len = result as c_uint;
         done += 1;
         if !sending && result == 0 {
             break;
         }
     }
-    Some(done)
+    Outcome::Done(done)
 }
 
 /// `sendfile(2)`: kernel only; the bytes count as TCP bytes of the target socket.
@@ -342,7 +340,7 @@ pub unsafe fn splice(
         // SAFETY: the caller's offset pointer, as for the C function.
         let from_san =
             |index| unsafe { san_splice_out(fd_in, index, fd_out, off_out, len, splice_flags) };
-        if let Some(result) = san_data_call(in_entry, from_san) {
+        if let Ok(result) = san_data_call(in_entry, from_san).returned() {
             return result;
         }
     }
@@ -373,7 +371,7 @@ unsafe fn san_splice_out(
     off_out: *mut libc::loff_t,
     len: size_t,
     splice_flags: c_uint,
-) -> Option<ssize_t> {
+) -> Outcome<ssize_t> {
     const CHUNK: usize = 64 << 10;
     let mut chunk = vec![0u8; len.min(CHUNK)];
     let flags = if splice_flags & libc::SPLICE_F_NONBLOCK != 0 {
@@ -381,15 +379,16 @@ unsafe fn san_splice_out(
     } else {
         libc::MSG_PEEK
     };
-    let peeked = crate::san::recv_iov(
+    let peeked = match san_recv(
         fd_in,
         index,
         &one_buf(chunk.as_ptr().cast(), chunk.len()),
         flags,
-    )?;
-    if peeked <= 0 {
-        return Some(peeked);
-    }
+    ) {
+        Outcome::Done(0) => return Outcome::Done(0),
+        Outcome::Done(peeked) => peeked,
+        other => return other,
+    };
     let written = if off_out.is_null() {
         // SAFETY: `chunk` holds `peeked` bytes.
         unsafe { libc::write(fd_out, chunk.as_ptr().cast(), peeked as usize) }
@@ -410,10 +409,10 @@ unsafe fn san_splice_out(
         n
     };
     if written <= 0 {
-        return Some(written);
+        return Outcome::from_kernel(written);
     }
     chunk.truncate(written as usize);
-    crate::san::recv_iov(
+    san_recv(
         fd_in,
         index,
         &one_buf(chunk.as_mut_ptr().cast(), chunk.len()),
@@ -432,7 +431,7 @@ unsafe fn san_splice_in(
     index: u32,
     len: size_t,
     _splice_flags: c_uint,
-) -> Option<ssize_t> {
+) -> Outcome<ssize_t> {
     // SAFETY: `off_in` is the same kind of pointer sendfile takes, valid per the contract.
     unsafe { san_sendfile(fd_out, index, fd_in, off_in, len) }
 }
@@ -448,7 +447,7 @@ unsafe fn san_sendfile(
     in_fd: c_int,
     offset: *mut libc::off64_t,
     count: size_t,
-) -> Option<ssize_t> {
+) -> Outcome<ssize_t> {
     const CHUNK: usize = 64 << 10;
     let mut chunk = vec![0u8; count.min(CHUNK)];
     // As the kernel's: as much as the socket takes, up to `count`. A short count must mean
@@ -472,25 +471,36 @@ unsafe fn san_sendfile(
             }
         };
         if read <= 0 {
-            return Some(if total > 0 { total as ssize_t } else { read });
+            return if total > 0 {
+                Outcome::Done(total as ssize_t)
+            } else {
+                Outcome::from_kernel(read)
+            };
         }
         let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
-        let Some(sent) = crate::san::send_iov(out_fd, index, &bufs, 0) else {
-            // No longer a SAN socket (downgraded meanwhile): the caller's kernel path sends
-            // the rest; give back what was read and not sent.
-            if offset.is_null() {
-                // SAFETY: plain lseek on the caller's fd.
-                unsafe { libc::lseek64(in_fd, -(read as i64), libc::SEEK_CUR) };
+        let sent = match san_send(out_fd, index, &bufs, 0) {
+            Outcome::Done(sent) => sent,
+            Outcome::Bypass(why) => {
+                // No longer a SAN socket (downgraded meanwhile): the caller's kernel path
+                // sends the rest; give back what was read and not sent.
+                if offset.is_null() {
+                    // SAFETY: plain lseek on the caller's fd.
+                    unsafe { libc::lseek64(in_fd, -(read as i64), libc::SEEK_CUR) };
+                }
+                return if total > 0 {
+                    Outcome::Done(total as ssize_t)
+                } else {
+                    Outcome::Bypass(why)
+                };
             }
-            return if total > 0 {
-                Some(total as ssize_t)
-            } else {
-                None
-            };
+            Outcome::Failed(errno) => {
+                return if total > 0 {
+                    Outcome::Done(total as ssize_t)
+                } else {
+                    Outcome::Failed(errno)
+                };
+            }
         };
-        if sent < 0 {
-            return Some(if total > 0 { total as ssize_t } else { sent });
-        }
         if offset.is_null() {
             // Give back what was read but not sent, so the file position matches.
             if sent < read {
@@ -506,5 +516,5 @@ unsafe fn san_sendfile(
             break;
         }
     }
-    Some(total as ssize_t)
+    Outcome::Done(total as ssize_t)
 }

@@ -21,14 +21,16 @@
 //!
 //! One module per family of the hook table ([`crate::hooks`]): [`socket`] (creation,
 //! addressing, options), [`fd`] (descriptor lifetime), [`data`] (data transfer),
-//! [`readiness`] (poll, select, epoll), [`process`] (fork, exec, spawn). The data hooks'
-//! shared call machinery is in `call`; the bookkeeping of fds and records every family
-//! shares is in [`crate::track`]. Every hook is re-exported here as `ops::NAME`, the path
-//! the cdylib's generated exports call.
+//! [`readiness`] (poll, select, epoll), [`process`] (fork, exec, spawn). The data hooks' call
+//! machinery is in `call`; `outcome` is what a hook's SAN side decides (done, failed with an
+//! errno, or the real call after all) and its one conversion to the C return value. The
+//! bookkeeping of fds and records every family shares is in [`crate::track`]. Every hook is
+//! re-exported here as `ops::NAME`, the path the cdylib's generated exports call.
 
 mod call;
 pub mod data;
 pub mod fd;
+mod outcome;
 pub mod process;
 pub mod readiness;
 pub mod socket;

@@ -5,6 +5,7 @@ use core::ffi::c_int;
 
 use libc::size_t;
 
+use super::outcome::{Outcome, Why};
 use crate::guard::{self, bookkeeping, ReentrancyGuard};
 use crate::record::flags;
 use crate::track::{note_registration, record_of, track_epoll_instance, tracked};
@@ -265,7 +266,7 @@ pub unsafe fn select(
             .as_ref()
             .map_or(core::ptr::null(), |t| t as *const libc::timespec);
         // SAFETY: the caller's sets; our timespec.
-        if let Some(rc) = unsafe {
+        let selected = unsafe {
             crate::san::select_via_poll(
                 nfds,
                 readfds,
@@ -274,7 +275,8 @@ pub unsafe fn select(
                 spec_ptr,
                 core::ptr::null(),
             )
-        } {
+        };
+        if let Ok(rc) = Outcome::from_san(selected, Why::NotOnSan).returned() {
             return rc;
         }
     }
@@ -298,9 +300,10 @@ pub unsafe fn pselect(
     if crate::san::live_sockets() != 0 && !guard::is_inside() {
         let _guard = ReentrancyGuard::enter();
         // SAFETY: the caller's arguments.
-        if let Some(rc) = unsafe {
+        let selected = unsafe {
             crate::san::select_via_poll(nfds, readfds, writefds, exceptfds, timeout, sigmask)
-        } {
+        };
+        if let Ok(rc) = Outcome::from_san(selected, Why::NotOnSan).returned() {
             return rc;
         }
     }
