@@ -9,7 +9,7 @@
 //! never allocates, never registers a TLS destructor and works during thread teardown and in
 //! signal handlers.
 //!
-//! [`bookkeeping`] is the guarded region the hooks run their work after a real call in:
+//! `bookkeeping` is the guarded region the hooks run their work after a real call in:
 //! `errno` preserved, the guard held, a panic caught and counted ([`internal_faults`]).
 
 use core::cell::Cell;

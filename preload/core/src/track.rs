@@ -2,8 +2,8 @@
 //! [`crate::ops`]: which fds are tracked, starting and stopping tracking (socket, dup, close,
 //! inherited sockets, epoll instances), the addresses and role of a connection, byte counters.
 //!
-//! Everything here runs after (or around) the real call, inside [`crate::guard::bookkeeping`]
-//! or on a tracked fd only; nothing here makes the hooked call itself.
+//! Everything here runs after (or around) the real call, inside `guard::bookkeeping` or on a
+//! tracked fd only; nothing here makes the hooked call itself.
 
 use core::ffi::c_int;
 use core::sync::atomic::Ordering;

@@ -19,8 +19,8 @@
 //!
 //! # Layout
 //!
-//! One module per family of the hook table ([`crate::hooks`]): [`socket`] (creation,
-//! addressing, options), [`fd`] (descriptor lifetime), [`data`] (data transfer),
+//! One module per family of the hook table ([`crate::hooks`]): [`socket`](mod@socket)
+//! (creation, addressing, options), [`fd`] (descriptor lifetime), [`data`] (data transfer),
 //! [`readiness`] (poll, select, epoll), [`process`] (fork, exec, spawn). The data hooks' call
 //! machinery is in `call`; `outcome` is what a hook's SAN side decides (done, failed with an
 //! errno, or the real call after all) and its one conversion to the C return value. The
