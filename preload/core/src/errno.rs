@@ -14,6 +14,18 @@ pub fn set(value: i32) {
     unsafe { *libc::__errno_location() = value }
 }
 
+/// An errno value as data, carried to where a C return value is produced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Errno(pub i32);
+
+impl Errno {
+    /// The calling thread's current `errno`.
+    #[inline]
+    pub fn last() -> Self {
+        Self(get())
+    }
+}
+
 /// Saves `errno` on creation and restores it on drop: bookkeeping after a real call must leave
 /// the caller exactly the `errno` the real call left.
 #[must_use]

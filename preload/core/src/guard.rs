@@ -8,8 +8,14 @@
 //! The flag is a `const`-initialised `thread_local!` of a type without a destructor: reading it
 //! never allocates, never registers a TLS destructor and works during thread teardown and in
 //! signal handlers.
+//!
+//! `bookkeeping` is the guarded region the hooks run their work after a real call in:
+//! `errno` preserved, the guard held, a panic caught and counted ([`internal_faults`]).
 
 use core::cell::Cell;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use crate::errno;
 
 thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
@@ -77,6 +83,29 @@ impl Drop for ReentrancyGuard {
 #[inline(always)]
 pub fn is_inside() -> bool {
     INSIDE.with(Cell::get)
+}
+
+static INTERNAL_FAULTS: AtomicU64 = AtomicU64::new(0);
+
+/// Bookkeeping steps that panicked (always a bug; the real call's result was still returned).
+pub fn internal_faults() -> u64 {
+    INTERNAL_FAULTS.load(Ordering::Relaxed)
+}
+
+/// Counts a panic caught in the library's own code.
+#[cold]
+pub(crate) fn note_internal_fault() {
+    INTERNAL_FAULTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Runs post-call bookkeeping: errno preserved, guard held, panics caught and counted.
+#[inline]
+pub(crate) fn bookkeeping(work: impl FnOnce()) {
+    let _errno = errno::Preserved::save();
+    let _guard = ReentrancyGuard::enter();
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).is_err() {
+        note_internal_fault();
+    }
 }
 
 #[cfg(test)]

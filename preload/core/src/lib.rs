@@ -8,13 +8,15 @@
 //! * [`real`] — the real functions, resolved once in the constructor;
 //! * [`fdtable`] — fd → socket object, one atomic load per lookup;
 //! * [`record`], [`registry`] — socket objects (all atomics) in published shared memory;
-//! * [`ops`] — the hooks' behaviour; [`runtime`] — init, exit and the fork child handler;
+//! * [`ops`] — the hooks' behaviour, one module per hook family; [`track`] — the bookkeeping
+//!   of our fds and socket records the families share; [`runtime`] — init and exit;
 //! * [`settings`] — every `SANDIRECT_*` variable; [`logging`]; [`process`] — pid across
 //!   fork, the library's own threads;
 //! * [`san`] — the SAN path: switch-over, session-driven I/O, readiness substitution;
 //! * [`config`] — the rules file; [`inventory`] — the symbol inventory; [`stats`] — reading
 //!   other processes' published connections (for `sandirect stat`);
-//! * [`guard`] — the reentrancy guard; [`errno`] — errno access.
+//! * [`guard`] — the reentrancy guard and the guarded bookkeeping region; [`errno`] — errno
+//!   access.
 
 pub mod config;
 pub mod discovery;
@@ -35,3 +37,4 @@ pub mod runtime;
 pub mod san;
 pub mod settings;
 pub mod stats;
+pub mod track;

@@ -39,7 +39,7 @@ fn init_guarded(argv0: Option<&CStr>) {
         std::env::remove_var(settings::STASHES);
         crate::san::adopt_stashes(
             &stashes.to_string_lossy(),
-            crate::ops::adopt_inherited_socket,
+            crate::track::adopt_inherited_socket,
         );
     }
 }

@@ -1,0 +1,520 @@
+//! The data transfer hooks: `read`/`write` and their vector, message and FORTIFY forms
+//! (`data_ops!`), the `*mmsg` calls, `sendfile` and `splice`.
+
+use core::ffi::{c_int, c_uint, c_void};
+
+use libc::{size_t, sockaddr, socklen_t, ssize_t};
+
+use super::call::{data_call, iov_bufs, one_buf, san_data_call, san_recv, san_send};
+use super::outcome::{Outcome, Why};
+use crate::errno::Errno;
+use crate::fdtable::table;
+use crate::guard::bookkeeping;
+use crate::record::Counter;
+use crate::san::RawBuf;
+use crate::track::{count_bytes, decode_sockaddr, on_connect_started, tracked};
+use crate::{errno, real};
+
+/// [`san_send`] of a caller's iovec array (`None`: an invalid one, `EINVAL`).
+fn san_send_iov(
+    fd: c_int,
+    index: u32,
+    bufs: Option<Vec<RawBuf>>,
+    send_flags: c_int,
+) -> Outcome<ssize_t> {
+    match bufs {
+        Some(bufs) => san_send(fd, index, &bufs, send_flags),
+        None => Outcome::Failed(Errno(libc::EINVAL)),
+    }
+}
+
+/// [`san_recv`] into a caller's iovec array (`None`: an invalid one, `EINVAL`).
+fn san_recv_iov(
+    fd: c_int,
+    index: u32,
+    bufs: Option<Vec<RawBuf>>,
+    recv_flags: c_int,
+) -> Outcome<ssize_t> {
+    match bufs {
+        Some(bufs) => san_recv(fd, index, &bufs, recv_flags),
+        None => Outcome::Failed(Errno(libc::EINVAL)),
+    }
+}
+
+/// A connected TCP socket reports no source address: `*addrlen = 0`, as the kernel does.
+///
+/// # Safety
+/// `addrlen` must be null or writable.
+unsafe fn clear_addrlen(addrlen: *mut socklen_t) {
+    if !addrlen.is_null() {
+        // SAFETY: writable per the contract.
+        unsafe { addrlen.write_unaligned(0) };
+    }
+}
+
+/// As [`data_call`] for the `*mmsg` calls, which return a message count.
+#[inline(always)]
+fn mmsg_call(
+    fd: c_int,
+    counter: Counter,
+    msgvec: *const libc::mmsghdr,
+    call: impl FnOnce() -> c_int,
+) -> c_int {
+    let entry = table().lookup(fd);
+    let result = call();
+    if !entry.is_none() && result > 0 && !msgvec.is_null() {
+        // SAFETY: the kernel just filled `result` entries of the caller's vector.
+        let messages = unsafe { core::slice::from_raw_parts(msgvec, result as usize) };
+        let bytes = messages.iter().map(|m| u64::from(m.msg_len)).sum();
+        count_bytes(entry, counter, bytes);
+    }
+    result
+}
+
+macro_rules! data_ops {
+    ($( $name:ident($fd:ident $(, $arg:ident: $ty:ty)*) => $counter:ident, |$index:ident| $san:expr; )*) => {$(
+        #[doc = concat!("`", stringify!($name), "`: counted per path for our sockets; SAN sockets go through the session.")]
+        ///
+        /// # Safety
+        /// As the C function.
+        #[inline(always)]
+        #[allow(unused_unsafe)]
+        pub unsafe fn $name($fd: c_int $(, $arg: $ty)*) -> ssize_t {
+            data_call(
+                $fd,
+                Counter::$counter,
+                // SAFETY: the arguments are the caller's, valid as for the C function.
+                |$index| unsafe { $san },
+                // SAFETY: forwarded.
+                || unsafe { real::$name($fd $(, $arg)*) },
+            )
+        }
+    )*};
+}
+
+data_ops! {
+    read(fd, buf: *mut c_void, count: size_t) => TcpReceived,
+        |index| san_recv(fd, index, &one_buf(buf, count), 0);
+    readv(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpReceived,
+        |index| san_recv_iov(fd, index, iov_bufs(iov, iovcnt), 0);
+    write(fd, buf: *const c_void, count: size_t) => TcpSent,
+        |index| san_send(fd, index, &one_buf(buf, count), 0);
+    writev(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpSent,
+        |index| san_send_iov(fd, index, iov_bufs(iov, iovcnt), 0);
+    send(fd, buf: *const c_void, len: size_t, send_flags: c_int) => TcpSent,
+        |index| san_send(fd, index, &one_buf(buf, len), send_flags);
+    sendmsg(fd, msg: *const libc::msghdr, send_flags: c_int) => TcpSent,
+        |index| if msg.is_null() {
+            Outcome::Failed(Errno(libc::EFAULT))
+        } else {
+            san_send_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), send_flags)
+        };
+    recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived,
+        |index| san_recv(fd, index, &one_buf(buf, len), recv_flags);
+    recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
+        |index| {
+            let _ = addr;
+            let result = san_recv(fd, index, &one_buf(buf, len), recv_flags);
+            if let Outcome::Done(_) = result {
+                clear_addrlen(addrlen);
+            }
+            result
+        };
+    recvmsg(fd, msg: *mut libc::msghdr, recv_flags: c_int) => TcpReceived,
+        |index| if msg.is_null() {
+            Outcome::Failed(Errno(libc::EFAULT))
+        } else {
+            let result = san_recv_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), recv_flags);
+            if let Outcome::Done(_) = result {
+                (*msg).msg_namelen = 0;
+                (*msg).msg_controllen = 0;
+                (*msg).msg_flags = 0;
+            }
+            result
+        };
+    __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived,
+        // An overflowing request goes to the real function, which aborts as it must.
+        |index| if nbytes > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, nbytes), 0) };
+    __recv_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int) => TcpReceived,
+        |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, len), recv_flags) };
+    __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
+        |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else {
+            let _ = addr;
+            let result = san_recv(fd, index, &one_buf(buf, len), recv_flags);
+            if let Outcome::Done(_) = result {
+                clear_addrlen(addrlen);
+            }
+            result
+        };
+}
+
+/// `sendto(2)`: counted; with `MSG_FASTOPEN` it is also a connect (TCP Fast Open). On a SAN
+/// socket the address is ignored, as the kernel ignores it on a connected TCP socket.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    len: size_t,
+    send_flags: c_int,
+    addr: *const sockaddr,
+    addrlen: socklen_t,
+) -> ssize_t {
+    let sent = data_call(
+        fd,
+        Counter::TcpSent,
+        |index| san_send(fd, index, &one_buf(buf, len), send_flags),
+        // SAFETY: forwarded.
+        || unsafe { real::sendto(fd, buf, len, send_flags, addr, addrlen) },
+    );
+    if send_flags & libc::MSG_FASTOPEN != 0 && !addr.is_null() {
+        let in_progress = sent < 0 && errno::get() == libc::EINPROGRESS;
+        if let (true, Some(entry)) = (sent >= 0 || in_progress, tracked(fd)) {
+            // SAFETY: the kernel accepted (addr, addrlen) as the destination just now.
+            let peer = unsafe { decode_sockaddr(addr, addrlen) };
+            bookkeeping(|| on_connect_started(fd, entry, peer, in_progress));
+        }
+    }
+    sent
+}
+
+/// `sendmmsg(2)`: on a SAN socket, each message is one `sendmsg`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendmmsg(
+    fd: c_int,
+    msgvec: *mut libc::mmsghdr,
+    vlen: c_uint,
+    send_flags: c_int,
+) -> c_int {
+    let entry = table().lookup(fd);
+    if !entry.is_none() && !msgvec.is_null() {
+        // SAFETY: the caller's vector of `vlen` messages.
+        let san = |index| unsafe { san_mmsg(fd, index, msgvec, vlen, send_flags, true) };
+        if let Ok(result) = san_data_call(entry, san).map(|n| n as c_int).returned() {
+            return result;
+        }
+    }
+    // SAFETY: forwarded.
+    mmsg_call(fd, Counter::TcpSent, msgvec, || unsafe {
+        real::sendmmsg(fd, msgvec, vlen, send_flags)
+    })
+}
+
+/// `recvmmsg(2)`: on a SAN socket, each message is one `recvmsg` (the timeout is ignored, as
+/// for a stream socket whose first receive returns).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn recvmmsg(
+    fd: c_int,
+    msgvec: *mut libc::mmsghdr,
+    vlen: c_uint,
+    recv_flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    let entry = table().lookup(fd);
+    if !entry.is_none() && !msgvec.is_null() {
+        // SAFETY: the caller's vector of `vlen` messages.
+        let san = |index| unsafe { san_mmsg(fd, index, msgvec, vlen, recv_flags, false) };
+        if let Ok(result) = san_data_call(entry, san).map(|n| n as c_int).returned() {
+            return result;
+        }
+    }
+    // SAFETY: forwarded.
+    mmsg_call(fd, Counter::TcpReceived, msgvec, || unsafe {
+        real::recvmmsg(fd, msgvec, vlen, recv_flags, timeout)
+    })
+}
+
+/// The `*mmsg` calls on a SAN socket: messages in turn; after the first, only what is
+/// available without blocking (as the kernel does for a stream socket).
+///
+/// # Safety
+/// `msgvec` must point to `vlen` messages.
+unsafe fn san_mmsg(
+    fd: c_int,
+    index: u32,
+    msgvec: *mut libc::mmsghdr,
+    vlen: c_uint,
+    flags: c_int,
+    sending: bool,
+) -> Outcome<ssize_t> {
+    let mut done = 0;
+    for position in 0..vlen.min(libc::UIO_MAXIOV as c_uint) as usize {
+        // SAFETY: inside the caller's vector.
+        let message = unsafe { &mut *msgvec.add(position) };
+        // SAFETY: the message's own iovec array.
+        let bufs =
+            unsafe { iov_bufs(message.msg_hdr.msg_iov, message.msg_hdr.msg_iovlen as c_int) };
+        let flags = if done > 0 {
+            flags | libc::MSG_DONTWAIT
+        } else {
+            flags
+        };
+        let outcome = if sending {
+            san_send_iov(fd, index, bufs, flags)
+        } else {
+            san_recv_iov(fd, index, bufs, flags)
+        };
+        let result = match outcome {
+            Outcome::Done(result) => result,
+            Outcome::Failed(_) if done > 0 => return Outcome::Done(done),
+            other => return other,
+        };
+        message.msg_len = result as c_uint;
+        done += 1;
+        if !sending && result == 0 {
+            break;
+        }
+    }
+    Outcome::Done(done)
+}
+
+/// `sendfile(2)`: kernel only; the bytes count as TCP bytes of the target socket.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendfile(
+    out_fd: c_int,
+    in_fd: c_int,
+    offset: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
+    // SAFETY: forwarded.
+    data_call(
+        out_fd,
+        Counter::TcpSent,
+        // SAFETY: the caller's offset pointer, valid as for the C function.
+        |index| unsafe { san_sendfile(out_fd, index, in_fd, offset, count) },
+        // SAFETY: forwarded.
+        || unsafe { real::sendfile(out_fd, in_fd, offset, count) },
+    )
+}
+
+/// `sendfile64`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendfile64(
+    out_fd: c_int,
+    in_fd: c_int,
+    offset: *mut libc::off64_t,
+    count: size_t,
+) -> ssize_t {
+    // SAFETY: forwarded.
+    data_call(
+        out_fd,
+        Counter::TcpSent,
+        // SAFETY: the caller's offset pointer, valid as for the C function.
+        |index| unsafe { san_sendfile(out_fd, index, in_fd, offset, count) },
+        // SAFETY: forwarded.
+        || unsafe { real::sendfile64(out_fd, in_fd, offset, count) },
+    )
+}
+
+/// `splice(2)`: kernel only; counted on both ends when they are ours.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn splice(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    splice_flags: c_uint,
+) -> ssize_t {
+    let in_entry = table().lookup(fd_in);
+    // SAFETY: forwarded.
+    // The kernel cannot splice a SAN stream: it is copied through a buffer instead.
+    if !in_entry.is_none() {
+        // SAFETY: the caller's offset pointer, as for the C function.
+        let from_san =
+            |index| unsafe { san_splice_out(fd_in, index, fd_out, off_out, len, splice_flags) };
+        if let Ok(result) = san_data_call(in_entry, from_san).returned() {
+            return result;
+        }
+    }
+    let moved = data_call(
+        fd_out,
+        Counter::TcpSent,
+        // SAFETY: the caller's offset pointer, as for the C function.
+        |index| unsafe { san_splice_in(fd_in, off_in, fd_out, index, len, splice_flags) },
+        // SAFETY: forwarded.
+        || unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, splice_flags) },
+    );
+    if moved > 0 && !in_entry.is_none() {
+        count_bytes(in_entry, Counter::TcpReceived, moved as u64);
+    }
+    moved
+}
+
+/// `splice` out of a SAN socket into a pipe (or file): peeks up to `len` bytes, writes them
+/// to `fd_out`, and consumes exactly what the target took, so nothing is lost on a short
+/// write.
+///
+/// # Safety
+/// `off_out` must be null or valid.
+unsafe fn san_splice_out(
+    fd_in: c_int,
+    index: u32,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    splice_flags: c_uint,
+) -> Outcome<ssize_t> {
+    const CHUNK: usize = 64 << 10;
+    let mut chunk = vec![0u8; len.min(CHUNK)];
+    let flags = if splice_flags & libc::SPLICE_F_NONBLOCK != 0 {
+        libc::MSG_PEEK | libc::MSG_DONTWAIT
+    } else {
+        libc::MSG_PEEK
+    };
+    let peeked = match san_recv(
+        fd_in,
+        index,
+        &one_buf(chunk.as_ptr().cast(), chunk.len()),
+        flags,
+    ) {
+        Outcome::Done(0) => return Outcome::Done(0),
+        Outcome::Done(peeked) => peeked,
+        other => return other,
+    };
+    let written = if off_out.is_null() {
+        // SAFETY: `chunk` holds `peeked` bytes.
+        unsafe { libc::write(fd_out, chunk.as_ptr().cast(), peeked as usize) }
+    } else {
+        // SAFETY: as above; `off_out` valid per the contract.
+        let n = unsafe {
+            libc::pwrite64(
+                fd_out,
+                chunk.as_ptr().cast(),
+                peeked as usize,
+                off_out.read_unaligned(),
+            )
+        };
+        if n > 0 {
+            // SAFETY: valid per the contract.
+            unsafe { off_out.write_unaligned(off_out.read_unaligned() + n as i64) };
+        }
+        n
+    };
+    if written <= 0 {
+        return Outcome::from_kernel(written);
+    }
+    chunk.truncate(written as usize);
+    san_recv(
+        fd_in,
+        index,
+        &one_buf(chunk.as_mut_ptr().cast(), chunk.len()),
+        0,
+    )
+}
+
+/// `splice` from a pipe (or file) into a SAN socket: one chunk read, then sent in full.
+///
+/// # Safety
+/// `off_in` must be null or valid.
+unsafe fn san_splice_in(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    index: u32,
+    len: size_t,
+    _splice_flags: c_uint,
+) -> Outcome<ssize_t> {
+    // SAFETY: `off_in` is the same kind of pointer sendfile takes, valid per the contract.
+    unsafe { san_sendfile(fd_out, index, fd_in, off_in, len) }
+}
+
+/// `sendfile` into a SAN socket: one chunk read from `in_fd` (at `*offset` when given, which
+/// then advances by what was sent) and sent through the session. Short counts are allowed.
+///
+/// # Safety
+/// `offset` must be null or point to a valid offset.
+unsafe fn san_sendfile(
+    out_fd: c_int,
+    index: u32,
+    in_fd: c_int,
+    offset: *mut libc::off64_t,
+    count: size_t,
+) -> Outcome<ssize_t> {
+    const CHUNK: usize = 64 << 10;
+    let mut chunk = vec![0u8; count.min(CHUNK)];
+    // As the kernel's: as much as the socket takes, up to `count`. A short count must mean
+    // "no room now" (an edge-triggered caller then waits for EPOLLOUT, as nginx does), so
+    // one chunk is not where it stops.
+    let mut total: usize = 0;
+    while total < count {
+        let want = (count - total).min(chunk.len());
+        let read = if offset.is_null() {
+            // SAFETY: `chunk` is writable for `want <= len` bytes.
+            unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), want) }
+        } else {
+            // SAFETY: as above; `offset` is valid per the contract.
+            unsafe {
+                libc::pread64(
+                    in_fd,
+                    chunk.as_mut_ptr().cast(),
+                    want,
+                    offset.read_unaligned(),
+                )
+            }
+        };
+        if read <= 0 {
+            return if total > 0 {
+                Outcome::Done(total as ssize_t)
+            } else {
+                Outcome::from_kernel(read)
+            };
+        }
+        let bufs = one_buf(chunk.as_ptr().cast(), read as usize);
+        let sent = match san_send(out_fd, index, &bufs, 0) {
+            Outcome::Done(sent) => sent,
+            Outcome::Bypass(why) => {
+                // No longer a SAN socket (downgraded meanwhile): the caller's kernel path
+                // sends the rest; give back what was read and not sent.
+                if offset.is_null() {
+                    // SAFETY: plain lseek on the caller's fd.
+                    unsafe { libc::lseek64(in_fd, -(read as i64), libc::SEEK_CUR) };
+                }
+                return if total > 0 {
+                    Outcome::Done(total as ssize_t)
+                } else {
+                    Outcome::Bypass(why)
+                };
+            }
+            Outcome::Failed(errno) => {
+                return if total > 0 {
+                    Outcome::Done(total as ssize_t)
+                } else {
+                    Outcome::Failed(errno)
+                };
+            }
+        };
+        if offset.is_null() {
+            // Give back what was read but not sent, so the file position matches.
+            if sent < read {
+                // SAFETY: plain lseek on the caller's fd.
+                unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+            }
+        } else {
+            // SAFETY: valid per the contract.
+            unsafe { offset.write_unaligned(offset.read_unaligned() + sent as i64) };
+        }
+        total += sent as usize;
+        if sent < read {
+            break;
+        }
+    }
+    Outcome::Done(total as ssize_t)
+}

@@ -1,0 +1,319 @@
+//! The socket hooks: creation, addressing, options (`socket` … `shutdown`).
+
+use core::ffi::{c_int, c_void};
+use core::sync::atomic::Ordering;
+
+use libc::{sockaddr, socklen_t};
+
+use crate::config::Role;
+use crate::fdtable::{table, FdEntry};
+use crate::guard::{self, bookkeeping};
+use crate::record::{flags, Bypass, SocketRecord, SocketState};
+use crate::track::{
+    decode_sockaddr, family_flag, is_tcp, local_address, mark_connected, on_connect_started,
+    peer_address, record_of, track_new, tracked,
+};
+use crate::{errno, real, settings};
+
+/// `socket(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
+    // SAFETY: forwarded.
+    let fd = unsafe { real::socket(domain, ty, protocol) };
+    if fd >= 0
+        && is_tcp(domain, ty, protocol)
+        && settings::tracking_enabled()
+        && !guard::is_inside()
+    {
+        bookkeeping(|| {
+            let nonblock = if ty & libc::SOCK_NONBLOCK != 0 {
+                flags::NONBLOCK
+            } else {
+                0
+            };
+            track_new(
+                fd,
+                SocketState::TcpCandidate,
+                family_flag(domain) | nonblock,
+                ty & libc::SOCK_CLOEXEC != 0,
+            );
+        });
+    }
+    fd
+}
+
+/// `socketpair(2)`: never a SAN candidate.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn socketpair(domain: c_int, ty: c_int, protocol: c_int, fds: *mut c_int) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::socketpair(domain, ty, protocol, fds) }
+}
+
+/// `bind(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::bind(fd, addr, len) }
+}
+
+/// `listen(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::listen(fd, backlog) };
+    if let (0, Some(entry)) = (rc, entry) {
+        bookkeeping(|| {
+            if let Some((index, record)) = record_of(entry) {
+                record.set_addresses(local_address(fd), None);
+                record.set_state(SocketState::Listener);
+                crate::san::on_listen(fd, index);
+            }
+        });
+    }
+    rc
+}
+
+fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
+    let Some(listener) = listener else { return };
+    bookkeeping(|| {
+        let Some((listener_index, listening)) = record_of(listener) else {
+            return;
+        };
+        if listening.state() != SocketState::Listener {
+            return;
+        }
+        let inet6 = listening.flags() & flags::INET6;
+        // An accepted socket inherits the listener's timeouts.
+        let timeouts = listening.flags() & (flags::RCVTIMEO | flags::SNDTIMEO);
+        let nonblock = if accept_flags & libc::SOCK_NONBLOCK != 0 {
+            flags::NONBLOCK
+        } else {
+            0
+        };
+        let cloexec = accept_flags & libc::SOCK_CLOEXEC != 0;
+        if let Some(record) = track_new(
+            fd,
+            SocketState::TcpCandidate,
+            inet6 | nonblock | timeouts | flags::SERVER,
+            cloexec,
+        ) {
+            mark_connected(record, Role::Server, local_address(fd), peer_address(fd));
+            if let Some(index) = table().lookup(fd).socket_index() {
+                crate::san::on_accepted(listener_index, fd, index, record);
+            }
+        }
+    });
+}
+
+/// `accept(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    let listener = tracked(fd);
+    // SAFETY: forwarded.
+    let new_fd = unsafe { real::accept(fd, addr, len) };
+    if new_fd >= 0 {
+        on_accepted(listener, new_fd, 0);
+    }
+    new_fd
+}
+
+/// `accept4(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    accept_flags: c_int,
+) -> c_int {
+    let listener = tracked(fd);
+    // SAFETY: forwarded.
+    let new_fd = unsafe { real::accept4(fd, addr, len, accept_flags) };
+    if new_fd >= 0 {
+        on_accepted(listener, new_fd, accept_flags);
+    }
+    new_fd
+}
+
+/// `connect(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    let entry = tracked(fd);
+    let plan = match entry {
+        // SAFETY: the caller's address, as for the C function.
+        Some(entry) => unsafe { plan_san_client(fd, entry, addr, len) },
+        None => None,
+    };
+    // SAFETY: forwarded.
+    let rc = unsafe { real::connect(fd, addr, len) };
+    let Some(entry) = entry else { return rc };
+    let in_progress = rc != 0 && errno::get() == libc::EINPROGRESS;
+    if rc == 0 || in_progress {
+        // SAFETY: the kernel accepted (addr, len) as a valid address just now.
+        let peer = unsafe { decode_sockaddr(addr, len) };
+        bookkeeping(|| on_connect_started(fd, entry, peer, in_progress));
+    }
+    if let Some((index, record, plan)) = plan {
+        bookkeeping(|| crate::san::after_connect(index, record, plan, rc == 0 || in_progress));
+    }
+    rc
+}
+
+/// The SAN preparation of a client's first `connect()` (see `san::before_connect`).
+///
+/// # Safety
+/// `addr` must be null or point to `len` readable bytes.
+#[cold]
+unsafe fn plan_san_client(
+    fd: c_int,
+    entry: FdEntry,
+    addr: *const sockaddr,
+    len: socklen_t,
+) -> Option<(u32, &'static SocketRecord, crate::san::ClientPlan)> {
+    let (index, record) = record_of(entry)?;
+    if record.state() != SocketState::TcpCandidate || !crate::san::enabled() {
+        return None;
+    }
+    // SAFETY: per the contract.
+    let peer = unsafe { decode_sockaddr(addr, len) }?;
+    let mut plan = None;
+    bookkeeping(|| plan = Some(crate::san::before_connect(fd, index, record, peer)));
+    plan.map(|plan| (index, record, plan))
+}
+
+/// `getsockname(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn getsockname(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::getsockname(fd, addr, len) }
+}
+
+/// `getpeername(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn getpeername(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: forwarded.
+    unsafe { real::getpeername(fd, addr, len) }
+}
+
+/// `setsockopt(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    value: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    // SAFETY: forwarded.
+    let rc = unsafe { real::setsockopt(fd, level, name, value, len) };
+    if rc == 0 && level == libc::SOL_SOCKET {
+        if let Some(flag) = crate::record::timeout_flag(name) {
+            if let Some(entry) = tracked(fd) {
+                bookkeeping(|| {
+                    if let Some((_, record)) = record_of(entry) {
+                        record.set_flag(flag, true);
+                    }
+                });
+            }
+        }
+    }
+    rc
+}
+
+/// `getsockopt(2)`. `SO_ERROR` is how a non-blocking connect reports its outcome, so it
+/// settles a connecting socket: 0 means connected, an error means back to unconnected.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    value: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    let entry = table().lookup(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::getsockopt(fd, level, name, value, len) };
+    let is_so_error = level == libc::SOL_SOCKET && name == libc::SO_ERROR;
+    if rc == 0 && is_so_error && !entry.is_none() && !value.is_null() && !guard::is_inside() {
+        // SAFETY: the kernel just wrote an int there.
+        let error = unsafe { value.cast::<c_int>().read_unaligned() };
+        bookkeeping(|| settle_connect(entry, error));
+    }
+    rc
+}
+
+fn settle_connect(entry: FdEntry, error: c_int) {
+    let Some((_, record)) = record_of(entry) else {
+        return;
+    };
+    if record.flags() & flags::CONNECTING == 0 {
+        return;
+    }
+    record.set_flag(flags::CONNECTING, false);
+    if error != 0 {
+        record.set_addresses(None, None);
+        record.set_flag(flags::CLIENT, false);
+        record.bypass.store(Bypass::None as u32, Ordering::Release);
+        record.set_state(SocketState::TcpCandidate);
+    }
+}
+
+/// `shutdown(2)`.
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
+    let entry = tracked(fd);
+    // SAFETY: forwarded.
+    let rc = unsafe { real::shutdown(fd, how) };
+    if let (0, Some(entry)) = (rc, entry) {
+        bookkeeping(|| {
+            if let Some((index, record)) = record_of(entry) {
+                let bits = match how {
+                    libc::SHUT_RD => flags::SHUT_RD,
+                    libc::SHUT_WR => flags::SHUT_WR,
+                    _ => flags::SHUT_RD | flags::SHUT_WR,
+                };
+                record.set_flag(bits, true);
+                if record.flags() & flags::SAN != 0 {
+                    crate::san::on_shutdown(fd, index, how);
+                }
+            }
+        });
+    }
+    rc
+}
