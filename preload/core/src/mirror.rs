@@ -1,88 +1,88 @@
 //! The readiness mirror: kernel-visible readiness for a SAN socket.
 //!
 //! The design is in `docs/ARCHITECTURE.md` ("Readiness: a mirror socketpair per SAN socket").
-//! A [`Mirror`] owns `M`, one end of an `AF_UNIX` stream socketpair; the other end `K` goes to
+//! A [`Mirror`] owns the *watched end*, one end of an `AF_UNIX` stream socketpair; the other end, the *raising end*, goes to
 //! the peer process (with [`send_fd`]) and is closed here. The epoll/poll/select hooks wait on
-//! `M` in place of the application's fd, so every kernel waiting feature (ET, ONESHOT,
+//! the watched end in place of the application's fd, so every kernel waiting feature (ET, ONESHOT,
 //! EXCLUSIVE, nested epoll, epoll sets shared across fork) works unchanged. The words of a
-//! [`MirrorWords`] that both processes map keep `M`'s readiness equal to the session's.
+//! [`MirrorWords`] that both processes map keep the watched end's readiness equal to the session's.
 //!
 //! # Readable (IN): tokens
 //!
-//! `M` is readable while it holds a *token* byte. The shared `readable` word counts the tokens
-//! written to `M` (or being written) that no lowering has claimed; we keep a local count of
-//! tokens claimed but not yet arrived. Invariant: `tokens in M + tokens being written ==
+//! The watched end is readable while it holds a *token* byte. The shared `readable` word counts the tokens
+//! written to the watched end (or being written) that no lowering has claimed; we keep a local count of
+//! tokens claimed but not yet arrived. Invariant: `tokens in the watched end + tokens being written ==
 //! readable + claimed_unread`.
 //!
 //! * The peer, after pushing data, calls [`raise_readable`]: if the count is zero it CASes it
-//!   0→1 and writes one token to `K` (a rising edge). With the count up it returns without a
+//!   0→1 and writes one token to the raising end (a rising edge). With the count up it returns without a
 //!   system call — unless we asked for an edge per arrival (below).
 //! * We, when our receive queue became empty, call [`Mirror::lower_readable`]: it claims the
 //!   count (swap to 0), then re-checks for data (Dekker with the peer's push: `SeqCst` fences
 //!   on both sides, so at least one of the two sees the other). Data present: it hands the
-//!   claimed count back and leaves the tokens in `M`. No data: it consumes the claimed tokens
+//!   claimed count back and leaves the tokens in the watched end. No data: it consumes the claimed tokens
 //!   that have arrived; one still being written (the producer is between its count update and
 //!   its write, [`ReadLowering::TokenInFlight`]) is consumed by a later lowering.
 //!
 //! So no wake-up is lost (data pushed after our claim finds the count at zero and raises; data
 //! pushed before it is seen by our re-check) and no newer edge loses its token: we consume
 //! only as many tokens as we claimed. The only imprecision is spurious readiness: a claimed
-//! token that arrives after we emptied the queue makes `M` readable once with nothing to read.
+//! token that arrives after we emptied the queue makes the watched end readable once with nothing to read.
 //! The kernel allows that of any socket (another thread may have read first), the hooks drop
 //! such an event after checking the session, and the next lowering removes it. (A producer
 //! *stopped* between its count update and its write, e.g. by SIGSTOP, delays the wake-up for
-//! its data until it runs again; a producer killed there closes `K`, which wakes us with HUP.)
+//! its data until it runs again; a producer killed there closes the raising end, which wakes us with HUP.)
 //!
 //! **Edge-triggered waiters.** By default the peer writes one token per rising edge, so an
 //! edge-triggered waiter gets one event per rising edge. A TCP socket signals again for every
 //! segment that arrives while it is already readable, and programs can tell the difference (a
 //! reader that stops before `EAGAIN` waits for the next arrival). So while an edge-triggered
-//! epoll registration watches `M`, we set [`Mirror::set_edge_per_arrival`] in our words, and
+//! epoll registration watches the watched end, we set [`Mirror::set_edge_per_arrival`] in our words, and
 //! the peer then writes a token on every raise (up to 64 unclaimed): a
-//! write to `K` while `M` already holds unread bytes wakes epoll again, exactly as an arriving
+//! write to the raising end while the watched end already holds unread bytes wakes epoll again, exactly as an arriving
 //! segment does. The count covers those tokens too, so lowering stays exact.
 //!
-//! **No local raise for IN.** Only `K` writes into `M`'s receive queue, so we cannot make `M`
+//! **No local raise for IN.** Only the raising end writes into the watched end's receive queue, so we cannot make the watched end
 //! readable ourselves, and the token protocol never needs to: it never consumes a token before
 //! knowing the queue is empty. Readability from local causes is terminal and is expressed by
 //! shutdown: [`Mirror::set_read_hup`] (peer FIN learnt from the session, or an error to
-//! report), which makes `M` readable for good.
+//! report), which makes the watched end readable for good.
 //!
-//! # Writable (OUT): filling M's send buffer
+//! # Writable (OUT): filling the watched end's send buffer
 //!
-//! `M` is writable (for `AF_UNIX`) while 4 × its queued bytes ≤ its `SO_SNDBUF`. `M` gets the
+//! The watched end is writable (for `AF_UNIX`) while 4 × its queued bytes ≤ its `SO_SNDBUF`. The watched end gets the
 //! smallest send buffer the kernel allows; [`Mirror::lower_writable`] writes filler bytes into
-//! `M` until `EAGAIN` (they queue in `K`, [`Mirror::last_fill_bytes`] tells how many), *then*
+//! the watched end until `EAGAIN` (they queue in the raising end, [`Mirror::last_fill_bytes`] tells how many), *then*
 //! puts the `write_lowered` flag up and re-checks for space. The peer, after returning space,
 //! calls [`raise_writable`]: with the flag up it CASes it 1→0 and drains the filler queued in
-//! `K` (one short read takes it all), which makes `M` writable and wakes its waiters. Because
+//! the raising end (one short read takes it all), which makes the watched end writable and wakes its waiters. Because
 //! the flag goes up only after the fill, a peer's drain can never precede the fill it is meant
-//! to undo; a drain racing with a *newer* fill can eat part of it, which leaves `M` spuriously
+//! to undo; a drain racing with a *newer* fill can eat part of it, which leaves the watched end spuriously
 //! writable until our next lowering (a write then finds no space, and lowering again fills).
 //!
 //! **Local raise for OUT (necessary).** If the re-check finds space and we win the CAS back
-//! (the peer checked the flag before we raised it and will not drain), `M` is full and nobody
-//! will drain it. We then raise writability locally by *enlarging* `M`'s `SO_SNDBUF`: the kernel
+//! (the peer checked the flag before we raised it and will not drain), the watched end is full and nobody
+//! will drain it. We then raise writability locally by *enlarging* the watched end's `SO_SNDBUF`: the kernel
 //! re-evaluates writability and wakes waiters on that `setsockopt`. The filler stays parked in
-//! `K` (bounded: one fill), and the next lowering shrinks the buffer again, which makes `M`
+//! the raising end (bounded: one fill), and the next lowering shrinks the buffer again, which makes the watched end
 //! unwritable with no new filler.
 //!
 //! # Hang-up and errors
 //!
-//! | event                               | call                          | `M` reports            |
+//! | event                               | call                          | The watched end reports            |
 //! |-------------------------------------|-------------------------------|------------------------|
-//! | peer's FIN (peer side)              | [`mirror_peer_fin`]`(K)`      | IN, RDHUP              |
+//! | peer's FIN (peer side)              | [`mirror_peer_fin`]`(raising)`      | IN, RDHUP              |
 //! | peer's FIN learnt locally           | [`Mirror::set_read_hup`]      | IN, RDHUP              |
 //! | our `shutdown(SHUT_WR)`             | [`Mirror::shutdown_write`]    | OUT (as TCP), no HUP   |
 //! | both of the above                   |                               | IN, RDHUP, HUP         |
-//! | peer closes `K` or dies             | (kernel)                      | IN, RDHUP, HUP (+ERR)  |
+//! | peer closes the raising end or dies             | (kernel)                      | IN, RDHUP, HUP (+ERR)  |
 //!
 //! **What differs from TCP.** A TCP peer that dies sends a FIN (our side: IN|RDHUP, HUP only
-//! after our own shutdown) or, if it had unread data, an RST (ERR|HUP). `M` shows HUP at once
-//! when `K` closes. It shows ERR (the socket's `sk_err = ECONNRESET`) only if `K` still held
+//! after our own shutdown) or, if it had unread data, an RST (ERR|HUP). The watched end shows HUP at once
+//! when the raising end closes. It shows ERR (the socket's `sk_err = ECONNRESET`) only if the raising end still held
 //! unread filler, i.e. the peer died while we were lowered-writable — the case where TCP would
-//! answer our next send with an RST. `M` cannot show other errors: the hook reports the session's
-//! error on the next call, and `M` being readable (HUP) is what makes the application make that
+//! answer our next send with an RST. The watched end cannot show other errors: the hook reports the session's
+//! error on the next call, and the watched end being readable (HUP) is what makes the application make that
 //! call. Urgent data (EPOLLPRI) is not mirrored (`AF_UNIX` `MSG_OOB` could, if ever needed).
 //!
 //! # Concurrency contract
@@ -170,16 +170,16 @@ impl std::error::Error for MirrorError {}
 #[repr(C)]
 #[derive(Debug, Default)]
 pub struct MirrorWords {
-    /// Tokens written to `M` (or being written) that no lowering has claimed yet: nonzero
-    /// while `M` is raised readable. 1 per rising edge, plus one per further arrival while
+    /// Tokens written to the watched end (or being written) that no lowering has claimed yet: nonzero
+    /// while the watched end is raised readable. 1 per rising edge, plus one per further arrival while
     /// `edge_per_arrival` is set.
     readable: AtomicU32,
-    /// 1 while `M` is filled and the peer owes a drain of `K` when space returns.
+    /// 1 while the watched end is filled and the peer owes a drain of the raising end when space returns.
     write_lowered: AtomicU32,
-    /// Set by the owner of `M` while an edge-triggered epoll registration watches it: the peer
+    /// Set by the owner of the watched end while an edge-triggered epoll registration watches it: the peer
     /// then writes a token for every arrival, not only for the rising edge.
     edge_per_arrival: AtomicU32,
-    /// Set by the owner of `M` when it left the application's call with stream bytes it could
+    /// Set by the owner of the watched end when it left the application's call with stream bytes it could
     /// not transmit yet (no credits, or the handshake not done): nobody in its process may
     /// call in for a long time, so the peer, when it next transmits (its `Hello`, returned
     /// credits), nudges the owner's process to move them (`san::nudge`).
@@ -189,13 +189,13 @@ pub struct MirrorWords {
 // Both processes map these words: their layout is part of the segment format.
 const _: () = assert!(size_of::<MirrorWords>() == 16 && core::mem::align_of::<MirrorWords>() == 4);
 
-/// Most tokens queued in `M` at once in the edge-per-arrival mode. Far below what `K`'s send
+/// Most tokens queued in the watched end at once in the edge-per-arrival mode. Far below what the raising end's send
 /// buffer holds (each one-byte token costs one skb), so a token write never meets `EAGAIN`;
 /// arrivals beyond it, before the owner reads anything, make no further edge.
 const MAX_QUEUED_TOKENS: u32 = 64;
 
 impl MirrorWords {
-    /// Initial state: `M` not readable, writable, one token per rising edge.
+    /// Initial state: the watched end not readable, writable, one token per rising edge.
     pub const fn new() -> MirrorWords {
         MirrorWords {
             readable: AtomicU32::new(0),
@@ -230,7 +230,7 @@ impl MirrorWords {
             && self.progress_wanted.swap(0, Ordering::AcqRel) != 0
     }
 
-    /// Whether `M` is raised readable (unclaimed tokens counted; diagnostics).
+    /// Whether the watched end is raised readable (unclaimed tokens counted; diagnostics).
     pub fn is_readable_raised(&self) -> bool {
         self.readable.load(Ordering::Relaxed) != 0
     }
@@ -255,17 +255,17 @@ impl MirrorWords {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ReadLowering {
-    /// Nothing was counted or owed: `M` was not readable (no system call made).
+    /// Nothing was counted or owed: the watched end was not readable (no system call made).
     NotRaised,
-    /// The token is consumed: `M` is no longer readable (unless at end of file); any later
+    /// The token is consumed: the watched end is no longer readable (unless at end of file); any later
     /// push raises it again.
     Lowered,
-    /// Data arrived meanwhile: `M` stays readable. Read again instead of reporting `EAGAIN`.
+    /// Data arrived meanwhile: the watched end stays readable. Read again instead of reporting `EAGAIN`.
     StillReadable,
-    /// Lowered, but a token this lowering claimed is still being written by the peer: `M`
+    /// Lowered, but a token this lowering claimed is still being written by the peer: the watched end
     /// turns readable shortly, spuriously (the next lowering consumes it).
     TokenInFlight,
-    /// `M` is at end of file (peer FIN, [`Mirror::set_read_hup`] or peer death): it stays
+    /// The watched end is at end of file (peer FIN, [`Mirror::set_read_hup`] or peer death): it stays
     /// readable for good.
     Hangup,
 }
@@ -274,15 +274,15 @@ pub enum ReadLowering {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum WriteLowering {
-    /// `M` is unwritable until the peer calls [`raise_writable`].
+    /// The watched end is unwritable until the peer calls [`raise_writable`].
     Lowered,
-    /// Space returned meanwhile and `M` was raised again locally: write instead of `EAGAIN`.
+    /// Space returned meanwhile and the watched end was raised again locally: write instead of `EAGAIN`.
     StillWritable,
-    /// Space returned meanwhile and the peer is draining `K`: `M` turns writable shortly.
+    /// Space returned meanwhile and the peer is draining the raising end: the watched end turns writable shortly.
     RaisePending,
-    /// Writing was shut down ([`Mirror::shutdown_write`]): like TCP, `M` stays writable.
+    /// Writing was shut down ([`Mirror::shutdown_write`]): like TCP, the watched end stays writable.
     Shutdown,
-    /// `K` is closed (the peer is gone): `M` shows HUP.
+    /// The raising end is closed (the peer is gone): the watched end shows HUP.
     Hangup,
 }
 
@@ -292,9 +292,9 @@ pub enum WriteLowering {
 pub enum Raise {
     /// The flag was already in the raised state: nothing to do (no system call).
     AlreadyRaised,
-    /// This call made an edge (wrote a token / drained `K`).
+    /// This call made an edge (wrote a token / drained the raising end).
     Raised,
-    /// `M` is closed or shut down for reading: nobody is waiting any more.
+    /// The watched end is closed or shut down for reading: nobody is waiting any more.
     MirrorClosed,
 }
 
@@ -335,7 +335,7 @@ fn set_sndbuf(fd: BorrowedFd<'_>, request: libc::c_int) -> Result<libc::c_int, M
 }
 
 /// The filler for lowering writability; larger than any minimal send buffer, so one `send`
-/// usually fills `M` (it returns short when the buffer is full).
+/// usually fills the watched end (it returns short when the buffer is full).
 static FILLER: [u8; 16 << 10] = [0; 16 << 10];
 
 /// Request for the lowered state: the kernel clamps it up to its minimum (`SOCK_MIN_SNDBUF`).
@@ -347,7 +347,7 @@ const LARGE_SNDBUF_REQUEST: libc::c_int = 256 << 10;
 // Our side
 // ---------------------------------------------------------------------------------------------
 
-/// Our end `M` of a SAN socket's readiness mirror, with the shared words `W` points to.
+/// Our watched end of a SAN socket's readiness mirror, with the shared words `W` points to.
 #[derive(Debug)]
 pub struct Mirror<W: Deref<Target = MirrorWords>> {
     words: W,
@@ -357,14 +357,14 @@ pub struct Mirror<W: Deref<Target = MirrorWords>> {
     sndbuf_is_large: bool,
     write_shut: bool,
     last_fill: usize,
-    /// Tokens a lowering claimed (took off the count) that had not arrived in `M` yet: the
+    /// Tokens a lowering claimed (took off the count) that had not arrived in the watched end yet: the
     /// next lowerings consume them as they arrive.
     claimed_unread: u32,
 }
 
 impl<W: Deref<Target = MirrorWords>> Mirror<W> {
     /// Creates the socketpair (both ends nonblocking, close-on-exec) and returns the mirror and
-    /// the peer's end `K`, to be passed with [`send_fd`] and then dropped.
+    /// the raising end, to be passed with [`send_fd`] and then dropped.
     ///
     /// `words` must be in their initial state ([`MirrorWords::new`], or zeroed memory).
     ///
@@ -406,18 +406,18 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         &self.words
     }
 
-    /// Bytes the last [`lower_writable`](Self::lower_writable) wrote to make `M` unwritable
+    /// Bytes the last [`lower_writable`](Self::lower_writable) wrote to make the watched end unwritable
     /// (0 if filler was already parked).
     pub fn last_fill_bytes(&self) -> usize {
         self.last_fill
     }
 
-    /// The effective `SO_SNDBUF` of `M` in the lowered and the locally raised state.
+    /// The effective `SO_SNDBUF` of the watched end in the lowered and the locally raised state.
     pub fn send_buffer_sizes(&self) -> (i32, i32) {
         (self.small_sndbuf, self.large_sndbuf)
     }
 
-    /// `M`'s current readiness (`poll` with a zero timeout): a `POLL*` bit set.
+    /// The watched end's current readiness (`poll` with a zero timeout): a `POLL*` bit set.
     ///
     /// # Errors
     /// `poll` failures.
@@ -434,7 +434,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         Ok(pfd.revents)
     }
 
-    /// Lowers `M`'s readability because our receive queue became empty (see the module docs).
+    /// Lowers the watched end's readability because our receive queue became empty (see the module docs).
     /// `data_available` re-reads the receive queue after the count went to zero.
     ///
     /// # Errors
@@ -463,7 +463,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         // Consume exactly the claimed tokens that have arrived. Tokens are alike, so one taken
         // here may be a newer edge's while a claimed one is still in flight; the count stays
         // right either way (queued + in flight == count + claimed_unread), and the late
-        // token makes `M` readable for that newer edge.
+        // token makes the watched end readable for that newer edge.
         let mut sink = [0u8; MAX_QUEUED_TOKENS as usize * 2];
         while self.claimed_unread > 0 {
             let want = (self.claimed_unread as usize).min(sink.len());
@@ -481,7 +481,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
                 0 => return Ok(ReadLowering::Hangup),
                 _ => match errno::get() {
                     libc::EAGAIN => return Ok(ReadLowering::TokenInFlight),
-                    // `K` closed with filler unread: the peer is gone (the error is reported
+                    // the raising end closed with filler unread: the peer is gone (the error is reported
                     // once).
                     libc::ECONNRESET => return Ok(ReadLowering::Hangup),
                     errno => {
@@ -497,8 +497,8 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
     }
 
     /// Asks the peer for a token on every arrival (`true`: an edge-triggered epoll
-    /// registration watches `M`) or only on the rising edge (`false`). A write to `K` while
-    /// `M` already holds unread tokens is a new edge for epoll, as an arriving segment is for
+    /// registration watches the watched end) or only on the rising edge (`false`). A write to the raising end while
+    /// the watched end already holds unread tokens is a new edge for epoll, as an arriving segment is for
     /// a TCP socket.
     pub fn set_edge_per_arrival(&self, on: bool) {
         self.words
@@ -506,7 +506,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
             .store(u32::from(on), Ordering::Relaxed);
     }
 
-    /// Lowers `M`'s writability because we ran out of credits or send space (see the module
+    /// Lowers the watched end's writability because we ran out of credits or send space (see the module
     /// docs). `space_available` re-reads the send state after the flag went up.
     ///
     /// # Errors
@@ -569,7 +569,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         Ok(WriteLowering::StillWritable)
     }
 
-    /// Makes `M` writable without the peer: enlarges its send buffer over the parked filler.
+    /// Makes the watched end writable without the peer: enlarges its send buffer over the parked filler.
     /// `setsockopt(SO_SNDBUF)` calls the socket's write-space callback, which wakes waiters.
     fn raise_writable_local(&mut self) -> Result<(), MirrorError> {
         set_sndbuf(self.m.as_fd(), LARGE_SNDBUF_REQUEST)?;
@@ -577,9 +577,9 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         Ok(())
     }
 
-    /// Mirrors our own `shutdown(SHUT_WR)`: `shutdown(M, SHUT_WR)`, and `M` stays writable from
+    /// Mirrors our own `shutdown(SHUT_WR)`: `shutdown(M, SHUT_WR)`, and the watched end stays writable from
     /// now on, as a TCP socket does (a write then fails with `EPIPE` at once instead of
-    /// blocking). Together with a read hang-up, `M` reports HUP.
+    /// blocking). Together with a read hang-up, the watched end reports HUP.
     ///
     /// # Errors
     /// `shutdown`/`setsockopt` failures.
@@ -593,7 +593,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
         self.raise_writable_local()
     }
 
-    /// Marks `M` at end of file from our side: it reports IN|RDHUP for good. For a peer FIN
+    /// Marks the watched end at end of file from our side: it reports IN|RDHUP for good. For a peer FIN
     /// learnt from the session (rather than mirrored by the peer with [`mirror_peer_fin`]), or a
     /// local error the application must wake up for.
     ///
@@ -605,7 +605,7 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
 }
 
 impl<W: Deref<Target = MirrorWords>> AsFd for Mirror<W> {
-    /// `M`: what the epoll/poll/select hooks wait on.
+    /// The watched end: what the epoll/poll/select hooks wait on.
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.m.as_fd()
     }
@@ -623,8 +623,8 @@ fn shutdown(fd: BorrowedFd<'_>, how: libc::c_int, op: &'static str) -> Result<()
 // The peer's side
 // ---------------------------------------------------------------------------------------------
 
-/// Raises the other side's `M` readable after we pushed data to it (we hold its `K`). One
-/// token per rising edge, and no system call while `M` is raised; when that side asked for an
+/// Raises the other side's the watched end readable after we pushed data to it (we hold its the raising end). One
+/// token per rising edge, and no system call while the watched end is raised; when that side asked for an
 /// edge per arrival ([`Mirror::set_edge_per_arrival`]), a token for every call (up to
 /// 64 unclaimed).
 pub fn raise_readable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
@@ -661,14 +661,14 @@ pub fn raise_readable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     if n == 1 {
         Raise::Raised
     } else {
-        // EPIPE: `M` closed or shut for reading, nobody waits. (EAGAIN cannot happen: at most
+        // EPIPE: the watched end closed or shut for reading, nobody waits. (EAGAIN cannot happen: at most
         // MAX_QUEUED_TOKENS tokens plus a few in flight are ever queued.)
         Raise::MirrorClosed
     }
 }
 
-/// Raises the other side's `M` writable after we returned space or credits to it (we hold
-/// its `K`): drains `K` if that side lowered writability.
+/// Raises the other side's the watched end writable after we returned space or credits to it (we hold
+/// its the raising end): drains the raising end if that side lowered writability.
 pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     // Pairs with the fence in `Mirror::lower_writable`.
     fence(Ordering::SeqCst);
@@ -698,7 +698,7 @@ pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
         match n {
             n if n as usize == sink.len() => continue,
             n if n > 0 => return Raise::Raised,
-            // `M` shut for writing or closed: nothing to wait for any more.
+            // the watched end shut for writing or closed: nothing to wait for any more.
             0 => return Raise::MirrorClosed,
             // EAGAIN: nothing was queued (the filler was already drained by an older raise).
             _ => return Raise::Raised,
@@ -706,8 +706,8 @@ pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     }
 }
 
-/// Mirrors our FIN to the other side: `shutdown(K, SHUT_WR)`, so its `M` reports IN|RDHUP.
-/// Keep `K` open until the session is over: closing it is what reports HUP.
+/// Mirrors our FIN to the other side: `shutdown(K, SHUT_WR)`, so its the watched end reports IN|RDHUP.
+/// Keep the raising end open until the session is over: closing it is what reports HUP.
 ///
 /// # Errors
 /// `shutdown` failures.

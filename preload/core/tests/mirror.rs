@@ -78,7 +78,7 @@ impl Drop for SharedMap {
 }
 
 /// A forked child inherits every descriptor of this multi-threaded test process, including
-/// other tests' `K` ends, which would keep their mirrors from hanging up. Tests that depend on
+/// other tests' the raising end ends, which would keep their mirrors from hanging up. Tests that depend on
 /// a close being seen hold this for reading; tests that fork hold it for writing.
 static FORK_LOCK: RwLock<()> = RwLock::new(());
 

@@ -11,7 +11,7 @@ use crate::record::flags;
 use crate::track::{note_registration, record_of, track_epoll_instance, tracked};
 use crate::{errno, real};
 
-/// Runs a poll-style call with every switched SAN socket in `fds` replaced by its mirror `M`
+/// Runs a poll-style call with every switched SAN socket in `fds` replaced by its mirror's watched end
 /// for the duration of the call (the application's array is restored before returning).
 ///
 /// # Safety
