@@ -11,66 +11,15 @@ use core::sync::atomic::Ordering;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
+use super::kernel::{file_inode, recv_tcp, scatter, socket_inode, RawBuf};
 use super::socket::{Phase, SanSocket, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
 use super::stash::Stash;
-use super::{lock, SanObject, COUNTERS, LIVE};
+use super::stashed::Stashed;
+use super::table::{forget_name, lock, san_index, SanObject, COUNTERS, LIVE};
+use super::tunables::{FORK_BUDGET, MARKER_WAIT};
 use crate::real;
 use crate::record::{flags, Bypass, DataPath, SocketState};
 use crate::registry::registry;
-
-/// How long `fork()`/`exec()` wait for all peers to answer the downgrade. A peer answers in
-/// its next socket call (a blocked or polling peer at once) or, when its application makes
-/// none, through its nudge responder (`nudge`); one that still does not answer within this
-/// time (stopped, or without a responder) leaves that connection to the parent only (see
-/// `Known limits` in `san`).
-pub const FORK_BUDGET: Duration = Duration::from_millis(1000);
-
-/// How long a client waits for the acceptor's switch marker before reading TCP again.
-pub(super) const MARKER_WAIT: Duration = Duration::from_millis(1000);
-
-/// A downgraded socket whose stash still holds bytes.
-#[derive(Debug)]
-pub(crate) struct Stashed {
-    pub stash: Stash,
-    /// Epoll sets where the stash's eventfd sits beside the socket: (epfd, events, data).
-    sets: Vec<(c_int, u32, u64)>,
-    /// The socket's inode: finds its copies in a child's descriptor table (`dup2` onto 0-2
-    /// in a `vfork` child, file actions of `posix_spawn`), whatever our table says.
-    socket_inode: Option<u64>,
-    /// The stash memfd's inode: tells whether the number still names it in a child that
-    /// closed or reused it (CPython closes every descriptor above 2 before its exec).
-    memfd_inode: Option<u64>,
-}
-
-impl Stashed {
-    fn new(stash: Stash, socket_inode: Option<u64>) -> Stashed {
-        let memfd_inode = file_inode(stash.memfd()).map(|(_, inode)| inode);
-        Stashed {
-            stash,
-            sets: Vec::new(),
-            socket_inode,
-            memfd_inode,
-        }
-    }
-}
-
-/// (file type bits, inode) of what is open on `fd`.
-fn file_inode(fd: c_int) -> Option<(libc::mode_t, u64)> {
-    // SAFETY: an all-zero `struct stat` is valid; fstat writes one.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: fstat(2) writes one `struct stat`.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return None;
-    }
-    Some((st.st_mode & libc::S_IFMT, st.st_ino))
-}
-
-/// The inode of the socket open on `fd` (`None`: not open, or not a socket).
-pub(crate) fn socket_inode(fd: c_int) -> Option<u64> {
-    file_inode(fd)
-        .filter(|&(kind, _)| kind == libc::S_IFSOCK)
-        .map(|(_, inode)| inode)
-}
 
 /// A descriptor of the stash memfd `memfd` (inode `inode`) for the image about to be
 /// exec'd: the number itself while it still names that memfd, else a fresh one opened
@@ -94,51 +43,6 @@ fn usable_memfd(memfd: RawFd, inode: u64) -> Option<RawFd> {
     // SAFETY: closing the descriptor we just opened.
     unsafe { libc::close(fd) };
     None
-}
-
-impl Stashed {
-    fn add_to_set(&mut self, epfd: c_int, events: u32, data: u64) {
-        if events & libc::EPOLLIN as u32 == 0 {
-            return;
-        }
-        let keep = libc::EPOLLET | libc::EPOLLONESHOT;
-        let mut event = libc::epoll_event {
-            events: libc::EPOLLIN as u32 | (events & keep as u32),
-            u64: data,
-        };
-        // SAFETY: plain epoll_ctl(2) on the application's epoll instance with our eventfd.
-        let rc = unsafe {
-            real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, self.stash.ready_fd(), &mut event)
-        };
-        if rc == 0 {
-            self.sets.push((epfd, events, data));
-        }
-    }
-
-    fn remove_from_sets(&mut self) {
-        for (epfd, _, _) in core::mem::take(&mut self.sets) {
-            self.remove_from(epfd);
-        }
-    }
-
-    /// Takes the stash's eventfd out of epoll set `epfd`.
-    fn remove_from(&self, epfd: c_int) {
-        // SAFETY: plain epoll_ctl(2).
-        unsafe {
-            real::epoll_ctl(
-                epfd,
-                libc::EPOLL_CTL_DEL,
-                self.stash.ready_fd(),
-                core::ptr::null_mut(),
-            )
-        };
-    }
-}
-
-impl Drop for Stashed {
-    fn drop(&mut self) {
-        self.remove_from_sets();
-    }
 }
 
 /// The socket record says "plain TCP from now on, downgraded".
@@ -188,7 +92,7 @@ pub(super) fn settle(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> boo
     tracing::debug!(fd, name = %socket.name, "SAN connection downgraded to TCP");
     socket.close(Some(fd), false, Duration::ZERO);
     LIVE.fetch_sub(1, Ordering::Relaxed);
-    super::forget_name(index);
+    forget_name(index);
     mark_tcp(index);
     COUNTERS.downgraded.fetch_add(1, Ordering::Relaxed);
     true
@@ -207,7 +111,7 @@ fn into_stash(fd: c_int, index: u32, slot: &mut Option<SanObject>, received: &[u
     );
     epoll_back_to_tcp(index, fd, &mut socket);
     socket.close(Some(fd), false, Duration::ZERO);
-    super::forget_name(index);
+    forget_name(index);
     COUNTERS.downgraded.fetch_add(1, Ordering::Relaxed);
     let stash = (!received.is_empty())
         .then(|| Stash::create(received))
@@ -492,7 +396,7 @@ pub(crate) fn pass_on(entries: &[(c_int, RawFd, u64)], inheritable: bool) -> Opt
 
 /// The stash memfd and socket inode of the stashed socket on `fd`, if it holds bytes.
 pub(crate) fn stash_of(fd: c_int) -> Option<(RawFd, u64)> {
-    let index = super::san_index(crate::fdtable::table().lookup(fd))?;
+    let index = san_index(crate::fdtable::table().lookup(fd))?;
     match lock(index).as_ref() {
         Some(SanObject::Stashed(stashed)) if stashed.stash.remaining() > 0 => {
             Some((stashed.stash.memfd(), stashed.socket_inode?))
@@ -566,7 +470,7 @@ pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
 pub(super) fn recv_stashed(
     fd: c_int,
     index: u32,
-    bufs: &[super::RawBuf],
+    bufs: &[RawBuf],
     recv_flags: c_int,
 ) -> Option<isize> {
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
@@ -577,7 +481,7 @@ pub(super) fn recv_stashed(
     };
     let mut done = 0usize;
     stashed.stash.read(total, peek, |bytes| {
-        super::io::scatter(bufs, done, bytes);
+        scatter(bufs, done, bytes);
         done += bytes.len();
     });
     if !peek && stashed.stash.remaining() == 0 {
@@ -588,7 +492,7 @@ pub(super) fn recv_stashed(
         return if total == 0 { Some(0) } else { None };
     }
     if recv_flags & libc::MSG_WAITALL != 0 && !peek && done < total {
-        let n = super::io::recv_tcp(fd, bufs, done, u64::MAX, recv_flags);
+        let n = recv_tcp(fd, bufs, done, u64::MAX, recv_flags);
         if n > 0 {
             done += n as usize;
         }
@@ -607,15 +511,7 @@ pub(super) fn release_stash(index: u32, slot: &mut Option<SanObject>) {
 
 /// A stash holder added to (or changed in) an epoll set: the stash's eventfd goes beside it.
 pub(super) fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: u64) {
-    let mut slot = lock(index);
-    let Some(SanObject::Stashed(stashed)) = slot.as_mut() else {
-        return;
-    };
-    if let Some(position) = stashed.sets.iter().position(|&(e, _, _)| e == epfd) {
-        stashed.sets.swap_remove(position);
-        stashed.remove_from(epfd);
-    }
-    if op != libc::EPOLL_CTL_DEL && stashed.stash.remaining() > 0 {
-        stashed.add_to_set(epfd, events, data);
+    if let Some(SanObject::Stashed(stashed)) = lock(index).as_mut() {
+        stashed.epoll_ctl(epfd, op, events, data);
     }
 }

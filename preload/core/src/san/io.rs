@@ -9,37 +9,22 @@ use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::downgrade::{self, MARKER_WAIT};
+use super::downgrade;
+use super::kernel::{next_piece, recv_tcp, remaining_pieces, scatter, send_on_tcp, RawBuf};
+use super::provider::provider;
 use super::socket::{
     AfterPolling, Phase, SanSocket, SinkRefused, WaitFds, DOWNGRADED, REMOTE_SEGMENT_AHEAD,
 };
-use super::{lock, orphaned, SanObject, COUNTERS, LIVE};
+use super::table::{
+    forget_name, in_process_indices, in_process_peer, lock, orphaned, record_flag, san_index, slot,
+    SanObject, COUNTERS, LIVE,
+};
+use super::tunables::{poll_budget, wait_slice, HANDSHAKE_WAIT, MARKER_WAIT};
 use crate::discovery::canonical_addr;
 use crate::record::{flags, Bypass, Counter, DataPath};
 use crate::registry::registry;
 use crate::{errno, real};
 use switch::session::SendTicket;
-
-/// Longest single sleep: bounds how long a missed wake-up (or a peer death the mirror did not
-/// show) could go unnoticed (see `settings::wait_slice_ms`).
-fn wait_slice() -> Duration {
-    crate::settings::wait_slice()
-}
-
-/// Longest wait of a nonblocking read that consumed the switch marker (see `recv_iov`).
-const HANDSHAKE_WAIT: Duration = Duration::from_millis(50);
-
-/// How long a graceful close may wait for queued data to leave when `SO_LINGER` is off.
-pub(super) const DEFAULT_LINGER: Duration = Duration::from_secs(2);
-
-/// One buffer of an I/O vector, as raw parts (the hooks' callers own the memory).
-#[derive(Clone, Copy, Debug)]
-pub struct RawBuf {
-    /// Start.
-    pub ptr: *mut u8,
-    /// Length.
-    pub len: usize,
-}
 
 fn fail(code: c_int) -> isize {
     if code != libc::EAGAIN {
@@ -47,12 +32,6 @@ fn fail(code: c_int) -> isize {
     }
     errno::set(code);
     -1
-}
-
-fn record_flag(index: u32, flag: u32) -> bool {
-    registry()
-        .get(index)
-        .is_some_and(|record| record.flags() & flag != 0)
 }
 
 /// The deadline `SO_RCVTIMEO`/`SO_SNDTIMEO` (`option`) sets for a blocking call that starts
@@ -83,36 +62,6 @@ fn timeout_of(index: u32, fd: c_int, option: c_int) -> Option<Instant> {
     let timeout = Duration::from_secs(value.tv_sec.max(0) as u64)
         + Duration::from_micros(value.tv_usec.max(0) as u64);
     Instant::now().checked_add(timeout)
-}
-
-/// Plain C data a socket option is read into: every bit pattern (all zeroes included) is a
-/// valid value, so [`socket_option`] may start from zeroes and keep what the kernel wrote.
-pub(super) trait OptionValue: Copy {}
-impl OptionValue for c_int {}
-impl OptionValue for libc::linger {}
-impl OptionValue for libc::tcp_info {}
-
-/// `getsockopt(fd, level, name)` through the real symbol, into a zeroed `T` (a kernel that
-/// writes less, an older `tcp_info`, leaves the rest zero); `None` when the call failed.
-pub(super) fn socket_option<T: OptionValue>(fd: c_int, level: c_int, name: c_int) -> Option<T> {
-    let mut value = core::mem::MaybeUninit::<T>::zeroed();
-    let mut len = core::mem::size_of::<T>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes into `value`.
-    let rc = unsafe { real::getsockopt(fd, level, name, value.as_mut_ptr().cast(), &mut len) };
-    // SAFETY: zero-initialised, and zeroes (or the kernel's bytes over them) are a valid `T`
-    // (`OptionValue`).
-    (rc == 0).then(|| unsafe { value.assume_init() })
-}
-
-/// `SO_LINGER` of `fd`: (abortive close, how long a graceful close may wait).
-pub(super) fn linger_of(fd: c_int) -> (bool, Duration) {
-    match socket_option::<libc::linger>(fd, libc::SOL_SOCKET, libc::SO_LINGER) {
-        Some(value) if value.l_onoff != 0 && value.l_linger == 0 => (true, Duration::ZERO),
-        Some(value) if value.l_onoff != 0 => {
-            (false, Duration::from_secs(value.l_linger.max(0) as u64))
-        }
-        _ => (false, DEFAULT_LINGER),
-    }
 }
 
 /// Blocks (lock released) until the socket may make progress, the deadline passes
@@ -291,13 +240,13 @@ fn poll_with_signals_held(index: u32, fds: &WaitFds) -> Polled {
 
 /// A blocked verbs reader polls the completion queue, its lock taken per round so other
 /// threads keep using the socket, until there is news or the budget
-/// ([`super::verbs::poll_budget`]) is spent. Signals are held back meanwhile (the caller's
+/// ([`poll_budget`]) is spent. Signals are held back meanwhile (the caller's
 /// mask is restored by the sleep that follows, or at once when news came): a signal that
 /// arrives while we poll must still interrupt the sleep, as it would have interrupted the
 /// call (`EINTR` for a handler without `SA_RESTART`); delivered at once, it would be gone
 /// before the sleep and a program that breaks a blocking read with `alarm()` would hang.
 fn poll_before_sleeping(index: u32) -> bool {
-    for _ in 0..super::verbs::poll_budget() {
+    for _ in 0..poll_budget() {
         match lock(index).as_mut() {
             Some(SanObject::Socket(socket)) => {
                 if socket.poll_round() {
@@ -352,10 +301,10 @@ fn assist_in_process_peer(index: u32) -> bool {
         }
         _ => return false,
     };
-    let Some(other) = super::in_process_peer(&name, index) else {
+    let Some(other) = in_process_peer(&name, index) else {
         return false;
     };
-    let Ok(mut slot) = super::slot(other).try_lock() else {
+    let Ok(mut slot) = slot(other).try_lock() else {
         return false;
     };
     let Some(SanObject::Socket(peer)) = slot.as_mut() else {
@@ -386,7 +335,7 @@ fn assist_in_process_peer(index: u32) -> bool {
 /// (the thread about to sleep may be the only one that would ever drive the other end).
 /// Costs nothing without in-process connections.
 pub fn assist_all_in_process() {
-    let indices: Vec<u32> = match super::in_process_indices() {
+    let indices: Vec<u32> = match in_process_indices() {
         Some(indices) => indices,
         None => return,
     };
@@ -399,7 +348,7 @@ pub fn assist_all_in_process() {
 
 fn assist_pass(indices: &[u32]) {
     for &index in indices {
-        let Ok(mut slot) = super::slot(index).try_lock() else {
+        let Ok(mut slot) = slot(index).try_lock() else {
             continue;
         };
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
@@ -421,30 +370,6 @@ fn assist_pass(indices: &[u32]) {
     }
 }
 
-/// Services every switched SAN socket of this process once (`try_lock`: a socket in use by
-/// another thread is being serviced anyway). The safety net of the sliced waits.
-pub fn service_all() {
-    if LIVE.load(Ordering::Relaxed) == 0 {
-        return;
-    }
-    let mut indices = Vec::new();
-    registry().for_each_live(|index, record| {
-        if record.flags() & flags::SAN != 0 && record.bypass() != crate::record::Bypass::AfterFork {
-            indices.push(index);
-        }
-    });
-    for index in indices {
-        if let Ok(mut slot) = super::slot(index).try_lock() {
-            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
-                if socket.phase == Phase::Switched {
-                    socket.service();
-                    socket.leaving_call();
-                }
-            }
-        }
-    }
-}
-
 /// Drops the SAN object of a pending client whose server turned out plain (a byte arrived on
 /// TCP while the segment was not attached): from now on the socket is plain TCP.
 fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
@@ -462,7 +387,7 @@ fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     if let Some(SanObject::Socket(socket)) = slot.take() {
         drop(socket);
         LIVE.fetch_sub(1, Ordering::Relaxed);
-        super::forget_name(index);
+        forget_name(index);
     }
     if let Some(record) = registry().get(index) {
         record.set_flag(flags::SAN, false);
@@ -474,7 +399,7 @@ fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
         };
         record.bypass.store(reason as u32, Ordering::Release);
         if let (false, (_, Some(peer))) = (declined, record.addresses()) {
-            if let Some(provider) = super::provider() {
+            if let Some(provider) = provider() {
                 provider.negative.mark_plain(canonical_addr(peer));
             }
         }
@@ -489,7 +414,7 @@ fn break_connection(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> c_in
     if let Some(SanObject::Socket(socket)) = slot.take() {
         drop(socket);
         LIVE.fetch_sub(1, Ordering::Relaxed);
-        super::forget_name(index);
+        forget_name(index);
     }
     COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
     if let Some(record) = registry().get(index) {
@@ -538,7 +463,7 @@ pub(super) fn switch_if_attached(
 fn move_epoll_registrations(index: u32, fd: c_int, socket: &mut SanSocket) {
     // Every caller has just switched the socket: a verbs connection's events go to the
     // service thread from now on.
-    super::verbs::watch_socket(index, socket);
+    super::service::watch_socket(index, socket);
     let Some(mirror) = socket.mirror_fd() else {
         return;
     };
@@ -723,24 +648,6 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
     }
 }
 
-/// One nonblocking `sendmsg` of the caller's buffers from offset `done` on TCP, counted in
-/// socket `index`'s record.
-fn send_on_tcp(fd: c_int, index: u32, bufs: &[RawBuf], done: usize, send_flags: c_int) -> isize {
-    let mut iov = remaining_iov(bufs, done);
-    // SAFETY: plain data, zero is valid.
-    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len() as _;
-    // SAFETY: `msg` describes the caller's buffers (valid for the call).
-    let n = unsafe { real::sendmsg(fd, &msg, send_flags | libc::MSG_DONTWAIT) };
-    if n > 0 {
-        if let Some(record) = registry().get(index) {
-            record.count(Counter::TcpSent, n as u64);
-        }
-    }
-    n
-}
-
 /// A send failed with `code` after `done` bytes: the count if any, else the error (and
 /// SIGPIPE for a broken stream unless `MSG_NOSIGNAL`, as the kernel does).
 fn send_failed(done: usize, code: c_int, send_flags: c_int) -> isize {
@@ -850,45 +757,6 @@ fn recv_rendezvous(
     Ok(Some(received))
 }
 
-/// The part of `bufs` after the first `done` bytes, as iovecs (for system calls).
-fn remaining_iov(bufs: &[RawBuf], done: usize) -> Vec<libc::iovec> {
-    remaining_pieces(bufs, done).collect()
-}
-
-/// The part of `bufs` after the first `done` bytes, one iovec per buffer, without
-/// allocating (the data calls' copies walk it).
-fn remaining_pieces(bufs: &[RawBuf], mut done: usize) -> impl Iterator<Item = libc::iovec> + '_ {
-    bufs.iter().filter_map(move |buf| {
-        if done >= buf.len {
-            done -= buf.len;
-            return None;
-        }
-        let skip = core::mem::take(&mut done);
-        Some(libc::iovec {
-            // SAFETY: `skip < len`, so the offset stays inside the caller's buffer.
-            iov_base: unsafe { buf.ptr.add(skip) }.cast(),
-            iov_len: buf.len - skip,
-        })
-    })
-}
-
-/// The next contiguous piece of `bufs` after `done` bytes.
-fn next_piece<'a>(bufs: &[RawBuf], mut done: usize) -> &'a [u8] {
-    for buf in bufs {
-        if done >= buf.len {
-            done -= buf.len;
-            continue;
-        }
-        if buf.ptr.is_null() {
-            return &[];
-        }
-        // SAFETY: the caller's buffer is readable for its length for the duration of the
-        // hook call; `done < len`.
-        return unsafe { core::slice::from_raw_parts(buf.ptr.add(done), buf.len - done) };
-    }
-    &[]
-}
-
 /// Copies SAN stream bytes into `bufs` after `done` bytes: `Ok(n)` (0 at end of stream).
 fn recv_into(
     socket: &mut SanSocket,
@@ -924,48 +792,6 @@ fn recv_into(
         }
     }
     Ok(copied)
-}
-
-pub(super) fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
-    for buf in remaining_pieces(bufs, done) {
-        if data.is_empty() || buf.iov_base.is_null() {
-            break;
-        }
-        let n = buf.iov_len.min(data.len());
-        // SAFETY: the caller's buffer is writable for its length; `n` ≤ both lengths.
-        unsafe { core::ptr::copy_nonoverlapping(data.as_ptr(), buf.iov_base.cast::<u8>(), n) };
-        data = &data[n..];
-    }
-}
-
-/// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking.
-pub(super) fn recv_tcp(
-    fd: c_int,
-    bufs: &[RawBuf],
-    done: usize,
-    limit: u64,
-    recv_flags: c_int,
-) -> isize {
-    let mut iov = remaining_iov(bufs, done);
-    let mut left = usize::try_from(limit).unwrap_or(usize::MAX);
-    iov.retain_mut(|v| {
-        let keep = left > 0;
-        v.iov_len = v.iov_len.min(left);
-        left -= v.iov_len;
-        keep
-    });
-    // SAFETY: plain data, zero is valid.
-    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
-    msg.msg_iov = iov.as_mut_ptr();
-    msg.msg_iovlen = iov.len() as _;
-    // SAFETY: `msg` describes the caller's buffers.
-    unsafe {
-        real::recvmsg(
-            fd,
-            &mut msg,
-            (recv_flags & !libc::MSG_WAITALL) | libc::MSG_DONTWAIT,
-        )
-    }
 }
 
 /// `recv`/`read`/`readv`/`recvmsg` on a SAN socket. `None`: not (or no longer) a SAN socket.
@@ -1264,7 +1090,7 @@ pub fn poll_fds(
     // assist matters only to a wait that depends on a SAN socket).
     let mut assisted = false;
     for (position, entry) in fds.iter_mut().enumerate() {
-        let Some(index) = super::san_index(crate::fdtable::table().lookup(entry.fd)) else {
+        let Some(index) = san_index(crate::fdtable::table().lookup(entry.fd)) else {
             continue;
         };
         if !assisted {
@@ -1308,7 +1134,7 @@ pub fn poll_fds(
 /// spurious IN (a token for a handshake or a credit, no data) is lowered and dropped; ERR and
 /// RDHUP, which the mirror cannot show, are added from the session's state.
 fn correct_revents(entry: &mut libc::pollfd) {
-    let Some(index) = super::san_index(crate::fdtable::table().lookup(entry.fd)) else {
+    let Some(index) = san_index(crate::fdtable::table().lookup(entry.fd)) else {
         return;
     };
     let mut slot = lock(index);
@@ -1477,7 +1303,7 @@ pub unsafe fn select_via_poll(
     // A set without SAN sockets goes to the kernel untouched: no allocation, no lock.
     let any_san = (0..nfds).any(|fd| {
         (is_set(readfds, fd) || is_set(writefds, fd) || is_set(exceptfds, fd))
-            && super::san_index(crate::fdtable::table().lookup(fd)).is_some()
+            && san_index(crate::fdtable::table().lookup(fd)).is_some()
     });
     if !any_san {
         return None;

@@ -13,6 +13,7 @@ use san_api::{
 };
 use san_shm::{ShmConnection, WaitResult};
 
+use super::tunables::setup_timeout;
 use super::verbs::VerbsLink;
 
 /// A SAN socket's connection.
@@ -130,7 +131,7 @@ impl Link {
     pub(crate) fn peer_attached_settled(&self) -> bool {
         match self {
             Link::Shm(conn) => conn.segment().is_attached(),
-            Link::Verbs(link) => link.attached(Some(super::verbs::setup_timeout())),
+            Link::Verbs(link) => link.attached(Some(setup_timeout())),
         }
     }
 

@@ -1,6 +1,6 @@
 //! One SAN socket: the segment, the session, the readiness mirror and the switch-over state.
 //!
-//! Everything here runs with the socket's lock held (see [`super::slot`]) and never blocks in
+//! Everything here runs with the socket's lock held (see [`super::table::slot`]) and never blocks in
 //! the kernel: the blocking loops in [`super::io`] release the lock around `poll()`.
 
 use core::ffi::c_int;
@@ -22,6 +22,13 @@ use switch::session::{
 };
 
 use super::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
+use super::kernel::send_all_on_tcp;
+use super::provider::{provider, rdma_read_offered, rendezvous_enabled};
+use super::tunables::{
+    poll_budget, ABSORB_LIMIT, EARLY_LIMIT, SAN_SEND_BUFFER, SHM_RENDEZVOUS_THRESHOLD, SLOTS,
+    STALL_BEFORE_ABSORB, STALL_BEFORE_REJECT, STALL_POLL, VERBS_RENDEZVOUS_THRESHOLD, VERBS_SLOTS,
+};
+use super::verbs::VerbsLink;
 use crate::discovery::SegmentName;
 use crate::mirror::{self, Mirror, ReadLowering, WriteLowering};
 use crate::real;
@@ -42,27 +49,6 @@ pub(crate) const SWITCH_MARKER: u8 = 0x5a;
 const CLIENT_WORDS: usize = 0;
 const ACCEPTOR_WORDS: usize = 1;
 
-/// Most bytes [`SanSocket::send`] buffers before the handshake finished (a kernel socket
-/// buffer's worth).
-const EARLY_LIMIT: usize = 256 << 10;
-
-/// Slot pools of every SAN connection: 32 × 16 KiB per direction.
-pub(crate) const SLOTS: san_api::SlotConfig = san_api::SlotConfig {
-    send_slots: 32,
-    recv_slots: 32,
-    slot_size: 16 << 10,
-};
-
-/// Inline slots of verbs connections: fewer and larger than shm's. Every message costs a
-/// work request, a doorbell system call and, at the receiver, a completion (and often a
-/// wake-up); a 64 KiB write then goes as one message, not four (rsocket buffers 128 KiB each
-/// way). Registered per connection: 16 × 64 KiB each way, 2 MiB.
-pub(crate) const VERBS_SLOTS: san_api::SlotConfig = san_api::SlotConfig {
-    send_slots: 16,
-    recv_slots: 16,
-    slot_size: 64 << 10,
-};
-
 fn connection_config() -> ConnectionConfig {
     ConnectionConfig {
         // The acceptor's Hello waits in the provider until the client switches, which happens
@@ -73,41 +59,11 @@ fn connection_config() -> ConnectionConfig {
     }
 }
 
-/// Most bytes a SAN socket takes out of its session ahead of the application while the
-/// application is blocked sending (see [`SanSocket::absorb_if_stalled`]): the kernel's
-/// largest autotuned receive buffer (`tcp_rmem` max, 6 MiB).
-pub(crate) const ABSORB_LIMIT: usize = 6 << 20;
-/// How long a blocked sender waits with the peer's data unread before absorbing it.
-const STALL_BEFORE_ABSORB: Duration = Duration::from_millis(10);
-/// How long before a rendezvous at the head is turned down to absorb what follows.
-const STALL_BEFORE_REJECT: Duration = Duration::from_millis(50);
-/// The longest sleep of a blocked sender while the peer's data waits unread.
-const STALL_POLL: Duration = Duration::from_millis(5);
-
-/// Inline bytes a SAN socket buffers on the sending side: the kernel's largest autotuned
-/// send buffer (`tcp_wmem` max, 4 MiB). Programs count on TCP absorbing megabytes before the
-/// peer reads: a client that writes a whole 3 MB request before reading an echoing server's
-/// answer works on loopback TCP (≈10 MB fit) and deadlocked with a 256 KiB buffer. The ring
-/// grows only as far as it is filled.
-const SAN_SEND_BUFFER: usize = 4 << 20;
-
-/// Smallest blocking send that goes by rendezvous over shm: the send buffer. A rendezvous
-/// returns only when the receiver took the bytes, so below it a send is buffered as TCP
-/// would buffer it (two peers that each write a few megabytes before reading must not wait
-/// for each other). Measured side by side (`scripts/bench.sh`): inline copies through the
-/// rings stream at 2.4-6x kernel TCP for every size; a rendezvous per 64-256 KiB send fell
-/// to 0.6-1.1x (a round trip per send); from 1 MiB on it is about 3x.
-const SHM_RENDEZVOUS_THRESHOLD: u32 = SAN_SEND_BUFFER as u32;
-
-/// Smallest blocking send that goes by rendezvous over verbs (as over shm: below it a round
-/// trip per send costs more than copying through the 16 KiB slots).
-const VERBS_RENDEZVOUS_THRESHOLD: u32 = 1 << 20;
-
 fn session_config() -> SessionConfig {
     let defaults = SessionConfig::default();
     SessionConfig {
         // `u32::MAX` announces "never": the negotiated threshold is the larger of both sides'.
-        rendezvous_threshold: if super::rendezvous_enabled() {
+        rendezvous_threshold: if rendezvous_enabled() {
             SHM_RENDEZVOUS_THRESHOLD
         } else {
             u32::MAX
@@ -222,7 +178,7 @@ pub(crate) struct WaitFds {
     /// Verbs: the connection's pollable fd, watched by the blocked thread itself.
     pub link: Option<RawFd>,
     /// Verbs, a reader: poll the completion queue for a while before sleeping (see
-    /// [`super::verbs::SpinPolicy`]; set by [`SanSocket::prepare_read_wait`]).
+    /// [`super::tunables::SpinPolicy`]; set by [`SanSocket::prepare_read_wait`]).
     pub spin: bool,
 }
 
@@ -1645,10 +1601,10 @@ impl SanSocket {
     /// poll the completion queue before it sleeps, when the connection's [`SpinPolicy`]
     /// (adaptive) says polling pays. `None`: news arrived, do not block.
     ///
-    /// [`SpinPolicy`]: super::verbs::SpinPolicy
+    /// [`SpinPolicy`]: super::tunables::SpinPolicy
     pub(crate) fn prepare_read_wait(&mut self) -> Option<WaitFds> {
         let polls = self.phase == Phase::Switched
-            && super::verbs::poll_budget() > 0
+            && poll_budget() > 0
             && self
                 .verbs_link_mut()
                 .is_some_and(|link| link.answer_expected && link.spin.should_poll());
@@ -1668,7 +1624,7 @@ impl SanSocket {
         })
     }
 
-    /// The outcome of a blocked reader's polling (see [`super::verbs::SpinPolicy`]), and
+    /// The outcome of a blocked reader's polling (see [`super::tunables::SpinPolicy`]), and
     /// what the wait does next.
     pub(crate) fn polled(&mut self, found: bool) -> AfterPolling {
         let Some(link) = self.verbs_link_mut() else {
@@ -1933,40 +1889,6 @@ impl SanSocket {
     }
 }
 
-/// Writes `bytes` on TCP (nonblocking, waiting for room up to a second at a time, at most ten
-/// times); returns how many went out.
-fn send_all_on_tcp(fd: c_int, bytes: &[u8]) -> usize {
-    let mut sent = 0;
-    for _ in 0..10 {
-        while sent < bytes.len() {
-            // SAFETY: the rest of our buffer.
-            let n = unsafe {
-                real::send(
-                    fd,
-                    bytes[sent..].as_ptr().cast(),
-                    bytes.len() - sent,
-                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-                )
-            };
-            if n <= 0 {
-                break;
-            }
-            sent += n as usize;
-        }
-        if sent == bytes.len() {
-            break;
-        }
-        let mut entry = libc::pollfd {
-            fd,
-            events: libc::POLLOUT,
-            revents: 0,
-        };
-        // SAFETY: one pollfd.
-        unsafe { real::poll(&mut entry, 1, 1000) };
-    }
-    sent
-}
-
 impl Drop for SanSocket {
     /// Drops the references this socket still holds in the registration cache (a close that
     /// gave up on a rendezvous, a broken connection): remote exposure through them ends now.
@@ -1986,7 +1908,7 @@ impl SanSocket {
         record: &'static SocketRecord,
         side: Side,
         name: &SegmentName,
-        link: super::verbs::VerbsLink,
+        link: VerbsLink,
     ) -> SanSocket {
         Self::fresh(
             record,
@@ -2006,7 +1928,7 @@ impl SanSocket {
     pub(crate) fn verbs_client(
         record: &'static SocketRecord,
         name: &SegmentName,
-        link: super::verbs::VerbsLink,
+        link: VerbsLink,
     ) -> SanSocket {
         Self::with_link(record, Side::Client, name, link)
     }
@@ -2016,7 +1938,7 @@ impl SanSocket {
     pub(crate) fn verbs_acceptor(
         record: &'static SocketRecord,
         name: &SegmentName,
-        link: super::verbs::VerbsLink,
+        link: VerbsLink,
     ) -> Result<SanSocket, SetupError> {
         let mut socket = Self::with_link(record, Side::Acceptor, name, link);
         socket.start_verbs_session(Role::Passive)?;
@@ -2040,10 +1962,9 @@ impl SanSocket {
         link.set_own_mirror(k, SideWords::new(page.clone(), 0));
         let mut capabilities = link.capabilities();
         // Not offering to read makes the peer's rendezvous sends WRITE mode.
-        capabilities.rdma_read &=
-            super::rdma_read_offered(capabilities.read_sink_needs_remote_write);
+        capabilities.rdma_read &= rdma_read_offered(capabilities.read_sink_needs_remote_write);
         let config = SessionConfig {
-            rendezvous_threshold: if super::rendezvous_enabled() {
+            rendezvous_threshold: if rendezvous_enabled() {
                 VERBS_RENDEZVOUS_THRESHOLD
             } else {
                 u32::MAX
@@ -2142,7 +2063,7 @@ impl SanSocket {
     fn shared_registrations(&self) -> Option<&'static SharedRegistrations> {
         match self.conn.as_ref().and_then(Link::verbs) {
             Some(link) => Some(link.registrations()),
-            None => super::provider().map(|p| &p.registrations),
+            None => provider().map(|p| &p.registrations),
         }
     }
 
@@ -2153,7 +2074,7 @@ impl SanSocket {
         matches!(&self.conn, Some(Link::Verbs(link)) if link.declined())
     }
 
-    pub(crate) fn verbs_link_mut(&mut self) -> Option<&mut super::verbs::VerbsLink> {
+    pub(crate) fn verbs_link_mut(&mut self) -> Option<&mut VerbsLink> {
         self.conn.as_mut().and_then(Link::verbs_mut)
     }
 
@@ -2166,7 +2087,7 @@ impl SanSocket {
     }
 
     /// Verbs: the blocking wait `fds` watches the connection's events itself (see
-    /// [`super::verbs::VerbsLink::begin_direct_wait`]). False: the channel is not armed,
+    /// [`VerbsLink::begin_direct_wait`]). False: the channel is not armed,
     /// drive again instead of blocking.
     fn watch_link_directly(&mut self, fds: &mut WaitFds) -> bool {
         if !fds.spin && self.verbs_link_mut().is_some_and(|link| link.owed()) {

@@ -7,11 +7,12 @@
 //!   leaves ([`client`]); the acceptor connects to it from inside `accept()` with the TCP
 //!   4-tuple in the private data ([`acceptor`]). A request naming another 4-tuple is
 //!   rejected; a failed connect puts the client's address in a negative cache for 30 s.
-//! * One service thread per process ([`Service`]) sleeps in `epoll_wait` on the pending
-//!   clients' CM listeners (and accepts their requests) and on every switched connection's
-//!   pollable fd (completion channel + CM channel). On an event it drives that socket's
-//!   session under the socket's lock and raises the socket's own readiness mirror: the peer
-//!   is remote and cannot write our `K`, so this thread does.
+//! * One service thread per process (`super::service`) sleeps in `epoll_wait` on what its
+//!   [`Watcher`] holds: the pending clients' CM listeners (it accepts their requests here)
+//!   and every switched connection's pollable fd (completion channel + CM channel). On an
+//!   event it drives that socket's session under the socket's lock and raises the socket's
+//!   own readiness mirror: the peer is remote and cannot write our `K`, so that thread does.
+//!   This module is the adapter alone: it knows no SAN socket and runs no thread.
 //! * Verbs objects are not used across `fork`: a child process does not use verbs at all
 //!   (its inherited SAN sockets were downgraded to TCP before the fork).
 
@@ -32,20 +33,19 @@ use san_verbs_loader::{
 
 use super::exchange::SideWords;
 use super::registrations::SharedRegistrations;
-use super::{lock, SanObject};
+use super::tunables::{setup_timeout, SpinPolicy, VERBS_SLOTS};
 use crate::discovery::canonical_addr;
 use crate::mirror;
 use crate::real;
 
 /// Links whose polled wait's end is owed ([`VerbsLink::owe_direct_wait_end`]): while there
-/// are any, the service thread ticks every [`OWED_TICK_MS`].
+/// are any, the service thread ticks (see `super::service`).
 static OWED_LINKS: AtomicUsize = AtomicUsize::new(0);
-/// The service thread's tick while links are owed: an owed link whose application made no
-/// call for a whole tick is settled (its queue armed, the service thread's watch resumed).
-/// Until then an arrival on it wakes nobody but the application's next call on the socket,
-/// which polls the queue itself: a thread of the same program that sleeps on the socket's
-/// readiness (epoll on another thread) learns of it up to two ticks late.
-const OWED_TICK_MS: libc::c_int = 2;
+
+/// Whether any link's polled wait's end is owed (one atomic load).
+pub(crate) fn links_owed() -> bool {
+    OWED_LINKS.load(Ordering::Acquire) > 0
+}
 
 /// How long the end of a polled wait waits for the channel event of the completion it found
 /// (the kernel queues the event just after the completion becomes visible; see
@@ -59,63 +59,6 @@ const REJECTIONS_FOR_PLAIN: u32 = 3;
 const NEGATIVE_ENTRIES: usize = 64;
 /// Private data: magic, version, family, then server and client address and port.
 const MAGIC: &[u8; 4] = b"SDV1";
-
-/// The configured poll budget of a blocked reader (see [`SpinPolicy`]).
-pub(crate) fn poll_budget() -> u32 {
-    crate::settings::verbs_polls()
-}
-
-/// When a blocked reader of a verbs socket polls before it sleeps: adaptive, per connection,
-/// and only for an answer (the application sent data since it last received some).
-///
-/// Only answers: a reader of a one-way stream waits for data the peer sends at its own pace,
-/// where the slots in flight hide a sleep's latency and polling only burns the CPU the two
-/// ends (and, on a small machine, the sender) need: polled, a 64 KiB stream over soft-RoCE ran
-/// at ~0.75x its sleeping rate.
-///
-/// Sleeping costs a completion-channel arm, a sleep and a wake-up of the thread (and of an idle
-/// vCPU: the wake-up dominates a round trip); an answer that comes within about that much work
-/// is cheaper to poll for. Polling pays only while the answers come quickly, so each poll that
-/// ran out of budget doubles the number of waits that sleep at once (up to 64) before polling
-/// is tried again, and one that found news resets that: a connection whose peer answers at
-/// once polls every time, an idle one polls once in 64 waits, bounded by the budget.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct SpinPolicy {
-    /// Polls in a row that ran out of budget (capped).
-    misses: u8,
-    /// Waits left that sleep without polling.
-    skip: u8,
-}
-
-impl SpinPolicy {
-    /// The longest stretch of waits that sleep at once after polls kept missing.
-    const MOST_SKIPPED: u8 = 64;
-
-    /// Whether this wait polls first (counts a skipped wait).
-    pub(crate) fn should_poll(&mut self) -> bool {
-        if self.skip > 0 {
-            self.skip -= 1;
-            return false;
-        }
-        true
-    }
-
-    /// The poll found news before its budget ran out.
-    pub(crate) fn found(&mut self) {
-        self.misses = 0;
-    }
-
-    /// The poll ran out of budget: the next waits sleep at once, twice as many as last time.
-    pub(crate) fn missed(&mut self) {
-        self.misses = self.misses.saturating_add(1).min(6);
-        self.skip = (1u8 << self.misses).min(Self::MOST_SKIPPED);
-    }
-}
-
-/// The bound on one connection set-up.
-pub(crate) fn setup_timeout() -> Duration {
-    crate::settings::verbs_setup_timeout()
-}
 
 /// A protection domain shared by the connections of one local address, with its
 /// registration cache (opened once, never closed: it lives as long as the process).
@@ -150,7 +93,7 @@ static VERBS: OnceLock<Option<Verbs>> = OnceLock::new();
 
 fn verbs() -> Option<&'static Verbs> {
     if crate::settings::provider_choice() == crate::settings::ProviderChoice::Shm
-        || !super::enabled()
+        || !crate::settings::san_enabled()
     {
         return None;
     }
@@ -284,7 +227,7 @@ fn params(private_data: &[u8], local: Option<IpAddr>) -> ConnectParams<'_> {
         private_data,
         timeout: setup_timeout(),
         local: local.map(|ip| SocketAddr::new(ip, 0)),
-        ..ConnectParams::new(super::socket::VERBS_SLOTS)
+        ..ConnectParams::new(VERBS_SLOTS)
     }
 }
 
@@ -434,7 +377,7 @@ enum Prepost {
 }
 
 fn all_preposted() -> Vec<Prepost> {
-    vec![Prepost::Waiting; usize::from(super::socket::VERBS_SLOTS.recv_slots)]
+    vec![Prepost::Waiting; usize::from(VERBS_SLOTS.recv_slots)]
 }
 
 impl VerbsLink {
@@ -452,7 +395,7 @@ impl VerbsLink {
     }
 
     pub(crate) fn slot_config(&self) -> SlotConfig {
-        super::socket::VERBS_SLOTS
+        VERBS_SLOTS
     }
 
     pub(crate) fn conn(&self) -> Option<&LoadedConnection> {
@@ -664,8 +607,8 @@ impl VerbsLink {
         self.owed = true;
         if OWED_LINKS.fetch_add(1, Ordering::AcqRel) == 0 {
             // The service thread ticks while any link is owed (see `settle_idle_owed`).
-            if let Some(service) = SERVICE.get().and_then(Option::as_ref) {
-                service.wake();
+            if let Some(watcher) = watcher() {
+                watcher.wake();
             }
         }
     }
@@ -684,7 +627,7 @@ impl VerbsLink {
 
     /// The service thread's tick: true when no call came since the last tick (the
     /// application left the socket: time to settle).
-    fn idle_since_last_tick(&mut self) -> bool {
+    pub(crate) fn idle_since_last_tick(&mut self) -> bool {
         let idle = self.calls == self.calls_at_tick;
         self.calls_at_tick = self.calls;
         idle
@@ -743,6 +686,25 @@ impl VerbsLink {
     fn fd(&self) -> Option<RawFd> {
         self.conn.as_ref().map(LoadedConnection::fd)
     }
+
+    /// The socket (record index `index`, kernel socket `tcp`) switched: the service thread
+    /// (`start`) watches this connection's events, and the kernel socket's end, from now on.
+    /// False when there is no connection or no service thread.
+    pub(crate) fn watch(&mut self, index: u32, tcp: Option<RawFd>, start: StartService) -> bool {
+        let Some(fd) = self.fd() else {
+            return false;
+        };
+        let Some(watcher) = started_watcher(start) else {
+            return false;
+        };
+        let tag = TAG_SOCKET | u64::from(index);
+        watcher.watch(fd, tag);
+        self.watch_tag = Some(tag);
+        if let Some(tcp) = tcp {
+            watcher.watch_kernel_socket(tcp, TAG_KERNEL | u64::from(index));
+        }
+        true
+    }
 }
 
 impl Drop for VerbsLink {
@@ -757,10 +719,16 @@ impl Drop for VerbsLink {
 }
 
 /// Before a client's `connect()` from `local` (fixed) to `server`: listens with rdma_cm on
-/// `local` so a preloaded acceptor can attach. `None`: no device, or listening failed.
-pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> Option<VerbsLink> {
+/// `local` so a preloaded acceptor can attach; the service thread (`start`) watches the
+/// listener. `None`: no device, no service thread, or listening failed.
+pub(crate) fn client(
+    fd: libc::c_int,
+    local: SocketAddr,
+    server: SocketAddr,
+    start: StartService,
+) -> Option<VerbsLink> {
     let domain = domain_for(local.ip())?;
-    let service = service()?;
+    let watcher = started_watcher(start)?;
     let listen = || domain.with(|d| d.listen(canonical_addr(local), 4));
     let listener = match listen() {
         Ok(listener) => listener,
@@ -795,7 +763,7 @@ pub(crate) fn client(fd: libc::c_int, local: SocketAddr, server: SocketAddr) -> 
         expected: tuple_blob(server, local),
         domain,
     });
-    service.watch_attach(listener_fd, attach.clone());
+    watcher.watch_attach(listener_fd, attach.clone());
     Some(VerbsLink {
         conn: None,
         attach: Some(attach),
@@ -824,14 +792,19 @@ pub(crate) enum AcceptorError {
     Resource,
 }
 
-/// Inside `accept()`: connects to the client's CM listener at its TCP address and port.
-pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink, AcceptorError> {
+/// Inside `accept()`: connects to the client's CM listener at its TCP address and port (the
+/// service thread, `start`, must run: it will watch the connection).
+pub(crate) fn acceptor(
+    local: SocketAddr,
+    peer: SocketAddr,
+    start: StartService,
+) -> Result<VerbsLink, AcceptorError> {
     let peer = canonical_addr(peer);
     let domain = domain_for(local.ip()).ok_or(AcceptorError::PeerPlain)?;
     if negative_hit(peer.ip()) {
         return Err(AcceptorError::PeerPlain);
     }
-    service().ok_or(AcceptorError::Resource)?;
+    started_watcher(start).ok_or(AcceptorError::Resource)?;
     let blob = tuple_blob(local, peer);
     let started = Instant::now();
     let connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
@@ -881,39 +854,12 @@ pub(crate) fn acceptor(local: SocketAddr, peer: SocketAddr) -> Result<VerbsLink,
     }
 }
 
-/// A switched verbs socket (its slot lock held by the caller): its connection's events go
-/// to the service thread from now on; the completion channel is armed here.
-pub(crate) fn watch_socket(index: u32, socket: &mut super::socket::SanSocket) {
-    let Some(link) = socket.verbs_link_mut() else {
-        return;
-    };
-    let Some(fd) = link.fd() else {
-        return;
-    };
-    if let Some(service) = service() {
-        let tag = TAG_SOCKET | u64::from(index);
-        service.watch(fd, tag);
-        link.watch_tag = Some(tag);
-        if let Some(tcp) = crate::registry::registry()
-            .get(index)
-            .map(|record| record.fd.load(Ordering::Acquire))
-        {
-            service.watch_kernel_socket(tcp, TAG_KERNEL | u64::from(index));
-        }
-        LIVE_VERBS.fetch_add(1, Ordering::Relaxed);
-        socket.service_verbs_event();
-    }
-}
-
-/// See [`Service::set_watch`].
+/// See [`Watcher::set_watch`].
 fn set_service_watch(fd: RawFd, tag: u64, on: bool) {
-    if let Some(service) = SERVICE.get().and_then(Option::as_ref) {
-        service.set_watch(fd, tag, on);
+    if let Some(watcher) = watcher() {
+        watcher.set_watch(fd, tag, on);
     }
 }
-
-/// Sockets ever watched (the sweep is skipped while none).
-static LIVE_VERBS: AtomicU32 = AtomicU32::new(0);
 
 const TAG_SOCKET: u64 = 1 << 32;
 const TAG_ATTACH: u64 = 2 << 32;
@@ -922,19 +868,40 @@ const TAG_KERNEL: u64 = 3 << 32;
 /// The service thread's own ticker (an eventfd).
 const TAG_TICK: u64 = 4 << 32;
 
-/// The per-process service thread (see the module docs).
-struct Service {
+/// Starts the per-process service thread (once; `super::service`): true when it runs.
+pub(crate) type StartService = fn() -> bool;
+
+/// What the per-process service thread watches (see the module docs): its epoll set, with
+/// the pending clients' CM listeners, the switched connections and their kernel sockets.
+pub(crate) struct Watcher {
     epoll: OwnedFd,
     attaches: Mutex<Vec<(u32, Arc<Attach>)>>,
     next: AtomicU32,
-    /// Rung when the first link becomes owed: the thread then ticks (see [`OWED_TICK_MS`]).
+    /// Rung when the first link becomes owed: the thread then ticks (see `service`).
     ticker: Option<OwnedFd>,
 }
 
-static SERVICE: OnceLock<Option<Service>> = OnceLock::new();
+/// What an event of the service thread's epoll set asks of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Watched {
+    /// The connection of switched verbs socket `index` has events.
+    Socket(u32),
+    /// The kernel TCP socket of verbs socket `index` reported its end.
+    KernelSocket(u32),
+    /// Nothing more: the event was handled here (a pending client's CM listener, the tick).
+    Handled,
+}
 
-fn service() -> Option<&'static Service> {
-    SERVICE
+static WATCHER: OnceLock<Option<Watcher>> = OnceLock::new();
+
+/// The service thread's watch set, once made (never makes it: see [`started_watcher`]).
+pub(crate) fn watcher() -> Option<&'static Watcher> {
+    WATCHER.get().and_then(Option::as_ref)
+}
+
+/// The service thread's watch set, made on first use, with the thread running (`start`).
+pub(crate) fn started_watcher(start: StartService) -> Option<&'static Watcher> {
+    WATCHER
         .get_or_init(|| {
             // SAFETY: plain epoll_create1(2) through the real symbol (not our hook).
             let raw = unsafe { real::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -949,27 +916,22 @@ fn service() -> Option<&'static Service> {
                 // SAFETY: a fresh descriptor owned by nobody else.
                 mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(ticker) })
             });
-            let service = Service {
+            let watcher = Watcher {
                 epoll,
                 attaches: Mutex::new(Vec::new()),
                 next: AtomicU32::new(0),
                 ticker,
             };
-            if let Some(ticker) = service.ticker.as_ref() {
-                service.watch(ticker.as_raw_fd(), TAG_TICK);
+            if let Some(ticker) = watcher.ticker.as_ref() {
+                watcher.watch(ticker.as_raw_fd(), TAG_TICK);
             }
-            Some(service)
+            Some(watcher)
         })
         .as_ref()
-        .filter(|_| start_thread())
+        .filter(|_| start())
 }
 
-fn start_thread() -> bool {
-    static STARTED: OnceLock<bool> = OnceLock::new();
-    *STARTED.get_or_init(|| crate::process::spawn_internal_thread("sandirect-verbs", service_loop))
-}
-
-impl Service {
+impl Watcher {
     /// Wakes the thread (it then ticks while links are owed).
     fn wake(&self) {
         if let Some(ticker) = self.ticker.as_ref() {
@@ -1034,188 +996,48 @@ impl Service {
         }
         self.watch(fd, TAG_ATTACH | u64::from(id));
     }
-}
 
-fn service_loop() {
-    // Our own calls (epoll, poll inside the provider, mirror tokens) must not go through the
-    // SAN logic of the hooks.
-    let _inside = crate::guard::ReentrancyGuard::enter();
-    let Some(service) = SERVICE.get().and_then(Option::as_ref) else {
-        return;
-    };
-    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
-    loop {
-        // SAFETY: `events` has room for 64 entries; our own epoll instance.
-        let n = unsafe {
+    /// The service thread: waits up to `timeout_ms` for events (`epoll_wait`: their count,
+    /// or -1 with errno).
+    pub(crate) fn wait(&self, events: &mut [libc::epoll_event], timeout_ms: libc::c_int) -> i32 {
+        // SAFETY: `events` has room for its length; our own epoll instance.
+        unsafe {
             real::epoll_wait(
-                service.epoll.as_raw_fd(),
+                self.epoll.as_raw_fd(),
                 events.as_mut_ptr(),
                 events.len() as libc::c_int,
-                if OWED_LINKS.load(Ordering::Acquire) > 0 {
-                    OWED_TICK_MS
-                } else {
-                    1000
-                },
+                timeout_ms,
             )
-        };
-        if n < 0 {
-            if crate::errno::get() == libc::EINTR {
-                continue;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
         }
-        if OWED_LINKS.load(Ordering::Acquire) > 0 {
-            settle_idle_owed();
-        }
-        if n == 0 {
-            sweep();
-            continue;
-        }
-        for event in &events[..n as usize] {
-            let data = event.u64;
-            let low = (data & 0xffff_ffff) as u32;
-            match data & !0xffff_ffff {
-                TAG_SOCKET => service_socket(low),
-                TAG_KERNEL => check_kernel_socket(low),
-                TAG_TICK => {
-                    if let Some(ticker) = service.ticker.as_ref() {
-                        let mut count = 0u64;
-                        // SAFETY: an 8-byte read from our nonblocking eventfd.
-                        unsafe {
-                            libc::read(ticker.as_raw_fd(), (&mut count as *mut u64).cast(), 8)
-                        };
-                    }
+    }
+
+    /// The service thread, for an event tagged `data`: handles the tick and a pending
+    /// client's CM listener here, and says which socket anything else is about.
+    pub(crate) fn dispatch(&self, data: u64) -> Watched {
+        let low = (data & 0xffff_ffff) as u32;
+        match data & !0xffff_ffff {
+            TAG_SOCKET => return Watched::Socket(low),
+            TAG_KERNEL => return Watched::KernelSocket(low),
+            TAG_TICK => {
+                if let Some(ticker) = self.ticker.as_ref() {
+                    let mut count = 0u64;
+                    // SAFETY: an 8-byte read from our nonblocking eventfd.
+                    unsafe { libc::read(ticker.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
                 }
-                TAG_ATTACH => {
-                    let attach = guard(&service.attaches)
-                        .iter()
-                        .find(|(id, _)| *id == low)
-                        .map(|(_, a)| a.clone());
-                    if let Some(attach) = attach {
-                        attach.on_listener_event();
-                    }
+            }
+            TAG_ATTACH => {
+                let attach = guard(&self.attaches)
+                    .iter()
+                    .find(|(id, _)| *id == low)
+                    .map(|(_, a)| a.clone());
+                if let Some(attach) = attach {
+                    attach.on_listener_event();
                 }
-                _ => {}
             }
+            _ => {}
         }
+        Watched::Handled
     }
-}
-
-/// Drives switched verbs socket `index` after an event of its connection, raises its mirror,
-/// and re-arms its completion channel.
-fn service_socket(index: u32) {
-    let mut slot = lock(index);
-    if let Some(SanObject::Socket(socket)) = slot.as_mut() {
-        socket.service_verbs_event();
-    }
-}
-
-/// The kernel TCP socket of verbs socket `index` reported an error or hang-up. If the TCP
-/// connection is over (state `CLOSE`) because the kernel could not reach the peer's host
-/// (a keepalive or retransmission timeout, an unreachable host or network) while the SAN
-/// session runs, the session ends with that error.
-///
-/// Anything else is left to the session: a graceful end (both directions shut down: `CLOSE`
-/// with no error) or a reset (the peer's kernel answered, so its host is alive; what its
-/// process did reaches us over the SAN as a `Fin` or `Rst`, in order after its data: acting on
-/// the TCP reset, which can overtake that data, would lose it, e.g. when a client closes
-/// before the switch marker arrived and its kernel answers the marker with a reset).
-fn check_kernel_socket(index: u32) {
-    let Some(fd) = crate::registry::registry()
-        .get(index)
-        .map(|record| record.fd.load(Ordering::Acquire))
-    else {
-        return;
-    };
-    let mut slot = lock(index);
-    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
-        return;
-    };
-    if socket.phase != super::socket::Phase::Switched || !socket.is_verbs() {
-        return;
-    }
-    if kernel_tcp_state(fd) != Some(TCP_CLOSE) {
-        return;
-    }
-    // (Reading `SO_ERROR` consumes it; the session reports it to the application instead.)
-    match take_socket_error(fd) {
-        Some(
-            errno @ (libc::ETIMEDOUT
-            | libc::EHOSTUNREACH
-            | libc::ENETUNREACH
-            | libc::EHOSTDOWN
-            | libc::ENETDOWN),
-        ) => socket.kernel_connection_failed(errno),
-        other => tracing::debug!(
-            index,
-            ?other,
-            "kernel connection closed; the session goes on"
-        ),
-    }
-}
-
-/// `TCP_CLOSE` of the kernel's TCP states (`include/net/tcp_states.h`; `libc` has no name
-/// for it): the connection is over.
-const TCP_CLOSE: u8 = 7;
-
-/// `TCP_INFO`'s state of socket `fd` (`None`: not a TCP socket, or the call failed).
-fn kernel_tcp_state(fd: RawFd) -> Option<u8> {
-    super::io::socket_option::<libc::tcp_info>(fd, libc::IPPROTO_TCP, libc::TCP_INFO)
-        .map(|info| info.tcpi_state)
-}
-
-/// Reads (and so clears) socket `fd`'s pending error, `SO_ERROR`.
-fn take_socket_error(fd: RawFd) -> Option<libc::c_int> {
-    super::io::socket_option::<libc::c_int>(fd, libc::SOL_SOCKET, libc::SO_ERROR)
-}
-
-/// The service thread's tick: every owed link whose application made no call since the last
-/// tick is settled (see [`OWED_TICK_MS`]).
-fn settle_idle_owed() {
-    for_each_verbs_socket(|socket| {
-        if socket
-            .verbs_link_mut()
-            .is_some_and(|link| link.owed() && link.idle_since_last_tick())
-        {
-            socket.settle_direct_wait();
-        }
-    });
-}
-
-/// Before a thread sleeps on readiness (epoll, poll, select): every owed link is settled, so
-/// the service thread hears of arrivals on it while this thread sleeps. One atomic load when
-/// nothing is owed.
-pub(crate) fn settle_all_owed() {
-    if OWED_LINKS.load(Ordering::Acquire) == 0 {
-        return;
-    }
-    for_each_verbs_socket(super::socket::SanSocket::settle_direct_wait);
-}
-
-/// Runs `f` on every SAN socket of this process not in use by another thread (`try_lock`).
-fn for_each_verbs_socket(mut f: impl FnMut(&mut super::socket::SanSocket)) {
-    let mut indices = Vec::new();
-    crate::registry::registry().for_each_live(|index, record| {
-        if record.flags() & crate::record::flags::SAN != 0 {
-            indices.push(index);
-        }
-    });
-    for index in indices {
-        if let Ok(mut slot) = super::slot(index).try_lock() {
-            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
-                f(socket);
-            }
-        }
-    }
-}
-
-/// The safety net (once a second while idle): every verbs socket is serviced and re-armed.
-fn sweep() {
-    if LIVE_VERBS.load(Ordering::Relaxed) == 0 {
-        return;
-    }
-    for_each_verbs_socket(super::socket::SanSocket::service_verbs_event);
 }
 
 #[cfg(test)]
@@ -1235,58 +1057,5 @@ mod tests {
         let v6: SocketAddr = "[2001:db8::1]:7000".parse().unwrap();
         let v6c: SocketAddr = "[2001:db8::2]:40000".parse().unwrap();
         assert!(tuple_blob(v6, v6c).len() <= san_verbs_loader::abi::MAX_PRIVATE_DATA);
-    }
-
-    /// Runs `waits` waits whose polls all find news (`hit`) or all run out (`!hit`); returns
-    /// which of them polled.
-    fn polls_of(policy: &mut SpinPolicy, waits: usize, hit: bool) -> Vec<bool> {
-        (0..waits)
-            .map(|_| {
-                let polled = policy.should_poll();
-                if polled {
-                    if hit {
-                        policy.found();
-                    } else {
-                        policy.missed();
-                    }
-                }
-                polled
-            })
-            .collect()
-    }
-
-    #[test]
-    fn a_peer_that_answers_at_once_is_polled_for_every_time() {
-        let mut policy = SpinPolicy::default();
-        assert!(polls_of(&mut policy, 100, true).iter().all(|&p| p));
-    }
-
-    #[test]
-    fn polls_that_run_out_back_off_exponentially_to_one_in_65_waits() {
-        let mut policy = SpinPolicy::default();
-        let polled = polls_of(&mut policy, 2000, false);
-        let at: Vec<usize> = (0..polled.len()).filter(|&i| polled[i]).collect();
-        // After each miss, 2, 4, ..., 64 waits sleep at once, then 64 each time.
-        let gaps: Vec<usize> = at.windows(2).map(|w| w[1] - w[0] - 1).collect();
-        assert_eq!(&gaps[..7], &[2, 4, 8, 16, 32, 64, 64]);
-        assert!(gaps.iter().all(|&g| g <= 64));
-        // An idle connection polls in under 2 % of its waits.
-        assert!(
-            at.len() * 50 < polled.len(),
-            "{} polls in {} waits",
-            at.len(),
-            polled.len()
-        );
-    }
-
-    #[test]
-    fn one_poll_that_finds_news_ends_the_back_off() {
-        let mut policy = SpinPolicy::default();
-        polls_of(&mut policy, 200, false);
-        // The next poll comes within 64 waits; once it finds news, every wait polls again.
-        let until_poll = (0..=64).position(|_| policy.should_poll()).unwrap();
-        assert!(until_poll <= 64);
-        policy.found();
-        assert!(polls_of(&mut policy, 10, true).iter().all(|&p| p));
     }
 }
