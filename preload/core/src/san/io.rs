@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use super::downgrade;
 use super::kernel::{next_piece, recv_tcp, remaining_pieces, scatter, send_on_tcp, RawBuf};
 use super::provider::provider;
-use super::socket::{
-    AfterPolling, Phase, SanSocket, SinkRefused, WaitFds, DOWNGRADED, REMOTE_SEGMENT_AHEAD,
-};
+use super::socket::stream::SinkRefused;
+use super::socket::wait::{AfterPolling, WaitFds};
+use super::socket::{Phase, SanSocket, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
 use super::table::{
     forget_name, in_process_indices, in_process_peer, lock, orphaned, record_flag, san_index, slot,
     SanObject, COUNTERS, LIVE,
