@@ -12,9 +12,10 @@ use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use super::kernel::{file_inode, recv_tcp, scatter, socket_inode, RawBuf};
-use super::socket::{Phase, SanSocket, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::socket::{Phase, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
 use super::stash::Stash;
 use super::stashed::Stashed;
+use super::switchover::{assist_all_in_process, epoll_back_to_tcp, switch_if_attached};
 use super::table::{forget_name, lock, san_index, SanObject, COUNTERS, LIVE};
 use super::tunables::{FORK_BUDGET, MARKER_WAIT};
 use crate::real;
@@ -54,18 +55,6 @@ fn mark_tcp(index: u32) {
             .store(Bypass::Downgraded as u32, Ordering::Release);
         record.path.store(DataPath::Tcp as u32, Ordering::Release);
         record.set_state_if_live(SocketState::ConnectedTcp);
-    }
-}
-
-/// Epoll sets that watch the mirror of `socket` watch the TCP socket again (and `poll`/`select`
-/// wait on it too).
-pub(super) fn epoll_back_to_tcp(index: u32, fd: c_int, socket: &mut SanSocket) {
-    if socket.epoll_on_tcp {
-        return;
-    }
-    socket.epoll_on_tcp = true;
-    if let Some(mirror) = socket.mirror_fd() {
-        super::io::repoint_epoll_registrations(index, mirror, fd);
     }
 }
 
@@ -189,7 +178,7 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
     for item in &mut draining {
         let mut slot = lock(item.index);
         // A client whose acceptor attached switches first; one still waiting stays as it is.
-        let _ = super::io::switch_if_attached(item.fd, item.index, &mut slot);
+        let _ = switch_if_attached(item.fd, item.index, &mut slot);
         match slot.as_mut() {
             Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {
                 if !socket.begin_downgrade() {
@@ -235,7 +224,7 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
             }
             next_nudge = Instant::now() + super::nudge::NUDGE_INTERVAL;
         }
-        super::io::assist_all_in_process();
+        assist_all_in_process();
         // SAFETY: `mirrors` is a valid array; short sleeps keep the loop cheap and bounded.
         unsafe { real::poll(mirrors.as_mut_ptr(), mirrors.len() as libc::nfds_t, 5) };
     }

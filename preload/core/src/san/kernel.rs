@@ -256,3 +256,12 @@ pub(super) fn socket_inode(fd: c_int) -> Option<u64> {
         .filter(|&(kind, _)| kind == libc::S_IFSOCK)
         .map(|(_, inode)| inode)
 }
+
+/// A SAN call fails with `code`: errno is set, the call returns -1.
+pub(super) fn fail(code: c_int) -> isize {
+    if code != libc::EAGAIN {
+        tracing::debug!(errno = code, "SAN call fails");
+    }
+    crate::errno::set(code);
+    -1
+}

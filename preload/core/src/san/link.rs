@@ -17,7 +17,7 @@ use san_shm::{ShmConnection, WaitResult};
 use super::provider::provider;
 use super::registrations::SharedRegistrations;
 use super::tunables::setup_timeout;
-use super::verbs::VerbsLink;
+use super::verbs::link::VerbsLink;
 use crate::record::DataPath;
 
 /// A verbs completion channel that is not armed: drive the session again rather than block.

@@ -1,6 +1,10 @@
-//! The SAN path of the interposer: connected TCP sockets carried over the intra-host `shm`
-//! provider by the switch's session, with an exact switch-over (see `docs/ARCHITECTURE.md`,
-//! "Discovery and the exact switch-over point").
+//! The SAN path of the interposer: connected TCP sockets carried by the switch's session
+//! over the intra-host `shm` provider or, across hosts, RDMA verbs, with an exact
+//! switch-over (see `docs/ARCHITECTURE.md`, "Discovery and the exact switch-over point").
+//!
+//! This file holds the lifecycle entry points (listen, connect, accept, release, shutdown,
+//! fork) and re-exports the calls; the files below it are listed bottom-up at their `mod`
+//! declarations.
 //!
 //! # Enabling
 //! On by default; `SANDIRECT_SAN=0` (read at init) keeps every socket on kernel TCP and
@@ -91,21 +95,42 @@
 //! * Two ends in one process: a thread about to sleep (blocking call, poll, epoll, select)
 //!   first drives the other end, since it may be the only thread that ever would.
 
-mod downgrade;
+// The files, bottom-up: each imports only from the groups above its own.
+// The ground: kernel calls, tunables, the exchange, registrations, stashes, nudges.
 mod exchange;
-mod io;
 mod kernel;
-mod link;
 mod nudge;
-mod provider;
 mod registrations;
-mod service;
-mod socket;
 mod stash;
-mod stashed;
-mod table;
 mod tunables;
+
+// Process-wide shm resources, the stash holder, the verbs adapter.
+mod provider;
+mod stashed;
 mod verbs;
+
+// The connection under a session, then the socket (one `impl` file per concern).
+mod link;
+
+mod socket;
+
+// The slot table of SAN objects, then the background threads that walk it.
+mod table;
+
+mod service;
+
+// The switch-over and epoll moves, then blocking.
+mod switchover;
+
+mod wait;
+
+// Moving connections back to kernel TCP (fork, exec).
+mod downgrade;
+
+// The calls: reading, sending, readiness.
+mod readiness;
+mod recv;
+mod send;
 
 use core::ffi::c_int;
 use core::sync::atomic::Ordering;
@@ -114,14 +139,14 @@ use std::sync::MutexGuard;
 
 pub use downgrade::{adopt_stashes, downgrade_all, stash_env};
 pub(crate) use downgrade::{pass_on, stash_of};
-pub use io::{
-    assist_all_in_process, correct_epoll_events, poll_fds, readable_bytes, recv_iov,
-    select_via_poll, send_iov,
-};
 pub use kernel::RawBuf;
 pub use provider::enabled;
+pub use readiness::{correct_epoll_events, poll_fds, readable_bytes, select_via_poll};
+pub use recv::recv_iov;
+pub use send::send_iov;
 pub use service::service_all;
 pub(crate) use service::settle_all_owed;
+pub use switchover::assist_all_in_process;
 pub use table::{counters, live_sockets, san_index, SanCounters};
 pub use tunables::FORK_BUDGET;
 
@@ -194,7 +219,7 @@ pub fn before_connect(
         return ClientPlan::Skip;
     }
     // Same host (a listener marker answers): shared memory. Otherwise, when a device serves
-    // the route's source address: verbs (`verbs::client`).
+    // the route's source address: verbs (`verbs::connect::client`).
     let mode = crate::settings::provider_choice();
     let kind = if mode == ProviderChoice::Verbs {
         PeerKind::Plain
@@ -237,7 +262,7 @@ pub fn before_connect(
     }
     let name = ConnectionKey::from_connecting_side(local, peer).segment_name();
     if via_verbs {
-        return match verbs::client(fd, local, peer, service::start) {
+        return match verbs::connect::client(fd, local, peer, service::start) {
             Some(link) => {
                 tracing::debug!(fd, %local, %peer, "pending verbs SAN client");
                 install(index, record, SanSocket::verbs_client(record, &name, link));
@@ -324,10 +349,10 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
     let accepted = match shm {
         // Not a same-host client: a cross-host one, if a device serves this address.
         Err(SetupError::PeerPlain) if mode != ProviderChoice::Shm => {
-            match verbs::acceptor(local, peer, service::start) {
+            match verbs::connect::acceptor(local, peer, service::start) {
                 Ok(link) => SanSocket::verbs_acceptor(record, &name, link),
-                Err(verbs::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
-                Err(verbs::AcceptorError::Resource) => Err(SetupError::Resource),
+                Err(verbs::connect::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
+                Err(verbs::connect::AcceptorError::Resource) => Err(SetupError::Resource),
             }
         }
         other => other,
@@ -375,7 +400,7 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
                 // handshake so our FIN can follow (a close before it would be a reset).
                 for _ in 0..3 {
                     socket.service();
-                    io::assist_all_in_process();
+                    switchover::assist_all_in_process();
                 }
             }
             forget_name(index);
@@ -417,8 +442,20 @@ pub fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: 
 }
 
 /// `shutdown()` on a SAN socket (after the real shutdown succeeded).
+/// The pending client's record flags carry it into the session at the switch.
 pub fn on_shutdown(fd: c_int, index: u32, how: c_int) {
-    io::shutdown(fd, index, how);
+    if orphaned(index) {
+        return;
+    }
+    switchover::switch_pending(fd, index);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        if socket.phase == socket::Phase::Switched {
+            if how != libc::SHUT_RD {
+                socket.wake_pending_client(fd);
+            }
+            socket.shutdown(how);
+        }
+    }
 }
 
 /// fork child: the parent keeps the sessions (a session cannot be shared by two processes).
@@ -445,7 +482,7 @@ pub fn mirror_of(fd: c_int, index: u32) -> Option<c_int> {
     if orphaned(index) {
         return None;
     }
-    io::switch_pending(fd, index);
+    switchover::switch_pending(fd, index);
     match lock(index).as_mut() {
         Some(SanObject::Socket(socket))
             if socket.phase == socket::Phase::Switched && !socket.epoll_on_tcp =>

@@ -2,7 +2,7 @@
 //! waits:
 //!
 //! * the verbs **service thread** (one per process, started with the first verbs
-//!   connection): it sleeps on what [`super::verbs::Watcher`] holds and drives a verbs
+//!   connection): it sleeps on what [`super::verbs::watcher::Watcher`] holds and drives a verbs
 //!   socket's session when its connection has events, settles owed links on its tick, and
 //!   sweeps every verbs socket once a second while idle;
 //! * the **nudge responder** (one per process with an intra-host connection, see `nudge`):
@@ -20,7 +20,8 @@ use super::kernel::socket_option;
 use super::nudge::{bind_nudge_socket, receive, Received};
 use super::socket::{Phase, SanSocket};
 use super::table::{lock, slot, SanObject, LIVE};
-use super::verbs::{self, Watched};
+use super::verbs::link::links_owed;
+use super::verbs::watcher::{self, Watched};
 use crate::discovery::effective_uid;
 use crate::guard::ReentrancyGuard;
 use crate::real;
@@ -64,16 +65,12 @@ fn service_loop() {
     // Our own calls (epoll, poll inside the provider, mirror tokens) must not go through the
     // SAN logic of the hooks.
     let _inside = ReentrancyGuard::enter();
-    let Some(watcher) = verbs::watcher() else {
+    let Some(watcher) = watcher::watcher() else {
         return;
     };
     let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
     loop {
-        let timeout = if verbs::links_owed() {
-            OWED_TICK_MS
-        } else {
-            1000
-        };
+        let timeout = if links_owed() { OWED_TICK_MS } else { 1000 };
         let n = watcher.wait(&mut events, timeout);
         if n < 0 {
             if crate::errno::get() == libc::EINTR {
@@ -82,7 +79,7 @@ fn service_loop() {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         }
-        if verbs::links_owed() {
+        if links_owed() {
             settle_idle_owed();
         }
         if n == 0 {
@@ -184,7 +181,7 @@ fn settle_idle_owed() {
 /// the service thread hears of arrivals on it while this thread sleeps. One atomic load when
 /// nothing is owed.
 pub(crate) fn settle_all_owed() {
-    if !verbs::links_owed() {
+    if !links_owed() {
         return;
     }
     for_each_verbs_socket(SanSocket::settle_direct_wait);

@@ -3,12 +3,12 @@
 //! Everything here runs with the socket's lock held (see [`super::table::slot`]) and never
 //! blocks in the kernel: the blocking loops of the calls release the lock around `poll()`.
 //!
-//! This file holds the type and its set-up (shm client and acceptor, verbs client and
-//! acceptor); each concern of the socket's life is an `impl SanSocket` of its own file:
-//! [`pending`] (a pending client's switch-over and the switch marker), [`drive`] (driving the session), [`early`]
-//! (bytes sent before the handshake finished), [`stream`] (sending and receiving, inline
-//! and rendezvous), [`downgrade`] (back to kernel TCP, and absorbing a stalled peer's
-//! data), [`mirror`] (readiness), [`wait`] (blocking) and [`close`].
+//! This file holds the type and its set-up (shm and verbs, client and acceptor); each
+//! concern of the socket's life is an `impl SanSocket` in a file of its own: [`pending`]
+//! (a pending client's switch-over and the switch marker), [`drive`] (driving the
+//! session), [`early`] (bytes sent before the handshake finished), [`stream`] (sending and
+//! receiving, inline and rendezvous), [`downgrade`] (back to kernel TCP, and absorbing a
+//! stalled peer's data), [`mirror`] (readiness), [`wait`] (blocking) and [`close`].
 
 mod close;
 mod downgrade;
@@ -37,7 +37,7 @@ use super::registrations::SharedRegistrations;
 use super::tunables::{
     SAN_SEND_BUFFER, SHM_RENDEZVOUS_THRESHOLD, SLOTS, VERBS_RENDEZVOUS_THRESHOLD, VERBS_SLOTS,
 };
-use super::verbs::VerbsLink;
+use super::verbs::link::VerbsLink;
 use crate::discovery::SegmentName;
 use crate::mirror::Mirror;
 use crate::record::SocketRecord;
@@ -365,7 +365,7 @@ impl SanSocket {
         )
     }
 
-    /// A pending verbs client (its CM listener is up; see `super::verbs::client`).
+    /// A pending verbs client (its CM listener is up; see `super::verbs::connect::client`).
     pub(crate) fn verbs_client(
         record: &'static SocketRecord,
         name: &SegmentName,

@@ -306,7 +306,7 @@ impl SanSocket {
     }
 
     /// Verbs: the blocking wait `fds` watches the connection's events itself (see
-    /// [`crate::san::verbs::VerbsLink::begin_direct_wait`]). False: the channel is not armed,
+    /// [`crate::san::verbs::link::VerbsLink::begin_direct_wait`]). False: the channel is not armed,
     /// drive again instead of blocking.
     pub(super) fn watch_link_directly(&mut self, fds: &mut WaitFds) -> bool {
         if !fds.spin && self.conn.as_ref().is_some_and(Link::owed) {
