@@ -12,7 +12,8 @@ use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use super::kernel::{file_inode, recv_tcp, scatter, socket_inode, RawBuf};
-use super::socket::{Phase, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::outcome::SanError;
+use super::socket::Phase;
 use super::stash::Stash;
 use super::stashed::Stashed;
 use super::switchover::{assist_all_in_process, epoll_back_to_tcp, switch_if_attached};
@@ -274,14 +275,14 @@ fn drain_step(item: &mut Draining, slot: &mut Option<SanObject>) -> bool {
         match socket.recv(&mut buf, false) {
             Ok(0) => break,
             Ok(n) => item.received.extend_from_slice(&buf[..n]),
-            Err(REMOTE_SEGMENT_AHEAD) => {
+            Err(SanError::SegmentAhead) => {
                 // The sender gets a short count and sends the rest on TCP, after its
                 // `Downgrade`.
                 if socket.reject_remote_head().is_err() {
                     break;
                 }
             }
-            Err(DOWNGRADED) | Err(_) => break,
+            Err(SanError::Downgraded | SanError::Errno(_)) => break,
         }
     }
     if socket.reads_on_tcp() {

@@ -96,10 +96,12 @@
 //!   first drives the other end, since it may be the only thread that ever would.
 
 // The files, bottom-up: each imports only from the groups above its own.
-// The ground: kernel calls, tunables, the exchange, registrations, stashes, nudges.
+// The ground: kernel calls, tunables, the exchange, registrations, stashes, nudges, the
+// stream operations' typed result.
 mod exchange;
 mod kernel;
 mod nudge;
+mod outcome;
 mod registrations;
 mod stash;
 mod tunables;

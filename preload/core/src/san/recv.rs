@@ -12,8 +12,9 @@ use std::time::Instant;
 
 use super::downgrade;
 use super::kernel::{fail, recv_tcp, remaining_pieces, scatter, RawBuf};
+use super::outcome::SanError;
 use super::socket::stream::SinkRefused;
-use super::socket::{Phase, SanSocket, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::socket::{Phase, SanSocket};
 use super::switchover::{downgrade_pending, epoll_back_to_tcp, switch_if_attached};
 use super::table::{lock, orphaned, record_flag, SanObject};
 use super::tunables::{HANDSHAKE_WAIT, MARKER_WAIT};
@@ -215,7 +216,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                         }
                         return Some(done as isize);
                     }
-                    Err(libc::EAGAIN) => {
+                    Err(SanError::Errno(libc::EAGAIN)) => {
                         if done > 0 && !wait_all {
                             return Some(done as isize);
                         }
@@ -238,8 +239,8 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                         socket.prepare_read_wait()
                     }
                     // The peer's `Downgrade` was just taken in: the next turn reads TCP.
-                    Err(DOWNGRADED) => continue,
-                    Err(REMOTE_SEGMENT_AHEAD) => {
+                    Err(SanError::Downgraded) => continue,
+                    Err(SanError::SegmentAhead) => {
                         drop(slot);
                         match recv_rendezvous(index, fd, bufs, done, peek) {
                             Ok(None) => continue,
@@ -253,7 +254,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                             Err(code) => return Some(partial(done, code)),
                         }
                     }
-                    Err(code) => return Some(partial(done, code)),
+                    Err(SanError::Errno(code)) => return Some(partial(done, code)),
                 }
             }
         };
@@ -338,7 +339,7 @@ fn recv_into(
     bufs: &[RawBuf],
     done: usize,
     peek: bool,
-) -> Result<usize, c_int> {
+) -> Result<usize, SanError> {
     if peek {
         // A peek must see the stream from its start in every buffer: read once, scatter.
         let want: usize = bufs.iter().map(|b| b.len).sum::<usize>() - done;

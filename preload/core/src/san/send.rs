@@ -10,7 +10,8 @@ use core::ffi::c_int;
 
 use super::downgrade;
 use super::kernel::{fail, next_piece, send_on_tcp, RawBuf};
-use super::socket::{Phase, DOWNGRADED};
+use super::outcome::SanError;
+use super::socket::Phase;
 use super::switchover::switch_if_attached;
 use super::table::{lock, orphaned, record_flag, SanObject};
 use super::wait::{block, timeout_of};
@@ -107,9 +108,9 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         }
                     }
                     // The connection is downgrading: the rest goes on TCP.
-                    Err(DOWNGRADED) => continue,
+                    Err(SanError::Downgraded) => continue,
                     // Another thread's rendezvous is in progress: wait for it to end.
-                    Err(libc::EAGAIN) => {
+                    Err(SanError::Errno(libc::EAGAIN)) => {
                         let wait = socket.prepare_send_wait();
                         drop(slot);
                         if let Err(code) = block(index, fd, wait, deadline) {
@@ -117,7 +118,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         }
                         continue;
                     }
-                    Err(code) => return Some(send_failed(done, code, send_flags)),
+                    Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
                 }
             }
             match socket.send(piece, urgent) {
@@ -129,7 +130,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                     }
                     continue;
                 }
-                Err(DOWNGRADED) => {
+                Err(SanError::Downgraded) => {
                     // Our stream goes on on TCP (after the session's queued bytes and its
                     // `Downgrade`): nonblocking under the lock, waiting like a pending client.
                     let n = send_on_tcp(fd, index, bufs, done, send_flags);
@@ -146,7 +147,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                     }
                     socket.prepare_wait(libc::POLLOUT)
                 }
-                Err(libc::EAGAIN) => {
+                Err(SanError::Errno(libc::EAGAIN)) => {
                     if nonblocking {
                         // A short count, like EAGAIN, tells an edge-triggered caller to wait
                         // for EPOLLOUT: `M` must be lowered so that the peer's returned room
@@ -165,7 +166,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         None => continue,
                     }
                 }
-                Err(code) => return Some(send_failed(done, code, send_flags)),
+                Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
             }
         };
         drop(slot);

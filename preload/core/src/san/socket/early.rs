@@ -2,11 +2,10 @@
 //! socket buffer would hold them, moved into the session first once it is established, or
 //! written on TCP first when the connection downgrades meanwhile.
 
-use core::ffi::c_int;
-
 use super::SanSocket;
 use crate::record::Counter;
 use crate::san::kernel::send_all_on_tcp;
+use crate::san::outcome::SanError;
 use crate::san::tunables::EARLY_LIMIT;
 use switch::error::SendError;
 use switch::session::{SendFlags, SessionState};
@@ -52,7 +51,7 @@ impl SanSocket {
         &mut self,
         data: &[u8],
         handshaking: bool,
-    ) -> Option<Result<usize, c_int>> {
+    ) -> Option<Result<usize, SanError>> {
         if !handshaking && self.early.is_empty() {
             return None;
         }
@@ -61,7 +60,7 @@ impl SanSocket {
             return Some(Ok(0));
         }
         if room == 0 {
-            return Some(Err(libc::EAGAIN));
+            return Some(Err(SanError::Errno(libc::EAGAIN)));
         }
         let n = data.len().min(room);
         self.early.extend_from_slice(&data[..n]);

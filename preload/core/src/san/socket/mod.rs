@@ -42,14 +42,6 @@ use crate::discovery::SegmentName;
 use crate::mirror::Mirror;
 use crate::record::SocketRecord;
 
-/// Not an errno (those are positive): [`SanSocket::recv`] found a rendezvous segment at the
-/// head of the stream; the caller receives it with [`SanSocket::start_recv_rendezvous`].
-pub(crate) const REMOTE_SEGMENT_AHEAD: c_int = -1;
-
-/// Not an errno: the SAN part of the stream is over in this direction (a downgrade, see
-/// [`SanSocket::begin_downgrade`]); the rest of it is on kernel TCP.
-pub(crate) const DOWNGRADED: c_int = -2;
-
 /// The one byte the acceptor writes on TCP after attaching: "switch now".
 pub(crate) const SWITCH_MARKER: u8 = 0x5a;
 

@@ -8,9 +8,10 @@ use san_api::Access;
 use switch::error::{RecvError, SendError};
 use switch::session::{RecvFlags, RecvTicket, SendFlags, SendTicket, SessionState};
 
-use super::{Phase, SanSocket, Side, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::{Phase, SanSocket, Side};
 use crate::record::Counter;
 use crate::san::link::Link;
+use crate::san::outcome::SanError;
 use crate::san::registrations::SharedRegistrations;
 
 /// A registration was refused (the reason is logged where it happens).
@@ -58,7 +59,7 @@ impl SanSocket {
     }
 
     /// Copies queued stream bytes out: `Ok(0)` at end of stream.
-    pub(crate) fn recv(&mut self, buf: &mut [u8], peek: bool) -> Result<usize, c_int> {
+    pub(crate) fn recv(&mut self, buf: &mut [u8], peek: bool) -> Result<usize, SanError> {
         if !self.restored.is_empty() {
             let n = buf.len().min(self.restored.len());
             buf[..n].copy_from_slice(&self.restored[..n]);
@@ -68,7 +69,7 @@ impl SanSocket {
             return Ok(n);
         }
         let Some(session) = self.session.as_mut() else {
-            return Err(libc::ENOTCONN);
+            return Err(SanError::Errno(libc::ENOTCONN));
         };
         let flags = RecvFlags {
             peek,
@@ -81,18 +82,16 @@ impl SanSocket {
                 }
                 Ok(n)
             }
-            Err(RecvError::WouldBlock) => Err(libc::EAGAIN),
             Err(RecvError::Reset) if self.peer_fin || self.reset_reported => Ok(0),
             Err(RecvError::Reset) => {
                 self.reset_reported = true;
-                Err(self.kernel_error.unwrap_or(libc::ECONNRESET))
+                Err(SanError::Errno(
+                    self.kernel_error.unwrap_or(libc::ECONNRESET),
+                ))
             }
-            Err(RecvError::InvalidArgument) => Err(libc::EINVAL),
-            Err(RecvError::NotConnected) => Err(libc::ENOTCONN),
-            Err(RecvError::Interrupted) => Err(libc::EINTR),
-            Err(RecvError::RemoteSegment { .. }) => Err(REMOTE_SEGMENT_AHEAD),
-            Err(RecvError::Downgraded) => Err(DOWNGRADED),
-            Err(_) => Err(libc::ECONNRESET),
+            // Not an answer of `Session::recv`: a broken stream here (`errno()` says `EAGAIN`).
+            Err(RecvError::NotRemote) => Err(SanError::Errno(libc::ECONNRESET)),
+            Err(error) => Err(error.into()),
         }
     }
 
@@ -114,20 +113,20 @@ impl SanSocket {
     }
 
     /// Queues stream bytes for sending: a short count when the send buffer fills.
-    pub(crate) fn send(&mut self, data: &[u8], urgent: bool) -> Result<usize, c_int> {
+    pub(crate) fn send(&mut self, data: &[u8], urgent: bool) -> Result<usize, SanError> {
         if self.write_shut {
-            return Err(libc::EPIPE);
+            return Err(SanError::Errno(libc::EPIPE));
         }
         if self.downgrade_wanted {
             // Bytes still waiting for the handshake are older than these: they go first.
             self.early_to_tcp();
             if !self.early.is_empty() {
-                return Err(libc::EAGAIN);
+                return Err(SanError::Errno(libc::EAGAIN));
             }
-            return Err(DOWNGRADED);
+            return Err(SanError::Downgraded);
         }
         let Some(session) = self.session.as_ref() else {
-            return Err(libc::ENOTCONN);
+            return Err(SanError::Errno(libc::ENOTCONN));
         };
         let handshaking = session.state() == SessionState::Handshaking;
         if !data.is_empty() {
@@ -140,24 +139,18 @@ impl SanSocket {
     }
 
     /// Queues stream bytes in the session (after the early bytes).
-    fn send_inline(&mut self, data: &[u8], urgent: bool) -> Result<usize, c_int> {
+    fn send_inline(&mut self, data: &[u8], urgent: bool) -> Result<usize, SanError> {
         let Some(session) = self.session.as_mut() else {
-            return Err(libc::ENOTCONN);
+            return Err(SanError::Errno(libc::ENOTCONN));
         };
         match session.send(data, SendFlags { urgent }) {
             Ok(n) => {
                 self.record.count(Counter::SanInlineSent, n as u64);
                 Ok(n)
             }
-            Err(SendError::WouldBlock) => Err(libc::EAGAIN),
-            Err(SendError::Closed) => Err(libc::EPIPE),
-            Err(SendError::Reset) if self.peer_fin => Err(libc::EPIPE),
-            Err(SendError::Reset) => Err(self.send_reset_errno()),
-            Err(SendError::NoBuffers) => Err(libc::ENOBUFS),
-            Err(SendError::NotConnected) => Err(libc::ENOTCONN),
-            Err(SendError::TooLong) => Err(libc::EMSGSIZE),
-            Err(SendError::Downgraded) => Err(DOWNGRADED),
-            Err(_) => Err(libc::EINVAL),
+            Err(SendError::Reset) if self.peer_fin => Err(SanError::Errno(libc::EPIPE)),
+            Err(SendError::Reset) => Err(SanError::Errno(self.send_reset_errno())),
+            Err(error) => Err(error.into()),
         }
     }
 
@@ -181,13 +174,13 @@ impl SanSocket {
     /// Starts a zero-copy send of `data` (which must stay valid and unchanged until the
     /// send completes: the caller is a blocking send that waits for it). `ENOBUFS` when the
     /// registration is refused, `EAGAIN` while another rendezvous is in progress.
-    pub(crate) fn start_send_rendezvous(&mut self, data: &[u8]) -> Result<SendTicket, c_int> {
+    pub(crate) fn start_send_rendezvous(&mut self, data: &[u8]) -> Result<SendTicket, SanError> {
         let regs = self.shared_registrations();
         if self.write_shut {
-            return Err(libc::EPIPE);
+            return Err(SanError::Errno(libc::EPIPE));
         }
         let Some(session) = self.session.as_mut() else {
-            return Err(libc::ENOTCONN);
+            return Err(SanError::Errno(libc::ENOTCONN));
         };
         // READ mode: the peer copies the buffer out (CMA). WRITE mode: we copy it out
         // through the window, which needs only local access.
@@ -197,7 +190,7 @@ impl SanSocket {
             Access::NONE
         };
         let Some(mut registrations) = regs.map(SharedRegistrations::lock) else {
-            return Err(libc::ENOBUFS);
+            return Err(SanError::Errno(libc::ENOBUFS));
         };
         let rest = registrations
             .register(self.owner, data.as_ptr() as u64, data.len() as u64, access)
@@ -207,7 +200,7 @@ impl SanSocket {
                     len = data.len(),
                     "rendezvous send: registration refused"
                 );
-                libc::ENOBUFS
+                SanError::Errno(libc::ENOBUFS)
             })?;
         match session.send_rendezvous(&[], rest) {
             Ok(ticket) => {
@@ -220,13 +213,14 @@ impl SanSocket {
                 tracing::debug!(?error, "rendezvous send refused by the session");
                 registrations.release(&[rest.handle]);
                 Err(match error {
-                    SendError::WouldBlock => libc::EAGAIN,
-                    SendError::Closed => libc::EPIPE,
-                    SendError::Reset if self.peer_fin => libc::EPIPE,
-                    SendError::Reset => self.send_reset_errno(),
-                    SendError::NotConnected => libc::ENOTCONN,
-                    SendError::Downgraded => DOWNGRADED,
-                    _ => libc::ENOBUFS,
+                    SendError::Reset if self.peer_fin => SanError::Errno(libc::EPIPE),
+                    SendError::Reset => SanError::Errno(self.send_reset_errno()),
+                    // A rendezvous the session cannot start is a refused one, as a refused
+                    // registration is (`errno()` would say `EMSGSIZE` and `EINVAL`).
+                    SendError::TooLong | SendError::InvalidArgument => {
+                        SanError::Errno(libc::ENOBUFS)
+                    }
+                    other => other.into(),
                 })
             }
         }
