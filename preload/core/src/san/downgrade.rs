@@ -11,66 +11,17 @@ use core::sync::atomic::Ordering;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use super::socket::{Phase, SanSocket, DOWNGRADED, REMOTE_SEGMENT_AHEAD};
+use super::kernel::{file_inode, recv_tcp, scatter, socket_inode, RawBuf};
+use super::outcome::SanError;
+use super::socket::Phase;
 use super::stash::Stash;
-use super::{lock, SanObject, COUNTERS, LIVE};
+use super::stashed::Stashed;
+use super::switchover::{assist_all_in_process, epoll_back_to_tcp, switch_if_attached};
+use super::table::{forget_name, lock, san_index, SanObject, COUNTERS, LIVE};
+use super::tunables::{FORK_BUDGET, MARKER_WAIT};
 use crate::real;
 use crate::record::{flags, Bypass, DataPath, SocketState};
 use crate::registry::registry;
-
-/// How long `fork()`/`exec()` wait for all peers to answer the downgrade. A peer answers in
-/// its next socket call (a blocked or polling peer at once) or, when its application makes
-/// none, through its nudge responder (`nudge`); one that still does not answer within this
-/// time (stopped, or without a responder) leaves that connection to the parent only (see
-/// `Known limits` in `san`).
-pub const FORK_BUDGET: Duration = Duration::from_millis(1000);
-
-/// How long a client waits for the acceptor's switch marker before reading TCP again.
-pub(super) const MARKER_WAIT: Duration = Duration::from_millis(1000);
-
-/// A downgraded socket whose stash still holds bytes.
-#[derive(Debug)]
-pub(crate) struct Stashed {
-    pub stash: Stash,
-    /// Epoll sets where the stash's eventfd sits beside the socket: (epfd, events, data).
-    sets: Vec<(c_int, u32, u64)>,
-    /// The socket's inode: finds its copies in a child's descriptor table (`dup2` onto 0-2
-    /// in a `vfork` child, file actions of `posix_spawn`), whatever our table says.
-    socket_inode: Option<u64>,
-    /// The stash memfd's inode: tells whether the number still names it in a child that
-    /// closed or reused it (CPython closes every descriptor above 2 before its exec).
-    memfd_inode: Option<u64>,
-}
-
-impl Stashed {
-    fn new(stash: Stash, socket_inode: Option<u64>) -> Stashed {
-        let memfd_inode = file_inode(stash.memfd()).map(|(_, inode)| inode);
-        Stashed {
-            stash,
-            sets: Vec::new(),
-            socket_inode,
-            memfd_inode,
-        }
-    }
-}
-
-/// (file type bits, inode) of what is open on `fd`.
-fn file_inode(fd: c_int) -> Option<(libc::mode_t, u64)> {
-    // SAFETY: an all-zero `struct stat` is valid; fstat writes one.
-    let mut st: libc::stat = unsafe { core::mem::zeroed() };
-    // SAFETY: fstat(2) writes one `struct stat`.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return None;
-    }
-    Some((st.st_mode & libc::S_IFMT, st.st_ino))
-}
-
-/// The inode of the socket open on `fd` (`None`: not open, or not a socket).
-pub(crate) fn socket_inode(fd: c_int) -> Option<u64> {
-    file_inode(fd)
-        .filter(|&(kind, _)| kind == libc::S_IFSOCK)
-        .map(|(_, inode)| inode)
-}
 
 /// A descriptor of the stash memfd `memfd` (inode `inode`) for the image about to be
 /// exec'd: the number itself while it still names that memfd, else a fresh one opened
@@ -96,51 +47,6 @@ fn usable_memfd(memfd: RawFd, inode: u64) -> Option<RawFd> {
     None
 }
 
-impl Stashed {
-    fn add_to_set(&mut self, epfd: c_int, events: u32, data: u64) {
-        if events & libc::EPOLLIN as u32 == 0 {
-            return;
-        }
-        let keep = libc::EPOLLET | libc::EPOLLONESHOT;
-        let mut event = libc::epoll_event {
-            events: libc::EPOLLIN as u32 | (events & keep as u32),
-            u64: data,
-        };
-        // SAFETY: plain epoll_ctl(2) on the application's epoll instance with our eventfd.
-        let rc = unsafe {
-            real::epoll_ctl(epfd, libc::EPOLL_CTL_ADD, self.stash.ready_fd(), &mut event)
-        };
-        if rc == 0 {
-            self.sets.push((epfd, events, data));
-        }
-    }
-
-    fn remove_from_sets(&mut self) {
-        for (epfd, _, _) in core::mem::take(&mut self.sets) {
-            self.remove_from(epfd);
-        }
-    }
-
-    /// Takes the stash's eventfd out of epoll set `epfd`.
-    fn remove_from(&self, epfd: c_int) {
-        // SAFETY: plain epoll_ctl(2).
-        unsafe {
-            real::epoll_ctl(
-                epfd,
-                libc::EPOLL_CTL_DEL,
-                self.stash.ready_fd(),
-                core::ptr::null_mut(),
-            )
-        };
-    }
-}
-
-impl Drop for Stashed {
-    fn drop(&mut self) {
-        self.remove_from_sets();
-    }
-}
-
 /// The socket record says "plain TCP from now on, downgraded".
 fn mark_tcp(index: u32) {
     if let Some(record) = registry().get(index) {
@@ -150,18 +56,6 @@ fn mark_tcp(index: u32) {
             .store(Bypass::Downgraded as u32, Ordering::Release);
         record.path.store(DataPath::Tcp as u32, Ordering::Release);
         record.set_state_if_live(SocketState::ConnectedTcp);
-    }
-}
-
-/// Epoll sets that watch the mirror of `socket` watch the TCP socket again (and `poll`/`select`
-/// wait on it too).
-pub(super) fn epoll_back_to_tcp(index: u32, fd: c_int, socket: &mut SanSocket) {
-    if socket.epoll_on_tcp {
-        return;
-    }
-    socket.epoll_on_tcp = true;
-    if let Some(mirror) = socket.mirror_fd() {
-        super::io::repoint_epoll_registrations(index, mirror, fd);
     }
 }
 
@@ -188,7 +82,7 @@ pub(super) fn settle(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> boo
     tracing::debug!(fd, name = %socket.name, "SAN connection downgraded to TCP");
     socket.close(Some(fd), false, Duration::ZERO);
     LIVE.fetch_sub(1, Ordering::Relaxed);
-    super::forget_name(index);
+    forget_name(index);
     mark_tcp(index);
     COUNTERS.downgraded.fetch_add(1, Ordering::Relaxed);
     true
@@ -207,7 +101,7 @@ fn into_stash(fd: c_int, index: u32, slot: &mut Option<SanObject>, received: &[u
     );
     epoll_back_to_tcp(index, fd, &mut socket);
     socket.close(Some(fd), false, Duration::ZERO);
-    super::forget_name(index);
+    forget_name(index);
     COUNTERS.downgraded.fetch_add(1, Ordering::Relaxed);
     let stash = (!received.is_empty())
         .then(|| Stash::create(received))
@@ -285,7 +179,7 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
     for item in &mut draining {
         let mut slot = lock(item.index);
         // A client whose acceptor attached switches first; one still waiting stays as it is.
-        let _ = super::io::switch_if_attached(item.fd, item.index, &mut slot);
+        let _ = switch_if_attached(item.fd, item.index, &mut slot);
         match slot.as_mut() {
             Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {
                 if !socket.begin_downgrade() {
@@ -331,7 +225,7 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
             }
             next_nudge = Instant::now() + super::nudge::NUDGE_INTERVAL;
         }
-        super::io::assist_all_in_process();
+        assist_all_in_process();
         // SAFETY: `mirrors` is a valid array; short sleeps keep the loop cheap and bounded.
         unsafe { real::poll(mirrors.as_mut_ptr(), mirrors.len() as libc::nfds_t, 5) };
     }
@@ -381,14 +275,14 @@ fn drain_step(item: &mut Draining, slot: &mut Option<SanObject>) -> bool {
         match socket.recv(&mut buf, false) {
             Ok(0) => break,
             Ok(n) => item.received.extend_from_slice(&buf[..n]),
-            Err(REMOTE_SEGMENT_AHEAD) => {
+            Err(SanError::SegmentAhead) => {
                 // The sender gets a short count and sends the rest on TCP, after its
                 // `Downgrade`.
                 if socket.reject_remote_head().is_err() {
                     break;
                 }
             }
-            Err(DOWNGRADED) | Err(_) => break,
+            Err(SanError::Downgraded | SanError::Errno(_)) => break,
         }
     }
     if socket.reads_on_tcp() {
@@ -492,7 +386,7 @@ pub(crate) fn pass_on(entries: &[(c_int, RawFd, u64)], inheritable: bool) -> Opt
 
 /// The stash memfd and socket inode of the stashed socket on `fd`, if it holds bytes.
 pub(crate) fn stash_of(fd: c_int) -> Option<(RawFd, u64)> {
-    let index = super::san_index(crate::fdtable::table().lookup(fd))?;
+    let index = san_index(crate::fdtable::table().lookup(fd))?;
     match lock(index).as_ref() {
         Some(SanObject::Stashed(stashed)) if stashed.stash.remaining() > 0 => {
             Some((stashed.stash.memfd(), stashed.socket_inode?))
@@ -566,7 +460,7 @@ pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
 pub(super) fn recv_stashed(
     fd: c_int,
     index: u32,
-    bufs: &[super::RawBuf],
+    bufs: &[RawBuf],
     recv_flags: c_int,
 ) -> Option<isize> {
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
@@ -577,7 +471,7 @@ pub(super) fn recv_stashed(
     };
     let mut done = 0usize;
     stashed.stash.read(total, peek, |bytes| {
-        super::io::scatter(bufs, done, bytes);
+        scatter(bufs, done, bytes);
         done += bytes.len();
     });
     if !peek && stashed.stash.remaining() == 0 {
@@ -588,7 +482,7 @@ pub(super) fn recv_stashed(
         return if total == 0 { Some(0) } else { None };
     }
     if recv_flags & libc::MSG_WAITALL != 0 && !peek && done < total {
-        let n = super::io::recv_tcp(fd, bufs, done, u64::MAX, recv_flags);
+        let n = recv_tcp(fd, bufs, done, u64::MAX, recv_flags);
         if n > 0 {
             done += n as usize;
         }
@@ -607,15 +501,7 @@ pub(super) fn release_stash(index: u32, slot: &mut Option<SanObject>) {
 
 /// A stash holder added to (or changed in) an epoll set: the stash's eventfd goes beside it.
 pub(super) fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: u64) {
-    let mut slot = lock(index);
-    let Some(SanObject::Stashed(stashed)) = slot.as_mut() else {
-        return;
-    };
-    if let Some(position) = stashed.sets.iter().position(|&(e, _, _)| e == epfd) {
-        stashed.sets.swap_remove(position);
-        stashed.remove_from(epfd);
-    }
-    if op != libc::EPOLL_CTL_DEL && stashed.stash.remaining() > 0 {
-        stashed.add_to_set(epfd, events, data);
+    if let Some(SanObject::Stashed(stashed)) = lock(index).as_mut() {
+        stashed.epoll_ctl(epfd, op, events, data);
     }
 }

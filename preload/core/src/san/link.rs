@@ -5,6 +5,7 @@
 //! the socket code makes beyond it (waiting, liveness, the attach check) are answered here
 //! per provider.
 
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 use san_api::{
@@ -13,7 +14,15 @@ use san_api::{
 };
 use san_shm::{ShmConnection, WaitResult};
 
-use super::verbs::VerbsLink;
+use super::provider::provider;
+use super::registrations::SharedRegistrations;
+use super::tunables::setup_timeout;
+use super::verbs::link::VerbsLink;
+use crate::record::DataPath;
+
+/// A verbs completion channel that is not armed: drive the session again rather than block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NotArmed;
 
 /// A SAN socket's connection.
 // The socket holding it is boxed already; boxing the shm connection would add a pointer
@@ -130,7 +139,7 @@ impl Link {
     pub(crate) fn peer_attached_settled(&self) -> bool {
         match self {
             Link::Shm(conn) => conn.segment().is_attached(),
-            Link::Verbs(link) => link.attached(Some(super::verbs::setup_timeout())),
+            Link::Verbs(link) => link.attached(Some(setup_timeout())),
         }
     }
 
@@ -139,6 +148,135 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.segment().peer_pid(),
             Link::Verbs(_) => None,
+        }
+    }
+
+    /// True for a connection to a process on this host (the `shm` provider): its peer
+    /// raises our mirror and can be nudged.
+    pub(crate) fn is_intra_host(&self) -> bool {
+        matches!(self, Link::Shm(_))
+    }
+
+    /// The data path a switched socket on this connection takes.
+    pub(crate) fn data_path(&self) -> DataPath {
+        match self {
+            Link::Shm(_) => DataPath::SanShm,
+            Link::Verbs(_) => DataPath::SanVerbs,
+        }
+    }
+
+    /// The registrations (domain and cache) the socket's memory is registered with: the
+    /// verbs domain's, or the process-wide shm one.
+    pub(crate) fn registrations(&self) -> Option<&'static SharedRegistrations> {
+        match self {
+            Link::Verbs(link) => Some(link.registrations()),
+            Link::Shm(_) => provider().map(|p| &p.registrations),
+        }
+    }
+
+    /// Verbs, pending client: we declined the acceptor's connect for want of resources
+    /// (see `VerbsLink::declined`). Shm: false.
+    pub(crate) fn declined(&self) -> bool {
+        matches!(self, Link::Verbs(link) if link.declined())
+    }
+
+    /// Verbs: arms the completion channel (`solicited_only`: for the peer's messages alone);
+    /// false when completions are pending (drive first). Shm: nothing to arm.
+    pub(crate) fn arm(&mut self, solicited_only: bool) -> bool {
+        match self {
+            Link::Verbs(link) => link.arm(solicited_only),
+            Link::Shm(_) => true,
+        }
+    }
+
+    /// Verbs: collects the channel and connection events after a wake-up on the
+    /// connection's fd (the next drive handles the completions). Shm: nothing to collect.
+    pub(crate) fn collect_events(&mut self) {
+        if let Link::Verbs(link) = self {
+            link.collect_events();
+        }
+    }
+
+    /// Verbs: raises our own mirror (the peer is remote and cannot). Shm: the peer does.
+    pub(crate) fn raise_own_mirror(&self, readable: bool, writable: bool) {
+        if let Link::Verbs(link) = self {
+            link.raise(readable, writable);
+        }
+    }
+
+    /// The application made a call on the socket that moved data: `sent` bytes out,
+    /// `received` bytes in (verbs: whether a later read waits for an answer, see
+    /// `VerbsLink::answer_expected`). Shm: nothing to note.
+    pub(crate) fn note_call(&mut self, sent: bool, received: bool) {
+        if let Link::Verbs(link) = self {
+            link.note_call();
+            if received {
+                link.answer_expected = false;
+            }
+            if sent {
+                link.answer_expected = true;
+            }
+        }
+    }
+
+    /// Verbs: whether a blocked reader polls the completion queue before it sleeps (an
+    /// answer is expected and the connection's `SpinPolicy` says polling pays). Shm: never.
+    pub(crate) fn polls_before_sleeping(&mut self) -> bool {
+        match self {
+            Link::Verbs(link) => link.answer_expected && link.spin.should_poll(),
+            Link::Shm(_) => false,
+        }
+    }
+
+    /// One poll round of a blocked reader: verbs, true when a completion waits for the
+    /// drive (a thread polling is in a call: the service thread's tick leaves the link be);
+    /// shm, true (there is nothing to poll: look at the session).
+    pub(crate) fn poll_round(&mut self) -> bool {
+        match self {
+            Link::Verbs(link) => {
+                link.note_call();
+                link.gather()
+            }
+            Link::Shm(_) => true,
+        }
+    }
+
+    /// Verbs: whether a polled wait's end is owed (see `VerbsLink::owed`). Shm: false.
+    pub(crate) fn owed(&self) -> bool {
+        matches!(self, Link::Verbs(link) if link.owed())
+    }
+
+    /// A blocking wait watches the connection's events itself: verbs, its pollable fd
+    /// (see `VerbsLink::begin_direct_wait`); shm, nothing (`None`). `Err`: the channel is
+    /// not armed.
+    pub(crate) fn begin_direct_wait(&mut self) -> Result<Option<RawFd>, NotArmed> {
+        match self {
+            Link::Verbs(link) => link.begin_direct_wait().map(Some).ok_or(NotArmed),
+            Link::Shm(_) => Ok(None),
+        }
+    }
+
+    /// The end of a direct wait (verbs; shm has none).
+    pub(crate) fn end_direct_wait(&mut self) {
+        if let Link::Verbs(link) = self {
+            link.end_direct_wait();
+        }
+    }
+
+    /// A reader's poll found news: the end of its direct wait is owed (verbs, see
+    /// `VerbsLink::owe_direct_wait_end`; shm has none).
+    pub(crate) fn owe_direct_wait_end(&mut self) {
+        if let Link::Verbs(link) = self {
+            link.owe_direct_wait_end();
+        }
+    }
+
+    /// Settles what a polled wait owes, first half (verbs, see
+    /// `VerbsLink::take_owed_event`): true when something was owed. Shm: false.
+    pub(crate) fn take_owed_event(&mut self) -> bool {
+        match self {
+            Link::Verbs(link) => link.take_owed_event(),
+            Link::Shm(_) => false,
         }
     }
 

@@ -1,6 +1,10 @@
-//! The SAN path of the interposer: connected TCP sockets carried over the intra-host `shm`
-//! provider by the switch's session, with an exact switch-over (see `docs/ARCHITECTURE.md`,
-//! "Discovery and the exact switch-over point").
+//! The SAN path of the interposer: connected TCP sockets carried by the switch's session
+//! over the intra-host `shm` provider or, across hosts, RDMA verbs, with an exact
+//! switch-over (see `docs/ARCHITECTURE.md`, "Discovery and the exact switch-over point").
+//!
+//! This file holds the lifecycle entry points (listen, connect, accept, release, shutdown,
+//! fork) and re-exports the calls; the files below it are listed bottom-up at their `mod`
+//! declarations.
 //!
 //! # Enabling
 //! On by default; `SANDIRECT_SAN=0` (read at init) keeps every socket on kernel TCP and
@@ -91,195 +95,79 @@
 //! * Two ends in one process: a thread about to sleep (blocking call, poll, epoll, select)
 //!   first drives the other end, since it may be the only thread that ever would.
 
-mod downgrade;
+// The files, bottom-up: each imports only from the groups above its own.
+// The ground: kernel calls, tunables, the exchange, registrations, stashes, nudges, the
+// stream operations' typed result.
 mod exchange;
-mod io;
-mod link;
+mod kernel;
 mod nudge;
+mod outcome;
 mod registrations;
-mod socket;
 mod stash;
+mod tunables;
+
+// Process-wide shm resources, the stash holder, the verbs adapter.
+mod provider;
+mod stashed;
 mod verbs;
 
+// The connection under a session, then the socket (one `impl` file per concern).
+mod link;
+
+mod socket;
+
+// The slot table of SAN objects, then the background threads that walk it.
+mod table;
+
+mod service;
+
+// The switch-over and epoll moves, then blocking.
+mod switchover;
+
+mod wait;
+
+// Moving connections back to kernel TCP (fork, exec).
+mod downgrade;
+
+// The calls: reading, sending, readiness.
+mod readiness;
+mod recv;
+mod send;
+
 use core::ffi::c_int;
-use core::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::Ordering;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::MutexGuard;
 
-pub use downgrade::{adopt_stashes, downgrade_all, stash_env, FORK_BUDGET};
+pub use downgrade::{adopt_stashes, downgrade_all, stash_env};
 pub(crate) use downgrade::{pass_on, stash_of};
-pub use io::{
-    assist_all_in_process, correct_epoll_events, poll_fds, readable_bytes, recv_iov,
-    select_via_poll, send_iov, service_all, RawBuf,
-};
-pub(crate) use verbs::settle_all_owed;
+pub use kernel::RawBuf;
+pub use provider::enabled;
+pub use readiness::{correct_epoll_events, poll_fds, readable_bytes, select_via_poll};
+pub use recv::recv_iov;
+pub use send::send_iov;
+pub use service::service_all;
+pub(crate) use service::settle_all_owed;
+pub use switchover::assist_all_in_process;
+pub use table::{counters, live_sockets, san_index, SanCounters};
+pub use tunables::FORK_BUDGET;
 
-use crate::discovery::{
-    ConnectionKey, ListenerMarker, NegativeCache, NegativeCacheConfig, PeerKind, SegmentDir,
-};
-use crate::fdtable::FdEntry;
+use crate::discovery::{ConnectionKey, ListenerMarker, PeerKind};
 use crate::record::{flags, Bypass, DataPath, SocketRecord};
 use crate::registry::registry;
 use crate::settings::ProviderChoice;
+use kernel::{route_source, socket_name};
+use provider::provider;
 use socket::{SanSocket, SetupError};
+use table::{forget_name, lock, orphaned, SanObject, COUNTERS, LIVE};
 
-/// What the slot of a socket record holds.
-#[derive(Debug)]
-enum SanObject {
-    /// A listening socket's published marker.
-    Marker(ListenerMarker),
-    /// A connected socket on (or about to switch to) the SAN.
-    Socket(Box<SanSocket>),
-    /// A downgraded socket whose stash still holds bytes received over the SAN.
-    Stashed(Box<downgrade::Stashed>),
-}
-
-type Slot = Mutex<Option<SanObject>>;
-
-const SLOTS_PER_CHUNK: usize = 1024;
-const CHUNKS: usize = crate::registry::MAX_CHUNKS;
-
-/// Slot chunks, allocated on first use and never freed (record indices are reused, so the
-/// number of slots is bounded by the most sockets ever open at once).
-static SLOT_CHUNKS: [AtomicPtr<Slot>; CHUNKS] =
-    [const { AtomicPtr::new(core::ptr::null_mut()) }; CHUNKS];
-
-/// Sockets with a SAN object (pending or switched): while zero, poll/select pay nothing.
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-/// Counters of the SAN path (process-wide, for diagnostics and tests).
-#[derive(Debug, Default)]
-pub struct SanCounters {
-    /// Connections that switched to the SAN (both sides count).
-    pub switched: AtomicU64,
-    /// Client connections that stayed on TCP because the server is plain (probe or cache).
-    pub peer_plain: AtomicU64,
-    /// Of those, answered by the negative cache without a probe.
-    pub plain_cached: AtomicU64,
-    /// Set-ups or switches that failed on a resource and fell back to TCP.
-    pub fallbacks: AtomicU64,
-    /// Connections moved back to kernel TCP live (fork, exec, or the peer's).
-    pub downgraded: AtomicU64,
-}
-
-static COUNTERS: SanCounters = SanCounters {
-    switched: AtomicU64::new(0),
-    peer_plain: AtomicU64::new(0),
-    plain_cached: AtomicU64::new(0),
-    fallbacks: AtomicU64::new(0),
-    downgraded: AtomicU64::new(0),
-};
-
-/// The process-wide counters.
-pub fn counters() -> &'static SanCounters {
-    &COUNTERS
-}
-
-fn slot(index: u32) -> &'static Slot {
-    let chunk_index = (index as usize / SLOTS_PER_CHUNK).min(CHUNKS - 1);
-    let chunk = &SLOT_CHUNKS[chunk_index];
-    let mut base = chunk.load(Ordering::Acquire);
-    if base.is_null() {
-        let fresh: Box<[Slot]> = (0..SLOTS_PER_CHUNK).map(|_| Mutex::new(None)).collect();
-        let fresh = Box::into_raw(fresh).cast::<Slot>();
-        match chunk.compare_exchange(
-            core::ptr::null_mut(),
-            fresh,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        ) {
-            Ok(_) => base = fresh,
-            Err(winner) => {
-                // SAFETY: `fresh` came from Box::into_raw of a slice of this length just
-                // above and was never published.
-                drop(unsafe {
-                    Box::from_raw(core::ptr::slice_from_raw_parts_mut(fresh, SLOTS_PER_CHUNK))
-                });
-                base = winner;
-            }
-        }
+/// Installs `socket` in the slot of record index `index`.
+fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
+    if socket.is_intra_host() {
+        // A fork in the peer process needs our answer even while the application is idle.
+        service::ensure_responder();
     }
-    // SAFETY: `base` points to SLOTS_PER_CHUNK slots that are never freed; the offset is
-    // reduced modulo the chunk size.
-    unsafe { &*base.add(index as usize % SLOTS_PER_CHUNK) }
-}
-
-fn lock(index: u32) -> MutexGuard<'static, Option<SanObject>> {
-    slot(index)
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// Process-wide SAN resources, created on first use.
-struct Provider {
-    /// The process-wide domain and registration cache.
-    registrations: registrations::SharedRegistrations,
-    negative: NegativeCache,
-    dir: PathBuf,
-    /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
-    rendezvous: bool,
-    /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
-    /// (`SANDIRECT_SAN_RDMA_READ`; `None`: the device's default, see [`rdma_read_offered`]).
-    rdma_read: Option<bool>,
-}
-
-/// Whether this process offers rendezvous to its peers (the negotiated threshold is the
-/// larger of both sides', so one side turning it off turns it off for the connection).
-fn rendezvous_enabled() -> bool {
-    provider().is_some_and(|p| p.rendezvous)
-}
-
-/// Whether this process's verbs connections offer READ-mode rendezvous on a device that can
-/// read: `SANDIRECT_SAN_RDMA_READ` when set, else READ on RoCE and InfiniBand and WRITE on
-/// iWARP, where the sink of a READ needs remote-write rights (a wider exposure than WRITE
-/// mode's) and soft-iWARP moves READs far slower than WRITEs (1 MiB blocking sends over siw ran
-/// at ~0.6x the WRITE mode's rate); over soft-RoCE both modes run at the inline path's rate
-/// with a third of its CPU time. `iwarp`: the device follows iWARP's rules.
-fn rdma_read_offered(iwarp: bool) -> bool {
-    provider().and_then(|p| p.rdma_read).unwrap_or(!iwarp)
-}
-
-static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
-
-fn provider() -> Option<&'static Provider> {
-    if !enabled() {
-        return None;
-    }
-    PROVIDER
-        .get_or_init(|| {
-            let override_dir = crate::settings::shm_dir();
-            match SegmentDir::open(override_dir.as_deref()) {
-                Ok(dir) => Some(Provider {
-                    registrations: registrations::SharedRegistrations::new(
-                        san_shm::ShmDomain::new(san_shm::DomainConfig::default()),
-                    ),
-                    negative: NegativeCache::new(NegativeCacheConfig::default()),
-                    dir: dir.path().to_path_buf(),
-                    rendezvous: crate::settings::rendezvous_allowed(),
-                    rdma_read: crate::settings::rdma_read(),
-                }),
-                Err(error) => {
-                    tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");
-                    None
-                }
-            }
-        })
-        .as_ref()
-}
-
-/// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
-pub fn enabled() -> bool {
-    crate::settings::san_enabled()
-}
-
-/// The SAN slot index of `entry` when its socket has a SAN object (the data-path check:
-/// one flag load for tracked sockets).
-#[inline]
-pub fn san_index(entry: FdEntry) -> Option<u32> {
-    let index = entry.socket_index()?;
-    let record = registry().get(index)?;
-    (record.flags() & flags::SAN != 0).then_some(index)
+    table::insert(index, record, socket);
 }
 
 /// `listen()` succeeded on a tracked socket: publish the marker.
@@ -299,85 +187,6 @@ pub fn on_listen(fd: c_int, index: u32) {
     }
 }
 
-/// Sockets by segment name, for connections whose two ends are both in this process.
-static BY_NAME: Mutex<Vec<(String, u32)>> = Mutex::new(Vec::new());
-
-fn by_name() -> MutexGuard<'static, Vec<(String, u32)>> {
-    BY_NAME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// The other socket of an in-process connection named `name`.
-fn in_process_peer(name: &crate::discovery::SegmentName, index: u32) -> Option<u32> {
-    by_name()
-        .iter()
-        .find(|(n, i)| *i != index && n == name.as_str())
-        .map(|&(_, i)| i)
-}
-
-/// How many entries of [`BY_NAME`] share their name with another (sockets whose peer is in
-/// this process). Kept exact under the `BY_NAME` lock so that waits in processes without
-/// in-process connections (every real application) skip the name list entirely.
-static PAIRED: AtomicUsize = AtomicUsize::new(0);
-
-/// Sockets whose peer is in this process (both ends listed by name), or `None` when there
-/// are none (the common case: one atomic load, no lock, no allocation).
-fn in_process_indices() -> Option<Vec<u32>> {
-    if PAIRED.load(Ordering::Acquire) == 0 {
-        return None;
-    }
-    let names = by_name();
-    let paired: Vec<u32> = names
-        .iter()
-        .filter(|(name, index)| names.iter().any(|(n, i)| i != index && n == name))
-        .map(|&(_, index)| index)
-        .collect();
-    (!paired.is_empty()).then_some(paired)
-}
-
-/// How many entries become paired when one joins the entries named `name` (or
-/// unpaired when one leaves them): a first partner pairs both.
-fn pairing_change(names: &[(String, u32)], name: &str) -> usize {
-    match names.iter().filter(|(n, _)| n == name).count() {
-        0 => 0,
-        1 => 2,
-        _ => 1,
-    }
-}
-
-/// Removes socket `index` from the name list, keeping [`PAIRED`] exact.
-fn remove_name(names: &mut Vec<(String, u32)>, index: u32) {
-    let Some(position) = names.iter().position(|&(_, i)| i == index) else {
-        return;
-    };
-    let (name, _) = names.swap_remove(position);
-    PAIRED.fetch_sub(pairing_change(names, &name), Ordering::AcqRel);
-}
-
-/// Forgets the name of socket `index` (its SAN object is gone).
-fn forget_name(index: u32) {
-    remove_name(&mut by_name(), index);
-}
-
-fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
-    if socket.is_intra_host() {
-        // A fork in the peer process needs our answer even while the application is idle.
-        nudge::ensure_responder();
-    }
-    {
-        let mut names = by_name();
-        remove_name(&mut names, index);
-        let name = socket.name.as_str();
-        let paired = pairing_change(&names, name);
-        names.push((name.to_owned(), index));
-        PAIRED.fetch_add(paired, Ordering::AcqRel);
-    }
-    *lock(index) = Some(SanObject::Socket(Box::new(socket)));
-    record.set_flag(flags::SAN, true);
-    LIVE.fetch_add(1, Ordering::Relaxed);
-}
-
 /// What [`before_connect`] decided for a client socket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -390,49 +199,6 @@ pub enum ClientPlan {
     Pending,
     /// Setting up failed on a resource: plain TCP.
     Failed,
-}
-
-/// The source address the kernel will pick for a connection to `peer` (the routing decision
-/// of a connected UDP socket, which sends nothing).
-fn route_source(peer: SocketAddr) -> Option<std::net::IpAddr> {
-    let domain = if peer.is_ipv4() {
-        libc::AF_INET
-    } else {
-        libc::AF_INET6
-    };
-    // SAFETY: plain socket(2).
-    let raw = unsafe { libc::socket(domain, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return None;
-    }
-    // SAFETY: `raw` was just returned by socket() and is owned by nobody else.
-    let socket = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-    let (storage, len) = crate::discovery::socket_addr_to_raw(peer);
-    // SAFETY: `storage` holds a valid address of length `len`.
-    let rc = unsafe { libc::connect(raw, (&storage as *const libc::sockaddr_storage).cast(), len) };
-    if rc != 0 {
-        return None;
-    }
-    let local = socket_name(std::os::fd::AsRawFd::as_raw_fd(&socket))?;
-    Some(local.ip())
-}
-
-fn socket_name(fd: c_int) -> Option<SocketAddr> {
-    // SAFETY: zeroed storage is a valid sockaddr_storage.
-    let mut storage: libc::sockaddr_storage = unsafe { core::mem::zeroed() };
-    let mut len = core::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    // SAFETY: the kernel writes at most `len` bytes into `storage`.
-    if unsafe {
-        crate::real::getsockname(
-            fd,
-            (&mut storage as *mut libc::sockaddr_storage).cast(),
-            &mut len,
-        )
-    } != 0
-    {
-        return None;
-    }
-    crate::discovery::socket_addr_from_raw(&storage, len).ok()
 }
 
 /// Before a TCP client's `connect()` to `peer`: if the server is a preloaded local listener,
@@ -455,7 +221,7 @@ pub fn before_connect(
         return ClientPlan::Skip;
     }
     // Same host (a listener marker answers): shared memory. Otherwise, when a device serves
-    // the route's source address: verbs (`verbs::client`).
+    // the route's source address: verbs (`verbs::connect::client`).
     let mode = crate::settings::provider_choice();
     let kind = if mode == ProviderChoice::Verbs {
         PeerKind::Plain
@@ -498,7 +264,7 @@ pub fn before_connect(
     }
     let name = ConnectionKey::from_connecting_side(local, peer).segment_name();
     if via_verbs {
-        return match verbs::client(fd, local, peer) {
+        return match verbs::connect::client(fd, local, peer, service::start) {
             Some(link) => {
                 tracing::debug!(fd, %local, %peer, "pending verbs SAN client");
                 install(index, record, SanSocket::verbs_client(record, &name, link));
@@ -585,10 +351,10 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
     let accepted = match shm {
         // Not a same-host client: a cross-host one, if a device serves this address.
         Err(SetupError::PeerPlain) if mode != ProviderChoice::Shm => {
-            match verbs::acceptor(local, peer) {
+            match verbs::connect::acceptor(local, peer, service::start) {
                 Ok(link) => SanSocket::verbs_acceptor(record, &name, link),
-                Err(verbs::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
-                Err(verbs::AcceptorError::Resource) => Err(SetupError::Resource),
+                Err(verbs::connect::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
+                Err(verbs::connect::AcceptorError::Resource) => Err(SetupError::Resource),
             }
         }
         other => other,
@@ -603,7 +369,7 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
             COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
             install(index, record, socket);
             if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-                verbs::watch_socket(index, socket);
+                service::watch_socket(index, socket);
             }
         }
         Err(SetupError::PeerPlain) => {
@@ -636,11 +402,11 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
                 // handshake so our FIN can follow (a close before it would be a reset).
                 for _ in 0..3 {
                     socket.service();
-                    io::assist_all_in_process();
+                    switchover::assist_all_in_process();
                 }
             }
             forget_name(index);
-            let (abortive, linger) = fd.map_or((false, io::DEFAULT_LINGER), io::linger_of);
+            let (abortive, linger) = fd.map_or((false, kernel::DEFAULT_LINGER), kernel::linger_of);
             socket.close(fd, abortive, linger);
         }
         Some(SanObject::Marker(marker)) => drop(marker),
@@ -678,8 +444,20 @@ pub fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: 
 }
 
 /// `shutdown()` on a SAN socket (after the real shutdown succeeded).
+/// The pending client's record flags carry it into the session at the switch.
 pub fn on_shutdown(fd: c_int, index: u32, how: c_int) {
-    io::shutdown(fd, index, how);
+    if orphaned(index) {
+        return;
+    }
+    switchover::switch_pending(fd, index);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        if socket.phase == socket::Phase::Switched {
+            if how != libc::SHUT_RD {
+                socket.wake_pending_client(fd);
+            }
+            socket.shutdown(how);
+        }
+    }
 }
 
 /// fork child: the parent keeps the sessions (a session cannot be shared by two processes).
@@ -689,7 +467,7 @@ pub fn on_shutdown(fd: c_int, index: u32, how: c_int) {
 /// Lock-free, and no syscall but closing the inherited nudge socket: runs in the atfork child
 /// handler.
 pub fn after_fork_in_child() {
-    nudge::after_fork_in_child();
+    service::after_fork_in_child();
     registry().for_each_live(|_, record| {
         // A stash holder is plain TCP plus shared memory: it works in both processes.
         if record.flags() & flags::SAN != 0 && record.flags() & flags::STASHED == 0 {
@@ -700,19 +478,13 @@ pub fn after_fork_in_child() {
     });
 }
 
-fn orphaned(index: u32) -> bool {
-    registry()
-        .get(index)
-        .is_none_or(|record| record.bypass() == Bypass::AfterFork)
-}
-
 /// The mirror end `M` of a switched SAN socket (what epoll watches in its place); a pending
 /// client whose acceptor attached switches first.
 pub fn mirror_of(fd: c_int, index: u32) -> Option<c_int> {
     if orphaned(index) {
         return None;
     }
-    io::switch_pending(fd, index);
+    switchover::switch_pending(fd, index);
     match lock(index).as_mut() {
         Some(SanObject::Socket(socket))
             if socket.phase == socket::Phase::Switched && !socket.epoll_on_tcp =>
@@ -738,9 +510,4 @@ pub fn epoll_registrations_changed(index: u32) {
     if let Some(SanObject::Socket(socket)) = lock(index).as_ref() {
         socket.set_edge_per_arrival(edge_triggered);
     }
-}
-
-/// Number of sockets currently with a SAN object.
-pub fn live_sockets() -> usize {
-    LIVE.load(Ordering::Relaxed)
 }

@@ -1,5 +1,6 @@
 //! Nudges: making a peer process answer a downgrade while its application makes no socket
-//! call.
+//! call. This module is the nudge itself (its address, sending one, and receiving one with
+//! the sender's credentials checked); the responder thread that answers is in `service`.
 //!
 //! Before `fork()` every SAN connection is moved back to kernel TCP, and that takes the peer's
 //! part: its session must send its own `Downgrade` (see `downgrade`). A peer answers in its
@@ -10,7 +11,7 @@
 //! So every process with an intra-host SAN connection keeps one **responder** thread, blocked
 //! in `recvmsg` on an abstract Unix datagram socket named `\0sandirect/<euid>/N/<pid>`: it
 //! costs nothing until a nudge arrives (no timer, no spinning), and then services every SAN
-//! socket of the process once (`io::service_all`: the same work an application call or a wait
+//! socket of the process once (`service::service_all`: the same work an application call or a wait
 //! slice does), which answers a pending `Downgrade`. A forking process nudges the pid of every
 //! peer it waits for, again every [`NUDGE_INTERVAL`] while the answer is missing (an answer
 //! may need several rounds when credits are short).
@@ -26,72 +27,18 @@
 //! connection. The descriptor is close-on-exec and sits above the application's numbers.
 
 use core::mem::{size_of, zeroed};
-use core::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicI32, Ordering};
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
 use crate::discovery::{effective_uid, nudge_address};
-use crate::guard::ReentrancyGuard;
 use crate::real;
 
 /// How often a forking process repeats its nudge while a peer has not answered.
 pub(crate) const NUDGE_INTERVAL: Duration = Duration::from_millis(20);
 
-/// The responder's socket in this process (-1: none).
-static RESPONDER_FD: AtomicI32 = AtomicI32::new(-1);
-/// The pid whose responder was set up (or tried): a fork child sees its parent's and sets up
-/// its own.
-static RESPONDER_PID: AtomicU32 = AtomicU32::new(0);
-
-/// Makes sure this process answers nudges: on first use per process, binds the nudge name and
-/// starts the responder thread. Called as an intra-host SAN connection is installed.
-pub(crate) fn ensure_responder() {
-    let pid = std::process::id();
-    let claimed = RESPONDER_PID.load(Ordering::Acquire);
-    if claimed == pid {
-        return;
-    }
-    // One thread sets up per process; a failed set-up is not retried (the fork then waits
-    // its budget for idle peers, as it would without nudges).
-    if RESPONDER_PID
-        .compare_exchange(claimed, pid, Ordering::AcqRel, Ordering::Acquire)
-        .is_err()
-    {
-        return;
-    }
-    match bind_nudge_socket(pid) {
-        Ok(socket) => {
-            let raw = socket.into_raw_fd();
-            RESPONDER_FD.store(raw, Ordering::Release);
-            // The new thread's own start-up (std's thread bookkeeping) happens before we
-            // return: the application's steady state must see no allocation of ours.
-            let ready = ReadySignal::new();
-            let signal = ready.as_ref().map(ReadySignal::fd);
-            let started = crate::process::spawn_internal_thread("sandirect-nudge", move || {
-                if let Some(fd) = signal {
-                    ReadySignal::ring(fd);
-                }
-                respond(raw)
-            });
-            if !started {
-                tracing::debug!("nudge responder: thread not started");
-                close_responder_socket();
-            } else if let Some(ready) = ready {
-                ready.wait(1000);
-            }
-        }
-        Err(op) => {
-            tracing::debug!(
-                op,
-                errno = crate::errno::get(),
-                "nudge responder not set up: idle peers cannot be hurried"
-            );
-        }
-    }
-}
-
 /// The bound, credential-passing socket of process `pid`, or the call that failed.
-fn bind_nudge_socket(pid: u32) -> Result<OwnedFd, &'static str> {
+pub(super) fn bind_nudge_socket(pid: u32) -> Result<OwnedFd, &'static str> {
     // SAFETY: plain socket(2) through the real symbol.
     let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
@@ -123,42 +70,8 @@ fn bind_nudge_socket(pid: u32) -> Result<OwnedFd, &'static str> {
     Ok(socket)
 }
 
-fn close_responder_socket() {
-    let fd = RESPONDER_FD.swap(-1, Ordering::AcqRel);
-    if fd >= 0 {
-        // SAFETY: our own descriptor, taken out of the static first so it closes once.
-        unsafe { libc::close(fd) };
-    }
-}
-
-/// fork child: the responder thread was not copied; close the inherited socket so the name
-/// dies with the parent. Async-signal-safe (one atomic swap, one `close`).
-pub(crate) fn after_fork_in_child() {
-    close_responder_socket();
-}
-
-/// The responder thread: waits for nudges, then services every SAN socket once per batch.
-fn respond(fd: libc::c_int) {
-    // Our own calls (recvmsg, and everything servicing does) must not go through the hooks'
-    // SAN logic.
-    let _inside = ReentrancyGuard::enter();
-    let uid = effective_uid();
-    loop {
-        match receive(fd, uid, 0) {
-            Received::Nudge => {}
-            Received::Ignored | Received::Interrupted => continue,
-            Received::Closed => return,
-        }
-        // Nudges that queued meanwhile are served by this same round.
-        while matches!(
-            receive(fd, uid, libc::MSG_DONTWAIT),
-            Received::Nudge | Received::Ignored
-        ) {}
-        super::io::service_all();
-    }
-}
-
-enum Received {
+/// What [`receive`] got.
+pub(super) enum Received {
     /// A nudge from a process of our user.
     Nudge,
     /// A datagram without our user's credentials: dropped.
@@ -169,7 +82,9 @@ enum Received {
     Closed,
 }
 
-fn receive(fd: libc::c_int, uid: u32, flags: libc::c_int) -> Received {
+/// Receives one datagram on the responder's socket `fd` (`flags`: `MSG_DONTWAIT` or 0):
+/// a nudge when its sender's credentials say user `uid`.
+pub(super) fn receive(fd: libc::c_int, uid: u32, flags: libc::c_int) -> Received {
     let mut byte = 0u8;
     let mut iov = libc::iovec {
         iov_base: (&mut byte as *mut u8).cast(),
@@ -274,48 +189,6 @@ fn sender() -> Option<libc::c_int> {
             // SAFETY: ours, lost the race: close it.
             unsafe { libc::close(raw) };
             Some(theirs)
-        }
-    }
-}
-
-/// A one-shot "started" signal from a new thread (an eventfd: no allocation on either side).
-struct ReadySignal(OwnedFd);
-
-impl ReadySignal {
-    fn new() -> Option<ReadySignal> {
-        // SAFETY: plain eventfd(2).
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        (raw >= 0).then(|| {
-            // SAFETY: a fresh descriptor owned by nobody else.
-            let owned = unsafe { OwnedFd::from_raw_fd(raw) };
-            ReadySignal(crate::mirror::relocate_internal_fd(owned))
-        })
-    }
-
-    fn fd(&self) -> libc::c_int {
-        std::os::fd::AsRawFd::as_raw_fd(&self.0)
-    }
-
-    /// From the new thread. The descriptor stays open until [`ReadySignal::wait`] returns.
-    fn ring(fd: libc::c_int) {
-        let one = 1u64;
-        // SAFETY: an 8-byte write to the eventfd.
-        unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-    }
-
-    /// Waits (bounded) for the ring. The descriptor is closed once rung; a thread that has
-    /// not rung in time keeps it (leaked), so its late write can never hit a number the
-    /// application got meanwhile.
-    fn wait(self, timeout_ms: libc::c_int) {
-        let mut pfd = libc::pollfd {
-            fd: self.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, bounded timeout.
-        let rc = unsafe { real::poll(&mut pfd, 1, timeout_ms) };
-        if rc != 1 {
-            core::mem::forget(self);
         }
     }
 }

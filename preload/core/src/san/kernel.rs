@@ -1,0 +1,267 @@
+//! The kernel side of the SAN path's calls: the application's I/O vectors, nonblocking TCP
+//! reads and writes on its socket (the pending client's counted bytes, the acceptor's
+//! pre-switch bytes, a downgraded stream's continuation), socket options and names, and file
+//! identities. Plain system calls through the real symbols; no SAN state.
+
+use core::ffi::c_int;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::real;
+use crate::record::Counter;
+use crate::registry::registry;
+
+/// How long a graceful close may wait for queued data to leave when `SO_LINGER` is off.
+pub(super) const DEFAULT_LINGER: Duration = Duration::from_secs(2);
+
+/// One buffer of an I/O vector, as raw parts (the hooks' callers own the memory).
+#[derive(Clone, Copy, Debug)]
+pub struct RawBuf {
+    /// Start.
+    pub ptr: *mut u8,
+    /// Length.
+    pub len: usize,
+}
+
+/// Plain C data a socket option is read into: every bit pattern (all zeroes included) is a
+/// valid value, so [`socket_option`] may start from zeroes and keep what the kernel wrote.
+pub(super) trait OptionValue: Copy {}
+impl OptionValue for c_int {}
+impl OptionValue for libc::linger {}
+impl OptionValue for libc::tcp_info {}
+
+/// `getsockopt(fd, level, name)` through the real symbol, into a zeroed `T` (a kernel that
+/// writes less, an older `tcp_info`, leaves the rest zero); `None` when the call failed.
+pub(super) fn socket_option<T: OptionValue>(fd: c_int, level: c_int, name: c_int) -> Option<T> {
+    let mut value = core::mem::MaybeUninit::<T>::zeroed();
+    let mut len = core::mem::size_of::<T>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `value`.
+    let rc = unsafe { real::getsockopt(fd, level, name, value.as_mut_ptr().cast(), &mut len) };
+    // SAFETY: zero-initialised, and zeroes (or the kernel's bytes over them) are a valid `T`
+    // (`OptionValue`).
+    (rc == 0).then(|| unsafe { value.assume_init() })
+}
+
+/// `SO_LINGER` of `fd`: (abortive close, how long a graceful close may wait).
+pub(super) fn linger_of(fd: c_int) -> (bool, Duration) {
+    match socket_option::<libc::linger>(fd, libc::SOL_SOCKET, libc::SO_LINGER) {
+        Some(value) if value.l_onoff != 0 && value.l_linger == 0 => (true, Duration::ZERO),
+        Some(value) if value.l_onoff != 0 => {
+            (false, Duration::from_secs(value.l_linger.max(0) as u64))
+        }
+        _ => (false, DEFAULT_LINGER),
+    }
+}
+
+/// One nonblocking `sendmsg` of the caller's buffers from offset `done` on TCP, counted in
+/// socket `index`'s record.
+pub(super) fn send_on_tcp(
+    fd: c_int,
+    index: u32,
+    bufs: &[RawBuf],
+    done: usize,
+    send_flags: c_int,
+) -> isize {
+    let mut iov = remaining_iov(bufs, done);
+    // SAFETY: plain data, zero is valid.
+    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` describes the caller's buffers (valid for the call).
+    let n = unsafe { real::sendmsg(fd, &msg, send_flags | libc::MSG_DONTWAIT) };
+    if n > 0 {
+        if let Some(record) = registry().get(index) {
+            record.count(Counter::TcpSent, n as u64);
+        }
+    }
+    n
+}
+
+/// The part of `bufs` after the first `done` bytes, as iovecs (for system calls).
+fn remaining_iov(bufs: &[RawBuf], done: usize) -> Vec<libc::iovec> {
+    remaining_pieces(bufs, done).collect()
+}
+
+/// The part of `bufs` after the first `done` bytes, one iovec per buffer, without
+/// allocating (the data calls' copies walk it).
+pub(super) fn remaining_pieces(
+    bufs: &[RawBuf],
+    mut done: usize,
+) -> impl Iterator<Item = libc::iovec> + '_ {
+    bufs.iter().filter_map(move |buf| {
+        if done >= buf.len {
+            done -= buf.len;
+            return None;
+        }
+        let skip = core::mem::take(&mut done);
+        Some(libc::iovec {
+            // SAFETY: `skip < len`, so the offset stays inside the caller's buffer.
+            iov_base: unsafe { buf.ptr.add(skip) }.cast(),
+            iov_len: buf.len - skip,
+        })
+    })
+}
+
+/// The next contiguous piece of `bufs` after `done` bytes.
+pub(super) fn next_piece<'a>(bufs: &[RawBuf], mut done: usize) -> &'a [u8] {
+    for buf in bufs {
+        if done >= buf.len {
+            done -= buf.len;
+            continue;
+        }
+        if buf.ptr.is_null() {
+            return &[];
+        }
+        // SAFETY: the caller's buffer is readable for its length for the duration of the
+        // hook call; `done < len`.
+        return unsafe { core::slice::from_raw_parts(buf.ptr.add(done), buf.len - done) };
+    }
+    &[]
+}
+
+/// Copies `data` into `bufs` after the first `done` bytes (as far as they reach).
+pub(super) fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
+    for buf in remaining_pieces(bufs, done) {
+        if data.is_empty() || buf.iov_base.is_null() {
+            break;
+        }
+        let n = buf.iov_len.min(data.len());
+        // SAFETY: the caller's buffer is writable for its length; `n` ≤ both lengths.
+        unsafe { core::ptr::copy_nonoverlapping(data.as_ptr(), buf.iov_base.cast::<u8>(), n) };
+        data = &data[n..];
+    }
+}
+
+/// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking.
+pub(super) fn recv_tcp(
+    fd: c_int,
+    bufs: &[RawBuf],
+    done: usize,
+    limit: u64,
+    recv_flags: c_int,
+) -> isize {
+    let mut iov = remaining_iov(bufs, done);
+    let mut left = usize::try_from(limit).unwrap_or(usize::MAX);
+    iov.retain_mut(|v| {
+        let keep = left > 0;
+        v.iov_len = v.iov_len.min(left);
+        left -= v.iov_len;
+        keep
+    });
+    // SAFETY: plain data, zero is valid.
+    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` describes the caller's buffers.
+    unsafe {
+        real::recvmsg(
+            fd,
+            &mut msg,
+            (recv_flags & !libc::MSG_WAITALL) | libc::MSG_DONTWAIT,
+        )
+    }
+}
+
+/// Writes `bytes` on TCP (nonblocking, waiting for room up to a second at a time, at most ten
+/// times); returns how many went out.
+pub(super) fn send_all_on_tcp(fd: c_int, bytes: &[u8]) -> usize {
+    let mut sent = 0;
+    for _ in 0..10 {
+        while sent < bytes.len() {
+            // SAFETY: the rest of our buffer.
+            let n = unsafe {
+                real::send(
+                    fd,
+                    bytes[sent..].as_ptr().cast(),
+                    bytes.len() - sent,
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            sent += n as usize;
+        }
+        if sent == bytes.len() {
+            break;
+        }
+        let mut entry = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        unsafe { real::poll(&mut entry, 1, 1000) };
+    }
+    sent
+}
+
+/// The source address the kernel will pick for a connection to `peer` (the routing decision
+/// of a connected UDP socket, which sends nothing).
+pub(super) fn route_source(peer: SocketAddr) -> Option<std::net::IpAddr> {
+    let domain = if peer.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain socket(2).
+    let raw = unsafe { libc::socket(domain, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return None;
+    }
+    // SAFETY: `raw` was just returned by socket() and is owned by nobody else.
+    let socket = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    let (storage, len) = crate::discovery::socket_addr_to_raw(peer);
+    // SAFETY: `storage` holds a valid address of length `len`.
+    let rc = unsafe { libc::connect(raw, (&storage as *const libc::sockaddr_storage).cast(), len) };
+    if rc != 0 {
+        return None;
+    }
+    let local = socket_name(std::os::fd::AsRawFd::as_raw_fd(&socket))?;
+    Some(local.ip())
+}
+
+pub(super) fn socket_name(fd: c_int) -> Option<SocketAddr> {
+    // SAFETY: zeroed storage is a valid sockaddr_storage.
+    let mut storage: libc::sockaddr_storage = unsafe { core::mem::zeroed() };
+    let mut len = core::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `storage`.
+    if unsafe {
+        crate::real::getsockname(
+            fd,
+            (&mut storage as *mut libc::sockaddr_storage).cast(),
+            &mut len,
+        )
+    } != 0
+    {
+        return None;
+    }
+    crate::discovery::socket_addr_from_raw(&storage, len).ok()
+}
+
+/// (file type bits, inode) of what is open on `fd`.
+pub(super) fn file_inode(fd: c_int) -> Option<(libc::mode_t, u64)> {
+    // SAFETY: an all-zero `struct stat` is valid; fstat writes one.
+    let mut st: libc::stat = unsafe { core::mem::zeroed() };
+    // SAFETY: fstat(2) writes one `struct stat`.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return None;
+    }
+    Some((st.st_mode & libc::S_IFMT, st.st_ino))
+}
+
+/// The inode of the socket open on `fd` (`None`: not open, or not a socket).
+pub(super) fn socket_inode(fd: c_int) -> Option<u64> {
+    file_inode(fd)
+        .filter(|&(kind, _)| kind == libc::S_IFSOCK)
+        .map(|(_, inode)| inode)
+}
+
+/// A SAN call fails with `code`: errno is set, the call returns -1.
+pub(super) fn fail(code: c_int) -> isize {
+    if code != libc::EAGAIN {
+        tracing::debug!(errno = code, "SAN call fails");
+    }
+    crate::errno::set(code);
+    -1
+}

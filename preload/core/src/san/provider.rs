@@ -1,0 +1,74 @@
+//! The process-wide resources of the shm provider, made on first use: the segment
+//! directory, the domain with its registration cache, the negative cache of plain servers,
+//! and the settings read with them.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use super::registrations::SharedRegistrations;
+use crate::discovery::{NegativeCache, NegativeCacheConfig, SegmentDir};
+
+/// Process-wide SAN resources, created on first use.
+pub(super) struct Provider {
+    /// The process-wide domain and registration cache.
+    pub(super) registrations: SharedRegistrations,
+    /// Servers known to be plain (not preloaded), asked before a probe.
+    pub(super) negative: NegativeCache,
+    /// Where the segments are created.
+    pub(super) dir: PathBuf,
+    /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
+    rendezvous: bool,
+    /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
+    /// (`SANDIRECT_SAN_RDMA_READ`; `None`: the device's default, see [`rdma_read_offered`]).
+    rdma_read: Option<bool>,
+}
+
+/// Whether this process offers rendezvous to its peers (the negotiated threshold is the
+/// larger of both sides', so one side turning it off turns it off for the connection).
+pub(super) fn rendezvous_enabled() -> bool {
+    provider().is_some_and(|p| p.rendezvous)
+}
+
+/// Whether this process's verbs connections offer READ-mode rendezvous on a device that can
+/// read: `SANDIRECT_SAN_RDMA_READ` when set, else READ on RoCE and InfiniBand and WRITE on
+/// iWARP, where the sink of a READ needs remote-write rights (a wider exposure than WRITE
+/// mode's) and soft-iWARP moves READs far slower than WRITEs (1 MiB blocking sends over siw ran
+/// at ~0.6x the WRITE mode's rate); over soft-RoCE both modes run at the inline path's rate
+/// with a third of its CPU time. `iwarp`: the device follows iWARP's rules.
+pub(super) fn rdma_read_offered(iwarp: bool) -> bool {
+    provider().and_then(|p| p.rdma_read).unwrap_or(!iwarp)
+}
+
+static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
+
+/// The resources, `None` while the SAN path is off or the segment directory is unusable.
+pub(super) fn provider() -> Option<&'static Provider> {
+    if !enabled() {
+        return None;
+    }
+    PROVIDER
+        .get_or_init(|| {
+            let override_dir = crate::settings::shm_dir();
+            match SegmentDir::open(override_dir.as_deref()) {
+                Ok(dir) => Some(Provider {
+                    registrations: SharedRegistrations::new(san_shm::ShmDomain::new(
+                        san_shm::DomainConfig::default(),
+                    )),
+                    negative: NegativeCache::new(NegativeCacheConfig::default()),
+                    dir: dir.path().to_path_buf(),
+                    rendezvous: crate::settings::rendezvous_allowed(),
+                    rdma_read: crate::settings::rdma_read(),
+                }),
+                Err(error) => {
+                    tracing::warn!(%error, "SAN segment directory unusable; staying on TCP");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
+
+/// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
+pub fn enabled() -> bool {
+    crate::settings::san_enabled()
+}

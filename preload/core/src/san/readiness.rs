@@ -1,0 +1,329 @@
+//! Readiness of SAN sockets to `poll`, `select` and `epoll`: a switched socket is watched
+//! through its mirror `M` in place of its TCP socket, a stash holder through its stash's
+//! eventfd, and what the kernel reports is corrected to agree with the session (no
+//! readability without data; errors and RDHUP, which a mirror cannot show); `FIONREAD`.
+
+use core::ffi::c_int;
+use core::sync::atomic::Ordering;
+
+use super::downgrade;
+use super::socket::Phase;
+use super::switchover::{
+    assist_all_in_process, assist_in_process_peer, switch_if_attached, switch_pending,
+};
+use super::table::{lock, orphaned, san_index, SanObject, LIVE};
+use crate::record::flags;
+use crate::registry::registry;
+use crate::{errno, real};
+
+/// `poll()`/`ppoll()` on a set containing SAN sockets: each switched SAN socket's entry is
+/// watched through its mirror `M` (the caller polls `fds` as rewritten, then calls
+/// [`poll_fds`] again with `restore` to put the application's fds back).
+///
+/// Returns the original fds of the rewritten entries (to restore), or an empty vector when
+/// nothing was rewritten.
+pub fn poll_fds(
+    fds: &mut [libc::pollfd],
+    restore: Option<&[(usize, c_int)]>,
+) -> Vec<(usize, c_int)> {
+    if let Some(saved) = restore {
+        for &(position, fd) in saved {
+            if let Some(entry) = fds.get_mut(position) {
+                entry.fd = fd;
+                correct_revents(entry);
+            }
+        }
+        return Vec::new();
+    }
+    let mut saved = Vec::new();
+    if LIVE.load(Ordering::Relaxed) == 0 {
+        return saved;
+    }
+    // A set without SAN sockets is not ours to drive: no allocation, no lock (the in-process
+    // assist matters only to a wait that depends on a SAN socket).
+    let mut assisted = false;
+    for (position, entry) in fds.iter_mut().enumerate() {
+        let Some(index) = san_index(crate::fdtable::table().lookup(entry.fd)) else {
+            continue;
+        };
+        if !assisted {
+            assisted = true;
+            assist_all_in_process();
+        }
+        if orphaned(index) {
+            continue;
+        }
+        switch_pending(entry.fd, index);
+        let mut slot = lock(index);
+        downgrade::settle(entry.fd, index, &mut slot);
+        let mirror = match slot.as_mut() {
+            Some(SanObject::Socket(socket))
+                if socket.phase == Phase::Switched && !socket.epoll_on_tcp =>
+            {
+                socket.set_watched();
+                // (The service thread must hear of arrivals while this thread sleeps.)
+                socket.settle_direct_wait();
+                socket.mirror_fd()
+            }
+            // Bytes in the stash: its eventfd (readable) stands in; the socket's own state
+            // is added back afterwards.
+            Some(SanObject::Stashed(stashed))
+                if stashed.stash.remaining() > 0 && entry.events & libc::POLLIN != 0 =>
+            {
+                Some(stashed.stash.ready_fd())
+            }
+            _ => None,
+        };
+        drop(slot);
+        if let Some(mirror) = mirror {
+            saved.push((position, entry.fd));
+            entry.fd = mirror;
+        }
+    }
+    saved
+}
+
+/// Makes a SAN entry's `revents` (as the mirror reported them) agree with the session: a
+/// spurious IN (a token for a handshake or a credit, no data) is lowered and dropped; ERR and
+/// RDHUP, which the mirror cannot show, are added from the session's state.
+fn correct_revents(entry: &mut libc::pollfd) {
+    let Some(index) = san_index(crate::fdtable::table().lookup(entry.fd)) else {
+        return;
+    };
+    let mut slot = lock(index);
+    if let Some(SanObject::Stashed(_)) = slot.as_ref() {
+        // The eventfd said "stash readable"; the rest is the socket's own state now.
+        let mut own = libc::pollfd {
+            fd: entry.fd,
+            events: entry.events,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, zero timeout.
+        unsafe { real::poll(&mut own, 1, 0) };
+        entry.revents = own.revents | (entry.revents & libc::POLLIN);
+        return;
+    }
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return;
+    };
+    if socket.epoll_on_tcp {
+        return;
+    }
+    if entry.revents & libc::POLLHUP != 0 {
+        socket.mirror_hung_up();
+    }
+    socket.service();
+    let readiness = socket.readiness();
+    if entry.revents & libc::POLLIN != 0
+        && !readiness.readable
+        && !socket.tcp_bytes_pending()
+        && socket.lower_readable()
+    {
+        entry.revents &= !libc::POLLIN;
+    }
+    if readiness.error {
+        entry.revents |= libc::POLLERR;
+    }
+    if readiness.read_hup && entry.events & libc::POLLRDHUP != 0 {
+        entry.revents |= libc::POLLRDHUP;
+    }
+}
+
+/// After `epoll_wait` returned `events` for `epfd`: a SAN socket reported readable only
+/// because of a handshake or credit token (no data, no FIN) has its mirror lowered and the
+/// IN bit dropped, as `correct_revents` does for `poll`; events left empty are removed.
+/// Returns the new count. A level-triggered reader then never sees readiness without data
+/// (strict clients such as wrk treat that `EAGAIN` as an error).
+pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> usize {
+    if LIVE.load(Ordering::Relaxed) == 0 {
+        return events.len();
+    }
+    let mut kept = 0;
+    for position in 0..events.len() {
+        let mut event = events[position];
+        if event.events & libc::EPOLLIN as u32 != 0 {
+            let data = event.u64;
+            let mut found = None;
+            registry().for_each_live(|index, record| {
+                if found.is_none()
+                    && record.flags() & flags::SAN != 0
+                    && record
+                        .epoll_registrations()
+                        .any(|(e, _, d)| e == epfd && d == data)
+                {
+                    found = Some(index);
+                }
+            });
+            if let Some(index) = found.filter(|&index| !orphaned(index)) {
+                let mut slot = lock(index);
+                // A pending client is watched on its TCP socket. IN there with the segment
+                // attached is the acceptor's switch marker, not data: switch now (the
+                // registration moves to the mirror, which rises when the acceptor's first
+                // bytes arrive) and judge the event like a switched socket's below. Without
+                // the segment (a plain server's data) the kernel's report stands.
+                if let Some(fd) = registry().get(index).map(|r| r.fd.load(Ordering::Acquire)) {
+                    let _ = switch_if_attached(fd, index, &mut slot);
+                }
+                if let Some(SanObject::Socket(socket)) = slot
+                    .as_mut()
+                    .filter(|o| matches!(o, SanObject::Socket(s) if s.phase == Phase::Switched))
+                {
+                    if event.events & libc::EPOLLHUP as u32 != 0 {
+                        socket.mirror_hung_up();
+                    }
+                    socket.service();
+                    let readiness = socket.readiness();
+                    if !readiness.readable && !socket.tcp_bytes_pending() && socket.lower_readable()
+                    {
+                        event.events &= !(libc::EPOLLIN as u32);
+                    }
+                    if readiness.error {
+                        event.events |= libc::EPOLLERR as u32;
+                    }
+                }
+            }
+        }
+        if event.events != 0 {
+            events[kept] = event;
+            kept += 1;
+        }
+    }
+    kept
+}
+
+/// FIONREAD on a SAN socket; `None` when the kernel's answer is the right one (pending).
+pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
+    if orphaned(index) {
+        return None;
+    }
+    switch_pending(fd, index);
+    // Both ends in this thread: let the other end deliver what it has queued.
+    assist_in_process_peer(index);
+    let mut slot = lock(index);
+    downgrade::settle(fd, index, &mut slot);
+    if let Some(SanObject::Stashed(stashed)) = slot.as_ref() {
+        let mut tcp_queued: c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        unsafe {
+            real::ioctl(
+                fd,
+                libc::FIONREAD as _,
+                (&mut tcp_queued as *mut c_int) as usize,
+            )
+        };
+        let bytes = stashed.stash.remaining() + usize::try_from(tcp_queued).unwrap_or(0);
+        return Some(c_int::try_from(bytes).unwrap_or(c_int::MAX));
+    }
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return None;
+    };
+    if socket.phase != Phase::Switched {
+        return None;
+    }
+    socket.service();
+    let mut tcp_queued: c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    unsafe {
+        real::ioctl(
+            fd,
+            libc::FIONREAD as _,
+            (&mut tcp_queued as *mut c_int) as usize,
+        )
+    };
+    let bytes = socket.readable_bytes(usize::try_from(tcp_queued).unwrap_or(0));
+    Some(c_int::try_from(bytes).unwrap_or(c_int::MAX))
+}
+
+/// `select()`/`pselect()` over a set containing SAN sockets, carried out as `ppoll()` so the
+/// mirrors can stand in for them. `None`: no SAN socket in the sets, make the real call.
+///
+/// # Safety
+/// The sets must be null or valid `fd_set`s; `timeout` and `sigmask` null or valid.
+pub unsafe fn select_via_poll(
+    nfds: c_int,
+    readfds: *mut libc::fd_set,
+    writefds: *mut libc::fd_set,
+    exceptfds: *mut libc::fd_set,
+    timeout: *const libc::timespec,
+    sigmask: *const libc::sigset_t,
+) -> Option<c_int> {
+    if LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
+        return None;
+    }
+    // SAFETY: per the contract, each set is null or valid.
+    let is_set =
+        |set: *mut libc::fd_set, fd: c_int| !set.is_null() && unsafe { libc::FD_ISSET(fd, set) };
+    // A set without SAN sockets goes to the kernel untouched: no allocation, no lock.
+    let any_san = (0..nfds).any(|fd| {
+        (is_set(readfds, fd) || is_set(writefds, fd) || is_set(exceptfds, fd))
+            && san_index(crate::fdtable::table().lookup(fd)).is_some()
+    });
+    if !any_san {
+        return None;
+    }
+    let mut pollfds = Vec::new();
+    for fd in 0..nfds {
+        let mut events = 0;
+        if is_set(readfds, fd) {
+            events |= libc::POLLIN;
+        }
+        if is_set(writefds, fd) {
+            events |= libc::POLLOUT;
+        }
+        if is_set(exceptfds, fd) {
+            events |= libc::POLLPRI;
+        }
+        if events != 0 {
+            pollfds.push(libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            });
+        }
+    }
+    let saved = poll_fds(&mut pollfds, None);
+    // SAFETY: valid pollfds; timeout and sigmask per the contract.
+    let rc = unsafe {
+        real::ppoll(
+            pollfds.as_mut_ptr(),
+            pollfds.len() as libc::nfds_t,
+            timeout,
+            sigmask,
+        )
+    };
+    let error = errno::get();
+    poll_fds(&mut pollfds, Some(&saved));
+    if rc < 0 {
+        errno::set(error);
+        return Some(rc);
+    }
+    if pollfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
+        errno::set(libc::EBADF);
+        return Some(-1);
+    }
+    let mut count = 0;
+    for set in [readfds, writefds, exceptfds] {
+        if !set.is_null() {
+            // SAFETY: a valid set per the contract.
+            unsafe { libc::FD_ZERO(set) };
+        }
+    }
+    for p in &pollfds {
+        let mark = |set: *mut libc::fd_set, wanted: bool, count: &mut c_int| {
+            if wanted && !set.is_null() {
+                // SAFETY: a valid set; `p.fd < nfds ≤ FD_SETSIZE`.
+                unsafe { libc::FD_SET(p.fd, set) };
+                *count += 1;
+            }
+        };
+        let readable = p.events & libc::POLLIN != 0
+            && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+        let writable =
+            p.events & libc::POLLOUT != 0 && p.revents & (libc::POLLOUT | libc::POLLERR) != 0;
+        let exceptional = p.events & libc::POLLPRI != 0 && p.revents & libc::POLLPRI != 0;
+        mark(readfds, readable, &mut count);
+        mark(writefds, writable, &mut count);
+        mark(exceptfds, exceptional, &mut count);
+    }
+    Some(count)
+}

@@ -1,0 +1,371 @@
+//! `recv`/`read`/`readv`/`recvmsg` on a SAN socket, with Linux semantics (blocking,
+//! `O_NONBLOCK`, `MSG_DONTWAIT`, `MSG_PEEK`, `MSG_WAITALL`, `SO_RCVTIMEO`): the pending
+//! client's look for the switch marker, the acceptor's count of the client's pre-switch TCP
+//! bytes, inline and rendezvous receives through the session, a downgraded stream's
+//! continuation on TCP, and a stash holder's stash.
+//!
+//! The loop takes the socket's lock, works without blocking, and releases the lock around
+//! the one place it blocks.
+
+use core::ffi::c_int;
+use std::time::Instant;
+
+use super::downgrade;
+use super::kernel::{fail, recv_tcp, remaining_pieces, scatter, RawBuf};
+use super::outcome::SanError;
+use super::socket::stream::SinkRefused;
+use super::socket::{Phase, SanSocket};
+use super::switchover::{downgrade_pending, epoll_back_to_tcp, switch_if_attached};
+use super::table::{lock, orphaned, record_flag, SanObject};
+use super::tunables::{HANDSHAKE_WAIT, MARKER_WAIT};
+use super::wait::{block, timeout_of};
+use crate::record::{flags, Counter};
+use crate::registry::registry;
+use crate::{errno, real};
+
+/// `recv`/`read`/`readv`/`recvmsg` on a SAN socket. `None`: not (or no longer) a SAN socket.
+pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
+    let result = recv_iov_inner(fd, index, bufs, recv_flags);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        socket.note_call(false, result.is_some_and(|n| n > 0));
+    }
+    if tracing::enabled!(tracing::Level::TRACE) {
+        let first = bufs.first().filter(|b| !b.ptr.is_null());
+        let shown = match (result, first) {
+            (Some(n), Some(buf)) if n > 0 => {
+                // SAFETY: the first `n.min(len)` bytes of the caller's buffer were just written.
+                let bytes = unsafe {
+                    core::slice::from_raw_parts(buf.ptr, (n as usize).min(buf.len).min(24))
+                };
+                String::from_utf8_lossy(bytes).into_owned()
+            }
+            _ => String::new(),
+        };
+        tracing::trace!(
+            fd,
+            ?result,
+            errno = errno::get(),
+            recv_flags,
+            shown,
+            "SAN recv"
+        );
+    }
+    result
+}
+
+fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
+    if orphaned(index) {
+        return Some(fail(libc::ECONNRESET));
+    }
+    if record_flag(index, flags::STASHED) {
+        return downgrade::recv_stashed(fd, index, bufs, recv_flags);
+    }
+    let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+    let peek = recv_flags & libc::MSG_PEEK != 0;
+    let wait_all = recv_flags & libc::MSG_WAITALL != 0 && !peek;
+    let nonblocking = recv_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
+    let deadline = (!nonblocking)
+        .then(|| timeout_of(index, fd, libc::SO_RCVTIMEO))
+        .flatten();
+    let mut done = 0usize;
+    let partial = |done: usize, code: c_int| if done > 0 { done as isize } else { fail(code) };
+    // Set when this call consumed the switch marker: the acceptor wrote it because it has
+    // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
+    // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
+    let mut handshake_deadline: Option<Instant> = None;
+    loop {
+        let mut slot = lock(index);
+        if let Err(code) = switch_if_attached(fd, index, &mut slot) {
+            return Some(partial(done, code));
+        }
+        if downgrade::settle(fd, index, &mut slot) {
+            return if done > 0 { Some(done as isize) } else { None };
+        }
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            return if done > 0 { Some(done as isize) } else { None };
+        };
+        let wait = if socket.phase == Phase::Pending {
+            // Is there a byte on TCP, and is the segment attached? (The exact rule.)
+            let mut byte = 0u8;
+            // SAFETY: one writable byte.
+            let n = unsafe {
+                real::recv(
+                    fd,
+                    (&mut byte as *mut u8).cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            if n < 0 && errno::get() == libc::EAGAIN {
+                if nonblocking {
+                    return Some(fail(libc::EAGAIN));
+                }
+                socket.prepare_wait(libc::POLLIN)
+            } else if socket.peer_attached_settled() {
+                if n == 1 {
+                    // The marker: consume it; the switch happens at the top of the loop.
+                    socket.consume_marker(fd);
+                    socket.marker_consumed();
+                    handshake_deadline = Instant::now().checked_add(HANDSHAKE_WAIT);
+                }
+                continue;
+            } else {
+                // A plain server's data, EOF or an error: this connection is plain TCP.
+                downgrade_pending(index, &mut slot);
+                return None;
+            }
+        } else {
+            socket.service();
+            if total == 0 {
+                return Some(0);
+            }
+            let backlog = socket.tcp_backlog();
+            // After the peer's `Downgrade` (and the bytes before it) its stream goes on on TCP.
+            let downgraded_read = backlog == Some(0) && socket.reads_on_tcp();
+            if downgraded_read {
+                socket.consume_marker_blocking(fd, MARKER_WAIT);
+            }
+            let from_tcp = match backlog {
+                Some(0) if downgraded_read => Some(u64::MAX),
+                Some(0) => None,
+                Some(left) => Some(left),
+                None if socket.tcp_eof() => None,
+                None => Some(u64::MAX),
+            };
+            if let Some(limit) = from_tcp {
+                let n = recv_tcp(fd, bufs, done, limit, recv_flags);
+                if n > 0 {
+                    if !peek {
+                        socket.count_tcp_received(n as u64);
+                        if let Some(record) = registry().get(index) {
+                            record.count(Counter::TcpReceived, n as u64);
+                        }
+                        if socket.tcp_backlog() == Some(0) {
+                            // The client's TCP bytes are done: the mirror must now say exactly
+                            // whether the session has more (an edge-triggered reader that got
+                            // a short read waits for the next edge).
+                            socket.settle_readable();
+                        }
+                    }
+                    done += n as usize;
+                    if wait_all && done < total {
+                        continue;
+                    }
+                    return Some(done as isize);
+                }
+                if n == 0 && downgraded_read {
+                    return Some(done as isize);
+                }
+                if n == 0 {
+                    // TCP end-of-file: before the client's count is known it may still be
+                    // racing its Hello (sent before its FIN): look once more.
+                    socket.service();
+                    if socket.tcp_backlog().is_none() {
+                        socket.set_tcp_eof();
+                        return Some(done as isize);
+                    }
+                    if socket.tcp_backlog() != Some(0) {
+                        // The client died or broke the protocol before its bytes arrived.
+                        return Some(partial(done, libc::ECONNRESET));
+                    }
+                    continue;
+                }
+                let code = errno::get();
+                if code != libc::EAGAIN {
+                    return Some(partial(done, code));
+                }
+                let tcp_only = backlog != Some(0) && socket.is_broken();
+                if tcp_only {
+                    // The session ended while the client's TCP bytes were still due (it
+                    // closed or died while pending, before its Hello): the rest of them, and
+                    // the end of its stream, come on TCP alone, and the mirror, which fired
+                    // its last edge (hang-up) already, cannot report them. Waiters watch TCP
+                    // from now on (an edge-triggered one saw EAGAIN and waits for an edge).
+                    if !socket.epoll_on_tcp {
+                        tracing::debug!(fd, name = %socket.name, "session gone before the client's TCP bytes: waiting on TCP");
+                    }
+                    epoll_back_to_tcp(index, fd, socket);
+                }
+                if done > 0 && !wait_all {
+                    return Some(done as isize);
+                }
+                if nonblocking {
+                    return Some(partial(done, libc::EAGAIN));
+                }
+                if tcp_only {
+                    Some(SanSocket::tcp_wait(libc::POLLIN))
+                } else {
+                    // The client's Hello (SAN) or its pending bytes (TCP) will wake us.
+                    socket.prepare_wait(libc::POLLIN)
+                }
+            } else {
+                match recv_into(socket, bufs, done, peek) {
+                    Ok(n) => {
+                        if n == 0 && total > 0 {
+                            tracing::debug!(fd, done, "SAN end of stream");
+                        }
+                        if n > 0 {
+                            socket.service();
+                            if !peek {
+                                socket.settle_readable();
+                            }
+                        }
+                        done += n;
+                        if n > 0 && wait_all && done < total {
+                            continue;
+                        }
+                        return Some(done as isize);
+                    }
+                    Err(SanError::Errno(libc::EAGAIN)) => {
+                        if done > 0 && !wait_all {
+                            return Some(done as isize);
+                        }
+                        let in_handshake = handshake_deadline.is_some_and(|d| Instant::now() < d);
+                        if nonblocking && !in_handshake {
+                            if socket.lower_readable() {
+                                return Some(partial(done, libc::EAGAIN));
+                            }
+                            continue;
+                        }
+                        if in_handshake {
+                            // Bounded: give up with EAGAIN at the deadline.
+                            let wait = socket.prepare_wait(0);
+                            drop(slot);
+                            if block(index, fd, wait, handshake_deadline).is_err() {
+                                handshake_deadline = None;
+                            }
+                            continue;
+                        }
+                        socket.prepare_read_wait()
+                    }
+                    // The peer's `Downgrade` was just taken in: the next turn reads TCP.
+                    Err(SanError::Downgraded) => continue,
+                    Err(SanError::SegmentAhead) => {
+                        drop(slot);
+                        match recv_rendezvous(index, fd, bufs, done, peek) {
+                            Ok(None) => continue,
+                            Ok(Some(n)) => {
+                                done += n;
+                                if n > 0 && wait_all && done < total {
+                                    continue;
+                                }
+                                return Some(done as isize);
+                            }
+                            Err(code) => return Some(partial(done, code)),
+                        }
+                    }
+                    Err(SanError::Errno(code)) => return Some(partial(done, code)),
+                }
+            }
+        };
+        drop(slot);
+        if let Err(code) = block(index, fd, wait, deadline) {
+            return Some(partial(done, code));
+        }
+    }
+}
+
+/// The rendezvous segment at the head of the stream, zero-copy into the caller's buffers
+/// after `done` bytes (the first remaining buffer; with `peek`, a staging buffer of the whole
+/// remaining length, scattered). `Ok(Some(n))`: `n` bytes received; `Ok(None)`: nothing
+/// yet, read on (the segment was turned down, or another thread is receiving it).
+/// Like a rendezvous send, the wait ignores signals and deadlines (the buffer is in use).
+fn recv_rendezvous(
+    index: u32,
+    fd: c_int,
+    bufs: &[RawBuf],
+    done: usize,
+    peek: bool,
+) -> Result<Option<usize>, c_int> {
+    let mut staging = Vec::new();
+    let target: &mut [u8] = if peek {
+        let want: usize = bufs.iter().map(|b| b.len).sum::<usize>() - done;
+        staging.resize(want, 0u8);
+        &mut staging
+    } else {
+        let Some(first) = remaining_pieces(bufs, done).next() else {
+            return Ok(Some(0));
+        };
+        if first.iov_base.is_null() {
+            return Err(libc::EFAULT);
+        }
+        // SAFETY: the caller's buffer is writable for its length during the hook call, which
+        // does not return before the receive into it completed.
+        unsafe { core::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) }
+    };
+    let ticket = {
+        let mut slot = lock(index);
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            return Err(libc::EBADF);
+        };
+        match socket.start_recv_rendezvous(target, peek) {
+            Ok(ticket) => ticket,
+            Err(SinkRefused::Rejected) => return Ok(None),
+            Err(SinkRefused::Errno(libc::EAGAIN)) => {
+                let wait = socket.prepare_wait(0);
+                drop(slot);
+                block(index, fd, wait, None)?;
+                return Ok(None);
+            }
+            Err(SinkRefused::Errno(code)) => return Err(code),
+        }
+    };
+    let received = loop {
+        let wait = {
+            let mut slot = lock(index);
+            let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+                return Err(libc::EBADF);
+            };
+            socket.service();
+            if let Some(result) = socket.take_recv_completion(ticket, peek) {
+                if !peek {
+                    socket.settle_readable();
+                }
+                break result?;
+            }
+            socket.prepare_completion_wait()
+        };
+        let _ = block(index, fd, wait, None);
+    };
+    if peek {
+        scatter(bufs, done, &staging[..received.min(staging.len())]);
+    }
+    Ok(Some(received))
+}
+
+/// Copies SAN stream bytes into `bufs` after `done` bytes: `Ok(n)` (0 at end of stream).
+fn recv_into(
+    socket: &mut SanSocket,
+    bufs: &[RawBuf],
+    done: usize,
+    peek: bool,
+) -> Result<usize, SanError> {
+    if peek {
+        // A peek must see the stream from its start in every buffer: read once, scatter.
+        let want: usize = bufs.iter().map(|b| b.len).sum::<usize>() - done;
+        let mut staging = vec![0u8; want];
+        let n = socket.recv(&mut staging, true)?;
+        scatter(bufs, done, &staging[..n]);
+        return Ok(n);
+    }
+    let mut copied = 0;
+    for buf in remaining_pieces(bufs, done) {
+        if buf.iov_base.is_null() {
+            break;
+        }
+        // SAFETY: the caller's buffer is writable for its length during the hook call.
+        let target =
+            unsafe { core::slice::from_raw_parts_mut(buf.iov_base.cast::<u8>(), buf.iov_len) };
+        match socket.recv(target, false) {
+            Ok(n) => {
+                copied += n;
+                if n < target.len() {
+                    break;
+                }
+            }
+            Err(code) if copied == 0 => return Err(code),
+            Err(_) => break,
+        }
+    }
+    Ok(copied)
+}

@@ -1,0 +1,218 @@
+//! `send`/`write`/`writev`/`sendmsg` on a SAN socket, with Linux semantics (blocking,
+//! `O_NONBLOCK`, `MSG_DONTWAIT`, `MSG_OOB`, `SO_SNDTIMEO`): the pending client's counted TCP
+//! sends, inline sends through the session, rendezvous sends of large blocking writes, and
+//! a downgrading stream's continuation on TCP.
+//!
+//! The loop takes the socket's lock, works without blocking, and releases the lock around
+//! the one place it blocks.
+
+use core::ffi::c_int;
+
+use super::downgrade;
+use super::kernel::{fail, next_piece, send_on_tcp, RawBuf};
+use super::outcome::SanError;
+use super::socket::Phase;
+use super::switchover::switch_if_attached;
+use super::table::{lock, orphaned, record_flag, SanObject};
+use super::wait::{block, timeout_of};
+use crate::errno;
+use crate::record::flags;
+use switch::session::SendTicket;
+
+/// `send`/`write`/`writev`/`sendmsg` on a SAN socket. `None`: not (or no longer) a SAN
+/// socket — the caller makes the real call.
+pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+    let sent = send_iov_inner(fd, index, bufs, send_flags);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        socket.leaving_call();
+        socket.note_call(sent.is_some_and(|n| n > 0), false);
+    }
+    sent
+}
+
+fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+    if orphaned(index) {
+        return Some(fail(libc::ECONNRESET));
+    }
+    if record_flag(index, flags::STASHED) {
+        // Sending is plain TCP; only reads see the stash.
+        return None;
+    }
+    let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+    let nonblocking = send_flags & libc::MSG_DONTWAIT != 0 || record_flag(index, flags::NONBLOCK);
+    let deadline = (!nonblocking)
+        .then(|| timeout_of(index, fd, libc::SO_SNDTIMEO))
+        .flatten();
+    let urgent = send_flags & libc::MSG_OOB != 0;
+    let mut done = 0usize;
+    // Set when the receiver turned a rendezvous of this call down: the rest goes inline.
+    let mut inline_only = false;
+    // Since when this call waits with the peer's data unread (`absorb_if_stalled`).
+    let mut stalled_since = None;
+    loop {
+        let mut slot = lock(index);
+        if let Err(code) = switch_if_attached(fd, index, &mut slot) {
+            return Some(if done > 0 { done as isize } else { fail(code) });
+        }
+        downgrade::settle(fd, index, &mut slot);
+        let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+            return if done > 0 { Some(done as isize) } else { None };
+        };
+        let wait = if socket.phase == Phase::Pending {
+            // Counted TCP send (nonblocking under the lock, so the count is exact).
+            let n = send_on_tcp(fd, index, bufs, done, send_flags);
+            if n > 0 {
+                socket.count_tcp_sent(n as u64);
+                done += n as usize;
+                if done >= total || nonblocking {
+                    return Some(done as isize);
+                }
+                continue;
+            }
+            if n == 0 && total == 0 {
+                return Some(0);
+            }
+            let code = errno::get();
+            if code != libc::EAGAIN || nonblocking {
+                return Some(if done > 0 { done as isize } else { fail(code) });
+            }
+            socket.prepare_wait(libc::POLLOUT)
+        } else {
+            let piece = next_piece(bufs, done);
+            if !socket.queues_without_drive(piece.len()) {
+                socket.service();
+            }
+            if total == 0 {
+                return Some(0);
+            }
+            socket.wake_pending_client(fd);
+            if !nonblocking && !urgent && !inline_only && socket.wants_rendezvous(piece.len()) {
+                match socket.start_send_rendezvous(piece) {
+                    Ok(ticket) => {
+                        drop(slot);
+                        match wait_send_rendezvous(index, fd, ticket) {
+                            Ok(0) => {
+                                // The receiver could not take it zero-copy and nothing was
+                                // consumed: this call sends the rest inline.
+                                inline_only = true;
+                                continue;
+                            }
+                            Ok(n) => {
+                                done += n;
+                                if n < piece.len() || done >= total {
+                                    return Some(done as isize);
+                                }
+                                continue;
+                            }
+                            Err(code) => return Some(send_failed(done, code, send_flags)),
+                        }
+                    }
+                    // The connection is downgrading: the rest goes on TCP.
+                    Err(SanError::Downgraded) => continue,
+                    // Another thread's rendezvous is in progress: wait for it to end.
+                    Err(SanError::Errno(libc::EAGAIN)) => {
+                        let wait = socket.prepare_send_wait();
+                        drop(slot);
+                        if let Err(code) = block(index, fd, wait, deadline) {
+                            return Some(if done > 0 { done as isize } else { fail(code) });
+                        }
+                        continue;
+                    }
+                    Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
+                }
+            }
+            match socket.send(piece, urgent) {
+                Ok(n) => {
+                    socket.service();
+                    done += n;
+                    if done >= total {
+                        return Some(done as isize);
+                    }
+                    continue;
+                }
+                Err(SanError::Downgraded) => {
+                    // Our stream goes on on TCP (after the session's queued bytes and its
+                    // `Downgrade`): nonblocking under the lock, waiting like a pending client.
+                    let n = send_on_tcp(fd, index, bufs, done, send_flags);
+                    if n > 0 {
+                        done += n as usize;
+                        if done >= total || nonblocking {
+                            return Some(done as isize);
+                        }
+                        continue;
+                    }
+                    let code = errno::get();
+                    if code != libc::EAGAIN || nonblocking {
+                        return Some(if done > 0 { done as isize } else { fail(code) });
+                    }
+                    socket.prepare_wait(libc::POLLOUT)
+                }
+                Err(SanError::Errno(libc::EAGAIN)) => {
+                    if nonblocking {
+                        // A short count, like EAGAIN, tells an edge-triggered caller to wait
+                        // for EPOLLOUT: `M` must be lowered so that the peer's returned room
+                        // makes that edge (room that appeared meanwhile: send on).
+                        if socket.lower_writable() {
+                            return Some(if done > 0 {
+                                done as isize
+                            } else {
+                                fail(libc::EAGAIN)
+                            });
+                        }
+                        continue;
+                    }
+                    match socket.blocked_send_wait(&mut stalled_since) {
+                        Some(wait) => Some(wait),
+                        None => continue,
+                    }
+                }
+                Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
+            }
+        };
+        drop(slot);
+        if let Err(code) = block(index, fd, wait, deadline) {
+            return Some(if done > 0 { done as isize } else { fail(code) });
+        }
+    }
+}
+
+/// A send failed with `code` after `done` bytes: the count if any, else the error (and
+/// SIGPIPE for a broken stream unless `MSG_NOSIGNAL`, as the kernel does).
+fn send_failed(done: usize, code: c_int, send_flags: c_int) -> isize {
+    if done > 0 {
+        return done as isize;
+    }
+    if code == libc::EPIPE && send_flags & libc::MSG_NOSIGNAL == 0 {
+        // SAFETY: raising SIGPIPE, as the kernel does for a broken stream.
+        unsafe { libc::raise(libc::SIGPIPE) };
+    }
+    fail(code)
+}
+
+/// Waits (lock released while sleeping) until rendezvous send `ticket` completes: the bytes
+/// it delivered, or the errno. Neither signals nor `SO_SNDTIMEO` end the wait: until the
+/// session reports completion the peer may still be reading the application's buffer.
+fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usize, c_int> {
+    let mut stalled_since = None;
+    loop {
+        let wait = {
+            let mut slot = lock(index);
+            let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+                // Closed by another thread (its close drove the transfer to an end).
+                return Err(libc::EBADF);
+            };
+            socket.service();
+            if let Some(result) = socket.take_send_completion(ticket) {
+                return result;
+            }
+            // The completion message raises our writability (every message from the peer
+            // does); unread data, which only the application can consume once this send
+            // returns, must not keep the wait awake (but a stalled peer's is absorbed).
+            match socket.blocked_send_wait(&mut stalled_since) {
+                Some(wait) => Some(wait),
+                None => continue,
+            }
+        };
+        let _ = block(index, fd, wait, None);
+    }
+}

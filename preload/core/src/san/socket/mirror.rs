@@ -1,0 +1,148 @@
+//! The socket's readiness mirror `M` (what poll/select/epoll watch in place of the TCP
+//! socket): kept exact after reads and sends, raised by whoever drives a verbs session, and
+//! the peer's end told of our FIN.
+
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+
+use super::{Phase, SanSocket};
+use crate::mirror::{self, ReadLowering, WriteLowering};
+use crate::san::link::Link;
+use crate::san::tunables::EARLY_LIMIT;
+use switch::session::{Session, SessionState};
+
+impl SanSocket {
+    /// The kernel reported hang-up on our mirror end: the peer's end was closed (its process
+    /// died, or it closed the socket). The next [`SanSocket::service`] checks its liveness
+    /// instead of waiting for the provider's interval.
+    pub(crate) fn mirror_hung_up(&mut self) {
+        if let Some(conn) = self.conn.as_mut() {
+            conn.check_liveness_soon();
+        }
+    }
+
+    /// Once our FIN has left (nothing queued before it), shuts the peer's `K` for writing
+    /// so its `M` reports RDHUP like a TCP socket that received a FIN.
+    pub(super) fn mirror_fin(&mut self) {
+        if self.fin_mirrored || !self.write_shut || self.deferred_shutdown.is_some() {
+            return;
+        }
+        let Some(session) = self.session.as_ref() else {
+            return;
+        };
+        if session.send_queue_len() != 0
+            || !self.early.is_empty()
+            || session.state() == SessionState::Handshaking
+        {
+            return;
+        }
+        if let Some((k, _)) = self.peer.get() {
+            let _ = mirror::mirror_peer_fin(k);
+            self.fin_mirrored = true;
+        }
+    }
+
+    /// The session's readiness (all false before the switch).
+    pub(crate) fn readiness(&self) -> switch::session::Readiness {
+        let mut readiness = self
+            .session
+            .as_ref()
+            .map(Session::readiness)
+            .unwrap_or_default();
+        readiness.readable |= !self.restored.is_empty();
+        readiness
+    }
+
+    /// After a read: if nothing more is readable, lowers `M` so level-triggered waiters and
+    /// `poll()` stop reporting it (no system call when it is already low).
+    pub(crate) fn settle_readable(&mut self) {
+        if self.watched && !self.readiness().readable {
+            let _ = self.lower_readable();
+        }
+    }
+
+    /// After a receive found nothing: lowers `M`'s readability (so a level-triggered waiter
+    /// sleeps) unless data arrived meanwhile. Returns true when the caller may report EAGAIN.
+    pub(crate) fn lower_readable(&mut self) -> bool {
+        let (Some(mirror), Some(conn)) = (self.mirror.as_mut(), self.conn.as_ref()) else {
+            return true;
+        };
+        let session = self.session.as_ref();
+        let has_data =
+            || session.is_some_and(|s| s.readiness().readable) || !conn.prepare_to_block();
+        let lowered = mirror.lower_readable(has_data);
+        conn.finish_blocking();
+        !matches!(lowered, Ok(ReadLowering::StillReadable))
+    }
+
+    /// After a send found no room: lowers `M`'s writability until the peer returns space.
+    /// Returns true when the caller may report EAGAIN.
+    pub(crate) fn lower_writable(&mut self) -> bool {
+        let Some(mirror) = self.mirror.as_mut() else {
+            return true;
+        };
+        let session = self.session.as_ref();
+        let conn = self.conn.as_ref();
+        let early_room = self.early.len() < EARLY_LIMIT;
+        let lowered = mirror.lower_writable(|| {
+            // Credits the peer already put in our ring raised nothing (we were not lowered
+            // yet): they count as room, found by the caller's next drive.
+            conn.is_some_and(Link::has_input)
+                || session.is_some_and(|s| {
+                    if s.state() == SessionState::Handshaking {
+                        early_room
+                    } else {
+                        s.readiness().writable
+                    }
+                })
+        });
+        !matches!(lowered, Ok(WriteLowering::StillWritable))
+    }
+
+    /// The mirror end `M` (what epoll/poll watch in place of the TCP socket).
+    pub(crate) fn mirror_fd(&self) -> Option<RawFd> {
+        self.mirror.as_ref().map(|m| m.as_fd().as_raw_fd())
+    }
+
+    /// Whether an edge-triggered epoll registration watches `M`: the peer then raises it for
+    /// every arrival, as a TCP socket signals every arriving segment (see
+    /// [`crate::mirror::Mirror::set_edge_per_arrival`]).
+    pub(crate) fn set_edge_per_arrival(&self, on: bool) {
+        if let Some(mirror) = self.mirror.as_ref() {
+            mirror.set_edge_per_arrival(on);
+        }
+    }
+
+    /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
+    pub(super) fn raise_own_mirror(&self) {
+        let Some(conn) = self.conn.as_ref().filter(|conn| !conn.is_intra_host()) else {
+            return;
+        };
+        if self.phase != Phase::Switched {
+            return;
+        }
+        let readiness = self.readiness();
+        // Acceptor: the client's pre-switch bytes wait on TCP, read before the session's;
+        // the application watches the mirror, not TCP, so they make the mirror readable.
+        // Readable only while poll/select/epoll watch `M`: a thread blocked in a call waits
+        // on the connection's fd and the bell instead (a token written and read back per
+        // message otherwise). `set_watched` raises what is due when watching starts.
+        let readable =
+            self.watched && (readiness.readable || self.tcp_backlog().is_some_and(|left| left > 0));
+        let writable = readiness.writable
+            || self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.state() == SessionState::Handshaking)
+                && self.early.len() < EARLY_LIMIT;
+        conn.raise_own_mirror(readable, writable);
+    }
+
+    /// poll/select/epoll watch `M` from now on: over verbs, where `M`'s readability is kept
+    /// only while watched, it is raised now if data waits.
+    pub(crate) fn set_watched(&mut self) {
+        if !self.watched {
+            self.watched = true;
+            self.raise_own_mirror();
+        }
+    }
+}

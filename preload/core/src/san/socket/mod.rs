@@ -1,0 +1,526 @@
+//! One SAN socket: the segment, the session, the readiness mirror and the switch-over state.
+//!
+//! Everything here runs with the socket's lock held (see [`super::table::slot`]) and never
+//! blocks in the kernel: the blocking loops of the calls release the lock around `poll()`.
+//!
+//! This file holds the type and its set-up (shm and verbs, client and acceptor); each
+//! concern of the socket's life is an `impl SanSocket` in a file of its own: [`pending`]
+//! (a pending client's switch-over and the switch marker), [`drive`] (driving the
+//! session), [`early`] (bytes sent before the handshake finished), [`stream`] (sending and
+//! receiving, inline and rendezvous), [`downgrade`] (back to kernel TCP, and absorbing a
+//! stalled peer's data), [`mirror`] (readiness), [`wait`] (blocking) and [`close`].
+
+mod close;
+mod downgrade;
+mod drive;
+mod early;
+mod mirror;
+mod pending;
+pub(crate) mod stream;
+pub(crate) mod wait;
+
+use core::ffi::c_int;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
+use switch::error::{RecvError, SendError};
+use switch::mr_cache::OwnerId;
+use switch::session::{MrHandleId, Pump, RecvTicket, Role, SendTicket, Session, SessionConfig};
+
+use super::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
+use super::link::Link;
+use super::provider::{rdma_read_offered, rendezvous_enabled};
+use super::registrations::SharedRegistrations;
+use super::tunables::{
+    SAN_SEND_BUFFER, SHM_RENDEZVOUS_THRESHOLD, SLOTS, VERBS_RENDEZVOUS_THRESHOLD, VERBS_SLOTS,
+};
+use super::verbs::link::VerbsLink;
+use crate::discovery::SegmentName;
+use crate::mirror::Mirror;
+use crate::record::SocketRecord;
+
+/// The one byte the acceptor writes on TCP after attaching: "switch now".
+pub(crate) const SWITCH_MARKER: u8 = 0x5a;
+
+/// Index of the connecting side's words in the shared page (the acceptor's is 1).
+const CLIENT_WORDS: usize = 0;
+const ACCEPTOR_WORDS: usize = 1;
+
+fn connection_config() -> ConnectionConfig {
+    ConnectionConfig {
+        // The acceptor's Hello waits in the provider until the client switches, which happens
+        // at the client's next socket call: possibly much later. Credits make a real
+        // receiver-not-ready impossible after that, so the timer is only a bug catcher.
+        rnr_timeout: Duration::from_secs(3600),
+        ..ConnectionConfig::default()
+    }
+}
+
+fn session_config() -> SessionConfig {
+    let defaults = SessionConfig::default();
+    SessionConfig {
+        // `u32::MAX` announces "never": the negotiated threshold is the larger of both sides'.
+        rendezvous_threshold: if rendezvous_enabled() {
+            SHM_RENDEZVOUS_THRESHOLD
+        } else {
+            u32::MAX
+        },
+        send_buffer: SAN_SEND_BUFFER,
+        ..defaults
+    }
+}
+
+/// Owner ids of the registration cache: one per SAN socket, never reused (record indices
+/// are, and a late release must not hit a newer socket's references).
+static NEXT_OWNER: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(1);
+
+fn next_owner() -> OwnerId {
+    OwnerId(NEXT_OWNER.fetch_add(1, core::sync::atomic::Ordering::Relaxed))
+}
+
+/// Which end of the TCP connection this socket is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// `connect()`ed: creates the segment, switches when it sees the attach.
+    Client,
+    /// `accept()`ed: attached inside `accept()`.
+    Acceptor,
+}
+
+/// Where the socket is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Client only: the segment exists, the acceptor has not attached; bytes go over TCP and
+    /// are counted.
+    Pending,
+    /// Data flows through the session.
+    Switched,
+}
+
+/// The peer's mirror end `K` and its words, learnt at the switch (client) or lazily after it
+/// (acceptor). Read by the doorbell from inside the provider.
+#[derive(Debug, Default)]
+pub(crate) struct PeerMirror {
+    end: OnceLock<(OwnedFd, SideWords)>,
+}
+
+impl PeerMirror {
+    fn get(&self) -> Option<(BorrowedFd<'_>, &SideWords)> {
+        self.end.get().map(|(fd, words)| (fd.as_fd(), words))
+    }
+
+    fn raise_readable(&self) {
+        if let Some((k, words)) = self.get() {
+            crate::mirror::raise_readable(words, k);
+        }
+    }
+
+    fn raise_writable(&self) {
+        if let Some((k, words)) = self.get() {
+            crate::mirror::raise_writable(words, k);
+        }
+    }
+}
+
+/// The provider's doorbell: the futex (for a peer in `ShmConnection::wait`) and the peer's
+/// readiness mirror (for a peer blocked in `poll`/`epoll_wait`).
+struct MirrorDoorbell(Arc<PeerMirror>);
+
+impl Doorbell for MirrorDoorbell {
+    fn ring(&self, bell: &AtomicU32) {
+        san_shm::futex_wake(bell);
+        self.0.raise_readable();
+    }
+}
+
+/// Why a socket could not be set up; the connection stays on TCP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SetupError {
+    /// The peer is not preloaded (no exchange listener / no segment).
+    PeerPlain,
+    /// A resource or system call failed.
+    Resource,
+}
+
+/// A SAN socket.
+pub(crate) struct SanSocket {
+    pub side: Side,
+    pub phase: Phase,
+    record: &'static SocketRecord,
+    conn: Option<Link>,
+    session: Option<Session>,
+    mirror: Option<Mirror<SideWords>>,
+    peer: Arc<PeerMirror>,
+    page: Option<Arc<WordsPage>>,
+    /// Client: the exchange listener while pending. Acceptor: the exchange connection until
+    /// the client's `K` arrived.
+    exchange: Option<OwnedFd>,
+    /// Client: stream bytes written on TCP while pending.
+    tcp_sent: u64,
+    /// Acceptor: stream bytes read from TCP since the switch (exactly the client's count).
+    tcp_received: u64,
+    /// Acceptor: TCP said end-of-file before the client's count was known.
+    tcp_eof: bool,
+    /// Client: the switch marker is still unread on TCP.
+    marker_unread: bool,
+    /// The peer's FIN was delivered (a later provider error is then end-of-file, not reset).
+    peer_fin: bool,
+    /// Bytes the application sent before the handshake finished (the kernel would have
+    /// buffered them): moved into the session, in order, once it is established.
+    early: Vec<u8>,
+    /// The segment's name (finds an in-process peer).
+    pub name: SegmentName,
+    /// The application shut down writing (refuse sends; our FIN follows the early bytes).
+    write_shut: bool,
+    /// A shutdown waiting for the early bytes to enter the session first.
+    deferred_shutdown: Option<c_int>,
+    /// Our FIN was mirrored to the peer's `M` (RDHUP there).
+    fin_mirrored: bool,
+    /// Stream bytes were queued since the peer's mirror was last raised readable.
+    data_to_announce: bool,
+    /// A reset was reported once (then reads see end-of-file, as after a kernel RST).
+    reset_reported: bool,
+    /// The error that ended the kernel TCP connection beside the session (a keepalive
+    /// timeout; see [`SanSocket::kernel_connection_failed`]): reported once in place
+    /// of `ECONNRESET`, as the kernel reports its `sk_err`.
+    kernel_error: Option<c_int>,
+    /// Acceptor: the switch marker has not been written yet (it is, right after the attach,
+    /// by `on_accepted`; the later calls are no-ops).
+    marker_owed: bool,
+    /// Threads blocked on this socket right now.
+    waiters: u32,
+    /// `poll`/`select`/`epoll` watch this socket's mirror: its readability must then be kept
+    /// exact after every read (costs two system calls per emptied queue, so only then).
+    pub watched: bool,
+    /// An eventfd the blocked threads also poll: a thread whose call made progress (consumed
+    /// the mirror token, took in credits or data) rings it so the others re-check.
+    local_bell: Option<OwnedFd>,
+    /// Polled by threads waiting while the client is pending (their wait is on the TCP
+    /// socket); rung once when the socket switches, since the switch marker another thread
+    /// consumed will not wake them. Never polled after the switch, so it is not reset.
+    pending_bell: Option<OwnedFd>,
+    released: Vec<MrHandleId>,
+    /// The driver's scratch buffers, kept so that a data call allocates nothing for them.
+    pump: Pump,
+    /// This socket's owner id in the registration cache.
+    owner: OwnerId,
+    /// The outcome of the last rendezvous send, until its caller collects it.
+    send_completed: Option<(SendTicket, Result<u64, SendError>)>,
+    /// The outcome of the last zero-copy receive, until its caller collects it.
+    recv_completed: Option<(RecvTicket, Result<u64, RecvError>)>,
+    /// This side asked for a downgrade to kernel TCP (fork, exec): our sends go to TCP from
+    /// then on, and the session's `Downgrade` follows whatever it still has queued.
+    downgrade_wanted: bool,
+    /// The session accepted our downgrade (its `Downgrade` follows what it has queued).
+    downgrade_sent: bool,
+    /// Bytes taken out of the session ahead of the application, read before anything the
+    /// session still holds: what a downgrade drained but could not hand over (the peer did
+    /// not answer in time), and what a sender blocked on a stalled peer absorbed
+    /// ([`SanSocket::absorb_if_stalled`]), as a kernel receive buffer holds it.
+    restored: Vec<u8>,
+    /// After a downgrade the application's epoll sets watch the TCP socket again.
+    pub epoll_on_tcp: bool,
+}
+
+impl core::fmt::Debug for SanSocket {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("SanSocket")
+            .field("side", &self.side)
+            .field("phase", &self.phase)
+            .field("tcp_sent", &self.tcp_sent)
+            .field("tcp_received", &self.tcp_received)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SanSocket {
+    /// A socket on `conn` in its initial state: pending, no session, mirror, page or
+    /// exchange yet. The one list of every field's starting value (the constructors set
+    /// what differs).
+    fn fresh(
+        record: &'static SocketRecord,
+        side: Side,
+        name: &SegmentName,
+        conn: Link,
+        peer: Arc<PeerMirror>,
+    ) -> SanSocket {
+        SanSocket {
+            side,
+            phase: Phase::Pending,
+            record,
+            conn: Some(conn),
+            session: None,
+            mirror: None,
+            peer,
+            page: None,
+            exchange: None,
+            tcp_sent: 0,
+            tcp_received: 0,
+            tcp_eof: false,
+            marker_unread: side == Side::Client,
+            peer_fin: false,
+            early: Vec::new(),
+            name: *name,
+            write_shut: false,
+            deferred_shutdown: None,
+            fin_mirrored: false,
+            data_to_announce: false,
+            reset_reported: false,
+            kernel_error: None,
+            marker_owed: false,
+            waiters: 0,
+            watched: false,
+            local_bell: None,
+            pending_bell: None,
+            released: Vec::new(),
+            pump: Pump::new(),
+            owner: next_owner(),
+            send_completed: None,
+            recv_completed: None,
+            downgrade_wanted: false,
+            downgrade_sent: false,
+            restored: Vec::new(),
+            epoll_on_tcp: false,
+        }
+    }
+
+    /// The connecting side after its TCP connect succeeded and the listener probe said
+    /// "preloaded": creates the exchange listener and the segment; the socket is pending.
+    pub(crate) fn client(
+        record: &'static SocketRecord,
+        dir: &std::path::Path,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+    ) -> Result<SanSocket, SetupError> {
+        let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
+        let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
+            .map_err(|_| SetupError::Resource)?;
+        let (conn, peer) = shm_connection(segment, registrations)?;
+        let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer);
+        socket.exchange = Some(listener);
+        Ok(socket)
+    }
+
+    /// The accepting side, inside `accept()`: connects to the client's exchange, passes its
+    /// mirror end and the words page, attaches the segment and starts the session (it has
+    /// sent nothing on TCP). The caller then writes the switch marker
+    /// ([`SanSocket::wake_pending_client`]).
+    pub(crate) fn acceptor(
+        record: &'static SocketRecord,
+        dir: &std::path::Path,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+    ) -> Result<SanSocket, SetupError> {
+        let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
+        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+        let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
+            .map_err(|_| SetupError::Resource)?;
+        if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
+            || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
+        {
+            return Err(SetupError::Resource);
+        }
+        drop(their_end);
+        // Attach last: the client switches when it sees the attach, and by then everything
+        // it needs is queued on the exchange.
+        let segment = ShmSegment::attach(dir, name.as_str()).map_err(|_| SetupError::PeerPlain)?;
+        let _ = segment.unlink();
+        let (conn, peer) = shm_connection(segment, registrations)?;
+        let session = Session::new(
+            Role::Passive,
+            session_config(),
+            conn.capabilities(),
+            SLOTS,
+            0,
+        );
+        let mut socket = Self::fresh(record, Side::Acceptor, name, conn.into(), peer);
+        socket.exchange = Some(link);
+        socket.start_session(session, our_mirror, page);
+        Ok(socket.accepted())
+    }
+
+    fn with_link(
+        record: &'static SocketRecord,
+        side: Side,
+        name: &SegmentName,
+        link: VerbsLink,
+    ) -> SanSocket {
+        Self::fresh(
+            record,
+            side,
+            name,
+            Link::Verbs(link),
+            Arc::new(PeerMirror::default()),
+        )
+    }
+
+    /// A pending verbs client (its CM listener is up; see `super::verbs::connect::client`).
+    pub(crate) fn verbs_client(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        link: VerbsLink,
+    ) -> SanSocket {
+        Self::with_link(record, Side::Client, name, link)
+    }
+
+    /// The accepting side after its CM connect to the client was established: the session
+    /// starts with `tcp_bytes_sent = 0`; the caller writes the switch marker.
+    pub(crate) fn verbs_acceptor(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        link: VerbsLink,
+    ) -> Result<SanSocket, SetupError> {
+        let mut socket = Self::with_link(record, Side::Acceptor, name, link);
+        socket.start_verbs_session(Role::Passive)?;
+        Ok(socket.accepted())
+    }
+
+    /// Creates the mirror (both ends local: `K` stays with the link, for the service thread)
+    /// and the session.
+    pub(super) fn start_verbs_session(&mut self, role: Role) -> Result<(), SetupError> {
+        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+        let (mirror, k) =
+            Mirror::new(SideWords::new(page.clone(), 0)).map_err(|_| SetupError::Resource)?;
+        let link = self
+            .conn
+            .as_mut()
+            .and_then(Link::verbs_mut)
+            .ok_or(SetupError::Resource)?;
+        link.set_own_mirror(k, SideWords::new(page.clone(), 0));
+        let mut capabilities = link.capabilities();
+        // Not offering to read makes the peer's rendezvous sends WRITE mode.
+        capabilities.rdma_read &= rdma_read_offered(capabilities.read_sink_needs_remote_write);
+        let config = SessionConfig {
+            rendezvous_threshold: if rendezvous_enabled() {
+                VERBS_RENDEZVOUS_THRESHOLD
+            } else {
+                u32::MAX
+            },
+            ..SessionConfig::default()
+        };
+        let sent = if role == Role::Active {
+            self.tcp_sent
+        } else {
+            0
+        };
+        let session = Session::new(role, config, capabilities, VERBS_SLOTS, sent);
+        self.start_session(session, mirror, page);
+        Ok(())
+    }
+
+    /// The session starts on this socket, with its mirror and words page: the socket is
+    /// switched. Our `Hello` (and the receives it needs) goes out at the next service and
+    /// must wake the peer.
+    pub(super) fn start_session(
+        &mut self,
+        session: Session,
+        mirror: Mirror<SideWords>,
+        page: Arc<WordsPage>,
+    ) {
+        self.session = Some(session);
+        self.mirror = Some(mirror);
+        self.page = Some(page);
+        self.phase = Phase::Switched;
+        self.ring_pending_bell();
+        self.data_to_announce = true;
+    }
+
+    /// The accepting side's session started: the switch marker is owed (the caller writes
+    /// it, see [`SanSocket::wake_pending_client`]) and our `Hello` goes out now.
+    fn accepted(mut self) -> SanSocket {
+        self.marker_owed = true;
+        self.service();
+        self.mark_switched();
+        self
+    }
+
+    /// Client: true once the acceptor attached (the switch may happen now).
+    pub(crate) fn peer_attached(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::peer_attached)
+    }
+
+    /// As [`SanSocket::peer_attached`], after a byte was found on TCP: a verbs attach in
+    /// progress is waited for (bounded), since that byte may be its switch marker.
+    pub(crate) fn peer_attached_settled(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::peer_attached_settled)
+    }
+
+    /// Client, pending: counts stream bytes the kernel accepted on TCP.
+    pub(crate) fn count_tcp_sent(&mut self, bytes: u64) {
+        self.tcp_sent += bytes;
+    }
+
+    /// Whether this socket runs over verbs.
+    pub(crate) fn is_verbs(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.verbs().is_some())
+    }
+
+    /// True for a connection to a process on this host (the `shm` provider).
+    pub(crate) fn is_intra_host(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::is_intra_host)
+    }
+
+    /// The peer's pid when it is another process on this host (the one to nudge).
+    pub(crate) fn peer_process(&self) -> Option<u32> {
+        self.conn
+            .as_ref()
+            .and_then(Link::peer_pid)
+            .filter(|&pid| pid != std::process::id())
+    }
+
+    /// True when the peer is this very process (both ends of an in-process connection).
+    pub(crate) fn peer_in_process(&self) -> bool {
+        self.conn
+            .as_ref()
+            .and_then(Link::peer_pid)
+            .is_some_and(|pid| pid == std::process::id())
+    }
+
+    /// Verbs, pending client: we declined the acceptor's connect for want of resources
+    /// (see `VerbsLink::declined`).
+    pub(crate) fn declined_locally(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::declined)
+    }
+
+    /// The verbs link (to register with the service thread; the spin policy of waits).
+    pub(crate) fn verbs_link_mut(&mut self) -> Option<&mut VerbsLink> {
+        self.conn.as_mut().and_then(Link::verbs_mut)
+    }
+
+    /// The registrations (domain and cache) this socket's memory is registered with: its
+    /// verbs domain's, or the process-wide shm one.
+    pub(super) fn shared_registrations(&self) -> Option<&'static SharedRegistrations> {
+        self.conn.as_ref().and_then(Link::registrations)
+    }
+}
+
+impl Drop for SanSocket {
+    /// Drops the references this socket still holds in the registration cache (a close that
+    /// gave up on a rendezvous, a broken connection): remote exposure through them ends now.
+    fn drop(&mut self) {
+        if let Some(mut registrations) = self.shared_registrations().map(SharedRegistrations::lock)
+        {
+            registrations.release_owner(self.owner);
+        }
+    }
+}
+
+/// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known
+/// once the exchange delivered its end: the returned [`PeerMirror`]).
+fn shm_connection(
+    segment: ShmSegment,
+    registrations: &super::registrations::SharedRegistrations,
+) -> Result<(ShmConnection, Arc<PeerMirror>), SetupError> {
+    let peer = Arc::new(PeerMirror::default());
+    let conn = ShmConnection::with_doorbell(
+        segment,
+        registrations.lock().domain().ok_or(SetupError::Resource)?,
+        connection_config(),
+        Box::new(MirrorDoorbell(peer.clone())),
+    )
+    .map_err(|_| SetupError::Resource)?;
+    Ok((conn, peer))
+}

@@ -1,0 +1,180 @@
+//! A pending client: its switch-over (the acceptor switches inside `accept()`, see the
+//! set-up), and the switch marker the acceptor writes on TCP to make it happen, which the
+//! client consumes before it reads TCP again.
+
+use core::ffi::c_int;
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use switch::session::{Role, Session};
+
+use super::{session_config, SanSocket, Side, ACCEPTOR_WORDS, CLIENT_WORDS, SWITCH_MARKER};
+use crate::mirror::Mirror;
+use crate::real;
+use crate::record::{flags, DataPath, SocketState};
+use crate::san::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
+use crate::san::link::Link;
+use crate::san::tunables::SLOTS;
+
+impl SanSocket {
+    /// Client, pending, peer attached: starts the session with the TCP byte count (shm: after
+    /// taking the acceptor's mirror end and words from the exchange and answering with ours;
+    /// verbs: on the CM connection the acceptor established). `Err` means the exchange or
+    /// the attach was not usable: the connection cannot continue (the acceptor talks SAN
+    /// only).
+    pub(crate) fn switch(&mut self, tcp: c_int) -> Result<(), ()> {
+        if self.is_verbs() {
+            self.switch_verbs()?;
+        } else {
+            self.switch_shm()?;
+        }
+        self.finish_switch(tcp);
+        Ok(())
+    }
+
+    /// The shm part of [`SanSocket::switch`].
+    fn switch_shm(&mut self) -> Result<(), ()> {
+        let listener = self.exchange.take().ok_or(())?;
+        let link = exchange::accept(listener.as_fd()).ok_or(())?;
+        drop(listener);
+        let their_end = exchange::receive(link.as_fd(), MIRROR_END).ok_or(())?;
+        let page = exchange::receive(link.as_fd(), WORDS_PAGE)
+            .and_then(WordsPage::map)
+            .map(Arc::new)
+            .ok_or(())?;
+        let (our_mirror, our_end) =
+            Mirror::new(SideWords::new(page.clone(), CLIENT_WORDS)).map_err(|_| ())?;
+        // If the acceptor is already gone the send fails; the session reports the reset.
+        let _ = exchange::send(link.as_fd(), our_end.as_fd(), MIRROR_END);
+        drop(our_end);
+        let _ = self
+            .peer
+            .end
+            .set((their_end, SideWords::new(page.clone(), ACCEPTOR_WORDS)));
+        let conn = self.conn.as_ref().ok_or(())?;
+        let session = Session::new(
+            Role::Active,
+            session_config(),
+            conn.capabilities(),
+            SLOTS,
+            self.tcp_sent,
+        );
+        self.start_session(session, our_mirror, page);
+        Ok(())
+    }
+
+    /// The verbs part of [`SanSocket::switch`]: takes the connection. `Err`: the attach
+    /// failed after our reply.
+    fn switch_verbs(&mut self) -> Result<(), ()> {
+        self.conn
+            .as_mut()
+            .and_then(Link::verbs_mut)
+            .ok_or(())?
+            .take_attached()?;
+        self.start_verbs_session(Role::Active).map_err(|_| ())
+    }
+
+    /// The end of every client switch, whatever the provider: a shutdown the application
+    /// made while pending (a TCP FIN the acceptor may never read) becomes the session's FIN
+    /// after the counted bytes; our `Hello` goes out; the marker is read if it is there.
+    fn finish_switch(&mut self, tcp: c_int) {
+        let shut = self.record.flags() & (flags::SHUT_WR | flags::SHUT_RD);
+        if shut & flags::SHUT_WR != 0 {
+            self.shutdown(libc::SHUT_WR);
+        }
+        if shut & flags::SHUT_RD != 0 {
+            self.shutdown(libc::SHUT_RD);
+        }
+        self.service();
+        self.consume_marker(tcp);
+        self.mark_switched();
+    }
+
+    pub(super) fn mark_switched(&self) {
+        // The application may have closed its last fd already (its release is on the way).
+        if self.record.set_state_if_live(SocketState::San) {
+            let path = self.conn.as_ref().map_or(DataPath::SanShm, Link::data_path);
+            self.record
+                .path
+                .store(path as u32, core::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Wakes the threads that wait on this socket as a pending client (see `pending_bell`).
+    pub(super) fn ring_pending_bell(&self) {
+        if let Some(bell) = self.pending_bell.as_ref() {
+            let one = 1u64;
+            // SAFETY: an 8-byte write to our eventfd.
+            unsafe { libc::write(bell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
+    /// Acceptor: writes the switch marker on TCP (once): a client waiting on its TCP socket
+    /// wakes, switches and completes the handshake.
+    pub(crate) fn wake_pending_client(&mut self, tcp: c_int) {
+        if !self.marker_owed {
+            return;
+        }
+        // Written even when the client already switched: the client consumes exactly one
+        // marker byte before it ever reads TCP again (a downgrade), so it must always be there.
+        self.marker_owed = false;
+        let marker = [SWITCH_MARKER];
+        // SAFETY: one readable byte; `tcp` is the application's socket for this call.
+        let sent = unsafe {
+            real::send(
+                tcp,
+                marker.as_ptr().cast(),
+                1,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if sent != 1 {
+            // The client still switches at its next call (it checks the attach itself).
+            tracing::debug!(tcp, "switch marker not sent");
+        }
+    }
+
+    /// Client: reads the switch marker if it has arrived (nonblocking).
+    pub(crate) fn consume_marker(&mut self, tcp: c_int) {
+        if !self.marker_unread {
+            return;
+        }
+        let mut byte = 0u8;
+        // SAFETY: one writable byte.
+        let n = unsafe { real::recv(tcp, (&mut byte as *mut u8).cast(), 1, libc::MSG_DONTWAIT) };
+        if n == 1 || n == 0 {
+            self.marker_unread = false;
+        }
+    }
+
+    /// Client, pending: a byte arrived on TCP while the segment was attached, so it is the
+    /// marker and it was consumed by the caller.
+    pub(crate) fn marker_consumed(&mut self) {
+        self.marker_unread = false;
+    }
+
+    /// Client: the switch marker precedes everything the acceptor sends on TCP; before the
+    /// socket reads TCP again it must be consumed. Waits for it up to `timeout` (it was
+    /// written at the acceptor's `accept()`, long before any downgrade).
+    pub(crate) fn consume_marker_blocking(&mut self, tcp: c_int, timeout: Duration) {
+        if !self.marker_unread || self.side != Side::Client {
+            self.marker_unread = false;
+            return;
+        }
+        let mut entry = libc::pollfd {
+            fd: tcp,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        unsafe {
+            real::poll(
+                &mut entry,
+                1,
+                timeout.as_millis().min(i32::MAX as u128) as c_int,
+            )
+        };
+        self.consume_marker(tcp);
+    }
+}

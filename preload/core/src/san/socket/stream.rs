@@ -1,0 +1,398 @@
+//! The byte stream of a switched socket: inline sends and receives through the session, the
+//! rendezvous (zero-copy) sends and receives, and the acceptor's count of the client's
+//! pre-switch bytes still to read on TCP.
+
+use core::ffi::c_int;
+
+use san_api::Access;
+use switch::error::{RecvError, SendError};
+use switch::session::{RecvFlags, RecvTicket, SendFlags, SendTicket, SessionState};
+
+use super::{Phase, SanSocket, Side};
+use crate::record::Counter;
+use crate::san::link::Link;
+use crate::san::outcome::SanError;
+use crate::san::registrations::SharedRegistrations;
+
+/// A registration was refused (the reason is logged where it happens).
+struct RegisterRefused;
+
+/// Why a zero-copy receive could not be started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SinkRefused {
+    /// Registration failed: the rendezvous was rejected (the sender resends the rest); read
+    /// on, the stream continues.
+    Rejected,
+    /// The call fails with this errno.
+    Errno(c_int),
+}
+
+impl SanSocket {
+    /// Acceptor: how many TCP bytes the client sent before switching and we have not read
+    /// yet; `None` while its count is unknown (its `Hello` has not arrived).
+    pub(crate) fn tcp_backlog(&self) -> Option<u64> {
+        if self.side != Side::Acceptor {
+            return Some(0);
+        }
+        let sent = self.session.as_ref()?.peer_tcp_bytes_sent()?;
+        Some(sent.saturating_sub(self.tcp_received))
+    }
+
+    /// Acceptor: the client's pre-switch bytes may still be readable on TCP.
+    pub(crate) fn tcp_bytes_pending(&self) -> bool {
+        self.side == Side::Acceptor && self.tcp_backlog() != Some(0) && !self.tcp_eof
+    }
+
+    /// Acceptor: TCP bytes were read (and consumed) by the application.
+    pub(crate) fn count_tcp_received(&mut self, bytes: u64) {
+        self.tcp_received += bytes;
+    }
+
+    /// Acceptor: TCP reported end-of-file before the client's count was known.
+    pub(crate) fn set_tcp_eof(&mut self) {
+        self.tcp_eof = true;
+    }
+
+    /// Acceptor: whether TCP already said end-of-file.
+    pub(crate) fn tcp_eof(&self) -> bool {
+        self.tcp_eof
+    }
+
+    /// Copies queued stream bytes out: `Ok(0)` at end of stream.
+    pub(crate) fn recv(&mut self, buf: &mut [u8], peek: bool) -> Result<usize, SanError> {
+        if !self.restored.is_empty() {
+            let n = buf.len().min(self.restored.len());
+            buf[..n].copy_from_slice(&self.restored[..n]);
+            if !peek {
+                self.restored.drain(..n);
+            }
+            return Ok(n);
+        }
+        let Some(session) = self.session.as_mut() else {
+            return Err(SanError::Errno(libc::ENOTCONN));
+        };
+        let flags = RecvFlags {
+            peek,
+            ..RecvFlags::default()
+        };
+        match session.recv(buf, flags) {
+            Ok(n) => {
+                if !peek && n > 0 {
+                    self.record.count(Counter::SanInlineReceived, n as u64);
+                }
+                Ok(n)
+            }
+            Err(RecvError::Reset) if self.peer_fin || self.reset_reported => Ok(0),
+            Err(RecvError::Reset) => {
+                self.reset_reported = true;
+                Err(SanError::Errno(
+                    self.kernel_error.unwrap_or(libc::ECONNRESET),
+                ))
+            }
+            // Not an answer of `Session::recv`: a broken stream here (`errno()` says `EAGAIN`).
+            Err(RecvError::NotRemote) => Err(SanError::Errno(libc::ECONNRESET)),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Whether a send of `len` bytes may be queued without driving the session first: it is
+    /// established, takes the whole of it inline, and the provider signals no input (shm:
+    /// nothing in our ring; verbs: its completions are the service thread's while the
+    /// application is not in a call, and the drive after the send polls them anyway). The
+    /// drive before the send cost a whole drive (a completion poll included) per message.
+    pub(crate) fn queues_without_drive(&self, len: usize) -> bool {
+        self.phase == Phase::Switched
+            && self.early.is_empty()
+            && !self.downgrade_wanted
+            && !self.write_shut
+            && !self.conn.as_ref().is_some_and(Link::has_input)
+            && !self.wants_rendezvous(len)
+            && self.session.as_ref().is_some_and(|session| {
+                session.state() == SessionState::Established && session.send_space() >= len
+            })
+    }
+
+    /// Queues stream bytes for sending: a short count when the send buffer fills.
+    pub(crate) fn send(&mut self, data: &[u8], urgent: bool) -> Result<usize, SanError> {
+        if self.write_shut {
+            return Err(SanError::Errno(libc::EPIPE));
+        }
+        if self.downgrade_wanted {
+            // Bytes still waiting for the handshake are older than these: they go first.
+            self.early_to_tcp();
+            if !self.early.is_empty() {
+                return Err(SanError::Errno(libc::EAGAIN));
+            }
+            return Err(SanError::Downgraded);
+        }
+        let Some(session) = self.session.as_ref() else {
+            return Err(SanError::Errno(libc::ENOTCONN));
+        };
+        let handshaking = session.state() == SessionState::Handshaking;
+        if !data.is_empty() {
+            self.data_to_announce = true;
+        }
+        if let Some(buffered) = self.send_early(data, handshaking) {
+            return buffered;
+        }
+        self.send_inline(data, urgent)
+    }
+
+    /// Queues stream bytes in the session (after the early bytes).
+    fn send_inline(&mut self, data: &[u8], urgent: bool) -> Result<usize, SanError> {
+        let Some(session) = self.session.as_mut() else {
+            return Err(SanError::Errno(libc::ENOTCONN));
+        };
+        match session.send(data, SendFlags { urgent }) {
+            Ok(n) => {
+                self.record.count(Counter::SanInlineSent, n as u64);
+                Ok(n)
+            }
+            Err(SendError::Reset) if self.peer_fin => Err(SanError::Errno(libc::EPIPE)),
+            Err(SendError::Reset) => Err(SanError::Errno(self.send_reset_errno())),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Whether a blocking send of `len` bytes should go by rendezvous: the session is
+    /// established with a negotiated threshold `len` reaches, and nothing is buffered ahead
+    /// of it locally.
+    pub(crate) fn wants_rendezvous(&self, len: usize) -> bool {
+        let Some(session) = self.session.as_ref() else {
+            return false;
+        };
+        session.state() == SessionState::Established
+            && self.early.is_empty()
+            && !self.write_shut
+            && !self.downgrade_wanted
+            && !session.peer_downgraded()
+            && session
+                .rendezvous_threshold()
+                .is_some_and(|t| t != u32::MAX && len as u64 >= u64::from(t))
+    }
+
+    /// Starts a zero-copy send of `data` (which must stay valid and unchanged until the
+    /// send completes: the caller is a blocking send that waits for it). `ENOBUFS` when the
+    /// registration is refused, `EAGAIN` while another rendezvous is in progress.
+    pub(crate) fn start_send_rendezvous(&mut self, data: &[u8]) -> Result<SendTicket, SanError> {
+        let regs = self.shared_registrations();
+        if self.write_shut {
+            return Err(SanError::Errno(libc::EPIPE));
+        }
+        let Some(session) = self.session.as_mut() else {
+            return Err(SanError::Errno(libc::ENOTCONN));
+        };
+        // READ mode: the peer copies the buffer out (CMA). WRITE mode: we copy it out
+        // through the window, which needs only local access.
+        let access = if session.sends_use_read_mode() == Some(true) {
+            Access::REMOTE_READ
+        } else {
+            Access::NONE
+        };
+        let Some(mut registrations) = regs.map(SharedRegistrations::lock) else {
+            return Err(SanError::Errno(libc::ENOBUFS));
+        };
+        let rest = registrations
+            .register(self.owner, data.as_ptr() as u64, data.len() as u64, access)
+            .map_err(|error| {
+                tracing::debug!(
+                    ?error,
+                    len = data.len(),
+                    "rendezvous send: registration refused"
+                );
+                SanError::Errno(libc::ENOBUFS)
+            })?;
+        match session.send_rendezvous(&[], rest) {
+            Ok(ticket) => {
+                drop(registrations);
+                self.data_to_announce = true;
+                self.service();
+                Ok(ticket)
+            }
+            Err(error) => {
+                tracing::debug!(?error, "rendezvous send refused by the session");
+                registrations.release(&[rest.handle]);
+                Err(match error {
+                    SendError::Reset if self.peer_fin => SanError::Errno(libc::EPIPE),
+                    SendError::Reset => SanError::Errno(self.send_reset_errno()),
+                    // A rendezvous the session cannot start is a refused one, as a refused
+                    // registration is (`errno()` would say `EMSGSIZE` and `EINVAL`).
+                    SendError::TooLong | SendError::InvalidArgument => {
+                        SanError::Errno(libc::ENOBUFS)
+                    }
+                    other => other.into(),
+                })
+            }
+        }
+    }
+
+    /// The outcome of rendezvous send `ticket`, once the session reported it: `Ok(bytes)`
+    /// delivered (counted as rendezvous bytes), or the errno.
+    pub(crate) fn take_send_completion(
+        &mut self,
+        ticket: SendTicket,
+    ) -> Option<Result<usize, c_int>> {
+        match self.send_completed {
+            Some((done, _)) if done == ticket => {}
+            _ => return None,
+        }
+        let (_, result) = self.send_completed.take()?;
+        Some(match result {
+            Ok(bytes) => {
+                self.record.count(Counter::SanRendezvousSent, bytes);
+                Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
+            }
+            Err(SendError::Closed) => Err(libc::EPIPE),
+            Err(SendError::Reset) if self.peer_fin => Err(libc::EPIPE),
+            Err(SendError::Reset) => Err(self.send_reset_errno()),
+            Err(SendError::NoBuffers) => Err(libc::ENOBUFS),
+            Err(_) => Err(libc::ECONNRESET),
+        })
+    }
+
+    /// The rendezvous segment at the head of the stream goes zero-copy into `buf` (which must
+    /// stay valid until the receive completes: the caller waits for it). A refused
+    /// registration rejects the segment: the sender gets a short count and resends the rest.
+    pub(crate) fn start_recv_rendezvous(
+        &mut self,
+        buf: &mut [u8],
+        peek: bool,
+    ) -> Result<RecvTicket, SinkRefused> {
+        let regs = self.shared_registrations();
+        let Some(session) = self.session.as_mut() else {
+            return Err(SinkRefused::Errno(libc::ENOTCONN));
+        };
+        // The segment's mode (we read it, or the peer writes into an advertised sink) is the
+        // session's knowledge, not ours, and the capabilities the session was started with
+        // may differ from the connection's current ones (CMA is confirmed once the peer is
+        // known): register for both. The remote exposure ends when the session releases
+        // the sink (the cache revokes the rkey).
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+        let registered = regs
+            .map(SharedRegistrations::lock)
+            .ok_or(RegisterRefused)
+            .and_then(|mut registrations| {
+                registrations
+                    .register(
+                        self.owner,
+                        buf.as_mut_ptr() as u64,
+                        buf.len() as u64,
+                        access,
+                    )
+                    .map_err(|_| RegisterRefused)
+            });
+        let Ok(sink) = registered else {
+            tracing::debug!(len = buf.len(), "rendezvous receive: registration refused");
+            return match session.reject_remote_segment() {
+                Ok(()) => {
+                    self.service();
+                    Err(SinkRefused::Rejected)
+                }
+                Err(RecvError::Reset) => Err(SinkRefused::Errno(libc::ECONNRESET)),
+                Err(_) => Err(SinkRefused::Errno(libc::EAGAIN)),
+            };
+        };
+        let flags = RecvFlags {
+            peek,
+            ..RecvFlags::default()
+        };
+        match session.post_recv(sink, flags) {
+            Ok(ticket) => {
+                // The sender sleeps until our completion message (or sink advertisement)
+                // reaches it: announce it as readable, not only as a credit return.
+                self.data_to_announce = true;
+                self.service();
+                Ok(ticket)
+            }
+            Err(error) => {
+                tracing::debug!(?error, ?sink, "zero-copy receive refused by the session");
+                if let Some(mut registrations) = regs.map(SharedRegistrations::lock) {
+                    registrations.release(&[sink.handle]);
+                }
+                Err(SinkRefused::Errno(match error {
+                    RecvError::WouldBlock | RecvError::NotRemote => libc::EAGAIN,
+                    RecvError::Reset => libc::ECONNRESET,
+                    RecvError::NotConnected => libc::ENOTCONN,
+                    _ => libc::EINVAL,
+                }))
+            }
+        }
+    }
+
+    /// The outcome of zero-copy receive `ticket`, once the session reported it.
+    pub(crate) fn take_recv_completion(
+        &mut self,
+        ticket: RecvTicket,
+        peek: bool,
+    ) -> Option<Result<usize, c_int>> {
+        match self.recv_completed {
+            Some((done, _)) if done == ticket => {}
+            _ => return None,
+        }
+        let (_, result) = self.recv_completed.take()?;
+        Some(match result {
+            Ok(bytes) => {
+                if !peek {
+                    self.record.count(Counter::SanRendezvousReceived, bytes);
+                }
+                Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
+            }
+            Err(RecvError::Reset) if self.peer_fin => Ok(0),
+            Err(_) => Err(libc::ECONNRESET),
+        })
+    }
+
+    /// Bytes a read would return now (FIONREAD): queued SAN bytes, or (acceptor) the client's
+    /// TCP bytes not yet read.
+    pub(crate) fn readable_bytes(&self, tcp_queued: usize) -> usize {
+        if !self.restored.is_empty() {
+            // Absorbed bytes come first; what the session still holds follows them.
+            let session = self.session.as_ref().map_or(0, |s| {
+                usize::try_from(s.recv_pending_bytes()).unwrap_or(usize::MAX)
+            });
+            return self.restored.len().saturating_add(session);
+        }
+        if self.reads_on_tcp() {
+            return tcp_queued;
+        }
+        match self.tcp_backlog() {
+            Some(0) => self.session.as_ref().map_or(0, |s| {
+                usize::try_from(s.recv_pending_bytes()).unwrap_or(usize::MAX)
+            }),
+            Some(left) => tcp_queued.min(usize::try_from(left).unwrap_or(usize::MAX)),
+            None => tcp_queued,
+        }
+    }
+
+    /// The errno of a send refused because the session was reset: `ECONNRESET`; after the
+    /// kernel connection beside it failed, that error once, then `EPIPE` (as the kernel
+    /// reports `sk_err` once and the closed socket then refuses sends).
+    fn send_reset_errno(&mut self) -> c_int {
+        match self.kernel_error {
+            None => libc::ECONNRESET,
+            Some(_) if self.reset_reported => libc::EPIPE,
+            Some(errno) => {
+                self.reset_reported = true;
+                errno
+            }
+        }
+    }
+
+    /// The kernel TCP connection beside the session is over with `errno` (the service thread
+    /// saw it close because the peer's host could not be reached: a keepalive timeout). A
+    /// peer host that vanished is noticed by nothing else while the session is idle; the
+    /// application learns it as it would over TCP: the error once, every wait woken.
+    pub(crate) fn kernel_connection_failed(&mut self, errno: c_int) {
+        if self.phase != Phase::Switched || self.kernel_error.is_some() {
+            return;
+        }
+        let Some(session) = self.session.as_mut() else {
+            return;
+        };
+        tracing::debug!(name = %self.name, errno, "kernel connection beside the SAN session failed");
+        self.kernel_error = Some(errno);
+        session.handle_kernel_connection_failed();
+        self.service();
+        self.ring_local_bell();
+    }
+}

@@ -1,0 +1,130 @@
+//! Setting a verbs connection up: a pending client listens with rdma_cm on its own address
+//! and port before its SYN leaves, the acceptor connects to it from inside `accept()`.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use san_verbs_loader::SetupError;
+
+use super::link::{all_preposted, VerbsLink};
+use super::watcher::{started_watcher, StartService};
+use super::{
+    clear_negative, domain_for, mark_negative, negative_hit, params, tuple_blob, Attach,
+    AttachState,
+};
+use crate::discovery::canonical_addr;
+use crate::real;
+
+/// A set-up failure that is this side's want of resources (memory it may not pin,
+/// descriptors, queue pairs), not the peer's doing.
+fn local_shortage(error: SetupError) -> bool {
+    // The provider's own classification of set-up errors; a missing device is the peer's
+    // address not being served, not a shortage.
+    error != SetupError::NoDevice
+        && san_api::SetupError::from(error) == san_api::SetupError::NoResources
+}
+
+/// Before a client's `connect()` from `local` (fixed) to `server`: listens with rdma_cm on
+/// `local` so a preloaded acceptor can attach; the service thread (`start`) watches the
+/// listener. `None`: no device, no service thread, or listening failed.
+pub(crate) fn client(
+    fd: libc::c_int,
+    local: SocketAddr,
+    server: SocketAddr,
+    start: StartService,
+) -> Option<VerbsLink> {
+    let domain = domain_for(local.ip())?;
+    let watcher = started_watcher(start)?;
+    let listen = || domain.with(|d| d.listen(canonical_addr(local), 4));
+    let listener = match listen() {
+        Ok(listener) => listener,
+        Err(SetupError::Os(libc::EADDRINUSE)) => {
+            // iWARP: rdma_cm ports are kernel TCP ports, shared with our bound socket only
+            // when both allow it.
+            let one: libc::c_int = 1;
+            // SAFETY: a c_int option value of the right size on the application's socket.
+            unsafe {
+                real::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    libc::SO_REUSEADDR,
+                    (&one as *const libc::c_int).cast(),
+                    core::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            listen()
+                .map_err(|error| tracing::debug!(?error, %local, "client CM listener refused"))
+                .ok()?
+        }
+        Err(error) => {
+            tracing::debug!(?error, %local, "client CM listener refused");
+            return None;
+        }
+    };
+    let listener_fd = listener.fd();
+    let attach = Arc::new(Attach {
+        state: Mutex::new(AttachState::Listening),
+        changed: Condvar::new(),
+        listener: Mutex::new(Some(listener)),
+        expected: tuple_blob(server, local),
+        domain,
+    });
+    watcher.watch_attach(listener_fd, attach.clone());
+    Some(VerbsLink::new(None, Some(attach), domain, Vec::new()))
+}
+
+/// Why the acceptor's attach did not happen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AcceptorError {
+    /// No verbs path to this client (not preloaded, no device, cached).
+    PeerPlain,
+    /// Verbs set-up failed otherwise.
+    Resource,
+}
+
+/// Inside `accept()`: connects to the client's CM listener at its TCP address and port (the
+/// service thread, `start`, must run: it will watch the connection).
+pub(crate) fn acceptor(
+    local: SocketAddr,
+    peer: SocketAddr,
+    start: StartService,
+) -> Result<VerbsLink, AcceptorError> {
+    let peer = canonical_addr(peer);
+    let domain = domain_for(local.ip()).ok_or(AcceptorError::PeerPlain)?;
+    if negative_hit(peer.ip()) {
+        return Err(AcceptorError::PeerPlain);
+    }
+    started_watcher(start).ok_or(AcceptorError::Resource)?;
+    let blob = tuple_blob(local, peer);
+    let started = Instant::now();
+    let connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
+    match connected {
+        Ok((conn, _)) => {
+            tracing::debug!(%peer, took = ?started.elapsed(), "CM connect to the client established");
+            clear_negative(peer.ip());
+            Ok(VerbsLink::new(Some(conn), None, domain, all_preposted()))
+        }
+        Err(error) => {
+            tracing::debug!(%peer, ?error, took = ?started.elapsed(), "CM connect to the client failed");
+            // Our own want of resources (the QP and slots are set up before the request goes
+            // out) says nothing about the peer.
+            if !local_shortage(error) {
+                mark_negative(
+                    peer.ip(),
+                    matches!(
+                        error,
+                        SetupError::Unreachable | SetupError::NoDevice | SetupError::WrongDevice
+                    ),
+                );
+            }
+            Err(match error {
+                SetupError::Rejected
+                | SetupError::Unreachable
+                | SetupError::NoDevice
+                | SetupError::WrongDevice => AcceptorError::PeerPlain,
+                _ => AcceptorError::Resource,
+            })
+        }
+    }
+}
