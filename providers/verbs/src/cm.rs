@@ -18,7 +18,7 @@ use crate::device::Device;
 use crate::pd::ProtectionDomain;
 use crate::qp::QueuePair;
 use crate::sys::{errno, set_nonblocking};
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// An rdma_cm event channel with a non-blocking fd. Shared (`Arc`) by the ids reporting
 /// on it, so that it is destroyed only after all of them.
@@ -47,12 +47,12 @@ pub(crate) struct CmEvent {
 }
 
 impl EventChannel {
-    pub(crate) fn new() -> Result<Arc<Self>, SetupError> {
+    pub(crate) fn new() -> Result<Arc<Self>, VerbsSetupError> {
         // SAFETY: no arguments; returns null with errno on failure.
         let channel = unsafe { rdma_create_event_channel() };
         let channel = NonNull::new(channel).ok_or_else(|| match errno() {
-            libc::ENODEV | libc::ENOSYS | libc::ENOENT => SetupError::NoDevice,
-            other => SetupError::Os(other),
+            libc::ENODEV | libc::ENOSYS | libc::ENOENT => VerbsSetupError::NoDevice,
+            other => VerbsSetupError::Os(other),
         })?;
         let channel = Self { channel };
         set_nonblocking(channel.fd())?;
@@ -65,13 +65,13 @@ impl EventChannel {
     }
 
     /// The next event if one is queued, copied and acknowledged.
-    pub(crate) fn try_next(&self) -> Result<Option<CmEvent>, SetupError> {
+    pub(crate) fn try_next(&self) -> Result<Option<CmEvent>, VerbsSetupError> {
         let mut event: *mut rdma_cm_event = std::ptr::null_mut();
         // SAFETY: live channel (non-blocking fd); valid out pointer.
         if unsafe { rdma_get_cm_event(self.channel.as_ptr(), &mut event) } != 0 {
             return match errno() {
                 libc::EAGAIN | libc::EINTR => Ok(None),
-                other => Err(SetupError::Os(other)),
+                other => Err(VerbsSetupError::Os(other)),
             };
         }
         // SAFETY: rdma_get_cm_event succeeded: `event` is valid until acknowledged. The
@@ -104,7 +104,7 @@ impl EventChannel {
     }
 
     /// Waits up to `deadline` for the next event.
-    pub(crate) fn next_until(&self, deadline: Option<Instant>) -> Result<CmEvent, SetupError> {
+    pub(crate) fn next_until(&self, deadline: Option<Instant>) -> Result<CmEvent, VerbsSetupError> {
         loop {
             if let Some(event) = self.try_next()? {
                 return Ok(event);
@@ -114,7 +114,7 @@ impl EventChannel {
                 Some(deadline) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
-                        return Err(SetupError::TimedOut);
+                        return Err(VerbsSetupError::TimedOut);
                     }
                     i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX)
                 }
@@ -132,7 +132,7 @@ impl Drop for EventChannel {
 }
 
 /// Blocks until `fd` is readable or `timeout_ms` passed (-1: forever). EINTR retries.
-pub(crate) fn wait_readable(fd: RawFd, timeout_ms: i32) -> Result<bool, SetupError> {
+pub(crate) fn wait_readable(fd: RawFd, timeout_ms: i32) -> Result<bool, VerbsSetupError> {
     let mut pfd = libc::pollfd {
         fd,
         events: libc::POLLIN,
@@ -143,7 +143,7 @@ pub(crate) fn wait_readable(fd: RawFd, timeout_ms: i32) -> Result<bool, SetupErr
         n if n > 0 => Ok(true),
         0 => Ok(false),
         _ if errno() == libc::EINTR => Ok(false),
-        _ => Err(SetupError::Os(errno())),
+        _ => Err(VerbsSetupError::Os(errno())),
     }
 }
 
@@ -160,7 +160,7 @@ unsafe impl Send for CmId {}
 
 impl CmId {
     /// A new id on `channel` in the TCP port space (reliable connected).
-    pub(crate) fn new(channel: &Arc<EventChannel>) -> Result<Self, SetupError> {
+    pub(crate) fn new(channel: &Arc<EventChannel>) -> Result<Self, VerbsSetupError> {
         let mut id: *mut rdma_cm_id = std::ptr::null_mut();
         // SAFETY: live channel, valid out pointer, no user context.
         let rc = unsafe {
@@ -173,7 +173,7 @@ impl CmId {
         };
         let id = NonNull::new(id)
             .filter(|_| rc == 0)
-            .ok_or_else(|| SetupError::Os(errno()))?;
+            .ok_or_else(|| VerbsSetupError::Os(errno()))?;
         Ok(Self {
             id,
             channel: channel.clone(),
@@ -185,8 +185,8 @@ impl CmId {
     pub(crate) fn adopt(
         id: *mut rdma_cm_id,
         channel: &Arc<EventChannel>,
-    ) -> Result<Self, SetupError> {
-        let id = NonNull::new(id).ok_or(SetupError::Internal)?;
+    ) -> Result<Self, VerbsSetupError> {
+        let id = NonNull::new(id).ok_or(VerbsSetupError::Internal)?;
         Ok(Self {
             id,
             channel: channel.clone(),
@@ -211,11 +211,11 @@ impl CmId {
     }
 
     /// Moves the id's event reporting to `channel`.
-    pub(crate) fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<(), SetupError> {
+    pub(crate) fn migrate(&mut self, channel: &Arc<EventChannel>) -> Result<(), VerbsSetupError> {
         // SAFETY: live id and channel; every event of the id was acknowledged already
         // (we ack at once), as rdma_migrate_id requires.
         if unsafe { rdma_migrate_id(self.id.as_ptr(), channel.channel.as_ptr()) } != 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
         self.channel = channel.clone();
         Ok(())
@@ -228,9 +228,9 @@ impl CmId {
         cq: *mut rdma_sys::ibv_cq,
         send_depth: u32,
         recv_depth: u32,
-    ) -> Result<QueuePair, SetupError> {
+    ) -> Result<QueuePair, VerbsSetupError> {
         if self.has_qp {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         }
         // SAFETY: plain data; all-zero is a valid starting point.
         let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
@@ -245,11 +245,12 @@ impl CmId {
         // SAFETY: live id bound to the PD's device (checked by callers), live PD and CQ
         // on that device; the attribute struct lives across the call.
         if unsafe { rdma_create_qp(self.id.as_ptr(), pd.as_ptr(), &mut attr) } != 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
         self.has_qp = true;
         // SAFETY: rdma_create_qp succeeded, so `qp` is set and lives until rdma_destroy_qp.
-        let qp = NonNull::new(unsafe { (*self.id.as_ptr()).qp }).ok_or(SetupError::Internal)?;
+        let qp =
+            NonNull::new(unsafe { (*self.id.as_ptr()).qp }).ok_or(VerbsSetupError::Internal)?;
         Ok(QueuePair::new(qp))
     }
 }
@@ -318,12 +319,12 @@ pub(crate) fn conn_param(
 
 /// Frames a setup blob: one length byte, then the bytes. InfiniBand/RoCE deliver private
 /// data padded to its maximum size, so the length must travel inside.
-pub(crate) fn encode_blob(blob: &[u8]) -> Result<Vec<u8>, SetupError> {
+pub(crate) fn encode_blob(blob: &[u8]) -> Result<Vec<u8>, VerbsSetupError> {
     if blob.len() > MAX_PRIVATE_DATA {
-        return Err(SetupError::InvalidArgument);
+        return Err(VerbsSetupError::InvalidArgument);
     }
     let mut frame = Vec::with_capacity(blob.len() + 1);
-    frame.push(u8::try_from(blob.len()).map_err(|_| SetupError::InvalidArgument)?);
+    frame.push(u8::try_from(blob.len()).map_err(|_| VerbsSetupError::InvalidArgument)?);
     frame.extend_from_slice(blob);
     Ok(frame)
 }
@@ -385,13 +386,13 @@ pub(crate) fn bound_port(id: &CmId) -> u16 {
 }
 
 /// The device rdma_cm binds the local address `ip` to.
-pub(crate) fn device_for_local_ip(ip: IpAddr) -> Result<Device, SetupError> {
+pub(crate) fn device_for_local_ip(ip: IpAddr) -> Result<Device, VerbsSetupError> {
     let context = device_of_local_address(ip)?;
     Device::query(context)
 }
 
 /// The device context rdma_cm binds the local address `ip` to.
-fn device_of_local_address(ip: IpAddr) -> Result<NonNull<ibv_context>, SetupError> {
+fn device_of_local_address(ip: IpAddr) -> Result<NonNull<ibv_context>, VerbsSetupError> {
     let channel = EventChannel::new()?;
     let id = CmId::new(&channel)?;
     let (mut storage, _) = sockaddr(SocketAddr::new(ip, 0));
@@ -404,21 +405,21 @@ fn device_of_local_address(ip: IpAddr) -> Result<NonNull<ibv_context>, SetupErro
     } != 0
     {
         return Err(match errno() {
-            libc::EADDRNOTAVAIL | libc::ENODEV => SetupError::NoDevice,
-            other => SetupError::Os(other),
+            libc::EADDRNOTAVAIL | libc::ENODEV => VerbsSetupError::NoDevice,
+            other => VerbsSetupError::Os(other),
         });
     }
-    id.context().ok_or(SetupError::NoDevice)
+    id.context().ok_or(VerbsSetupError::NoDevice)
 }
 
 /// Maps a failure event during connection setup to an error.
-pub(crate) fn setup_failure(event: &CmEvent) -> SetupError {
+pub(crate) fn setup_failure(event: &CmEvent) -> VerbsSetupError {
     match event.kind {
-        rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => SetupError::Rejected,
+        rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => VerbsSetupError::Rejected,
         rdma_cm_event_type::RDMA_CM_EVENT_ADDR_ERROR
         | rdma_cm_event_type::RDMA_CM_EVENT_ROUTE_ERROR
-        | rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE => SetupError::Unreachable,
-        _ => SetupError::ConnectFailed,
+        | rdma_cm_event_type::RDMA_CM_EVENT_UNREACHABLE => VerbsSetupError::Unreachable,
+        _ => VerbsSetupError::ConnectFailed,
     }
 }
 
@@ -427,7 +428,7 @@ pub(crate) fn expect_event(
     id: &CmId,
     expected: rdma_cm_event_type::Type,
     deadline: Instant,
-) -> Result<CmEvent, SetupError> {
+) -> Result<CmEvent, VerbsSetupError> {
     let event = id.channel().next_until(Some(deadline))?;
     if event.kind == expected && event.status == 0 {
         Ok(event)

@@ -19,7 +19,7 @@ use crate::domain::{DomainShared, VerbsDomain};
 use crate::qp::{QueuePair, SendOp};
 use crate::slots::SlotPool;
 use crate::sys::errno;
-use crate::{ConnectParams, SetupError};
+use crate::{ConnectParams, VerbsSetupError};
 
 /// How long [`VerbsConnection::wait`] polls the CQ before arming the channel and blocking:
 /// about one cross-core wake-up on the 2-vCPU machines this runs on, so a reply that is
@@ -135,7 +135,7 @@ impl VerbsConnection {
         domain: &VerbsDomain,
         remote: SocketAddr,
         params: &ConnectParams<'_>,
-    ) -> Result<(Self, Vec<u8>), SetupError> {
+    ) -> Result<(Self, Vec<u8>), VerbsSetupError> {
         let frame = cm::encode_blob(params.private_data)?;
         validate_slots(domain, params)?;
         let deadline = cm::deadline_after(params.timeout);
@@ -163,7 +163,7 @@ impl VerbsConnection {
         );
         // SAFETY: live id with a QP; `param` points at `frame`, which outlives the call.
         if unsafe { rdma_sys::rdma_connect(connection.id.as_ptr(), &mut param) } != 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
         let established = cm::expect_event(
             &connection.id,
@@ -180,12 +180,12 @@ impl VerbsConnection {
         id: CmId,
         channel: Arc<EventChannel>,
         params: &ConnectParams<'_>,
-    ) -> Result<Self, SetupError> {
+    ) -> Result<Self, VerbsSetupError> {
         validate_slots(domain, params)?;
         let shared = domain.shared.clone();
         let device = &shared.pd.device;
         if id.context() != Some(device.context) {
-            return Err(SetupError::WrongDevice);
+            return Err(VerbsSetupError::WrongDevice);
         }
         let slots = params.slots;
         let plain_depth = u32::from(slots.send_slots) + u32::from(params.rdma_depth);
@@ -199,7 +199,7 @@ impl VerbsConnection {
         // is dropped before the CQ the QP uses (locals drop in reverse order).
         let mut id = id;
         let qp = id.create_qp(&shared.pd, cq.as_ptr(), send_depth, recv_depth)?;
-        let pool_error = |_| SetupError::Os(libc::ENOMEM);
+        let pool_error = |_| VerbsSetupError::Os(libc::ENOMEM);
         let send_pool = SlotPool::new(&shared.pd, slots.send_slots, slots.slot_size, Access::NONE)
             .map_err(pool_error)?;
         let recv_pool = SlotPool::new(
@@ -240,7 +240,7 @@ impl VerbsConnection {
             for slot in 0..slots.recv_slots {
                 connection
                     .post_recv_slot(WrId(u64::from(slot)), slot)
-                    .map_err(|_| SetupError::Internal)?;
+                    .map_err(|_| VerbsSetupError::Internal)?;
             }
         }
         Ok(connection)
@@ -873,11 +873,11 @@ fn resolve_address(
     remote: SocketAddr,
     local: Option<SocketAddr>,
     deadline: Instant,
-) -> Result<(Arc<EventChannel>, CmId), SetupError> {
+) -> Result<(Arc<EventChannel>, CmId), VerbsSetupError> {
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(SetupError::TimedOut);
+            return Err(VerbsSetupError::TimedOut);
         }
         let attempt_ms = i32::try_from(left.min(RESOLVE_ATTEMPT).as_millis())
             .unwrap_or(i32::MAX)
@@ -909,13 +909,13 @@ fn resolve_address(
         ) {
             Ok(_) => return Ok((channel, id)),
             // A timed-out attempt is retried with a fresh id while time is left.
-            Err(SetupError::Unreachable) => continue,
+            Err(VerbsSetupError::Unreachable) => continue,
             Err(other) => return Err(other),
         }
     }
 }
 
-fn validate_slots(domain: &VerbsDomain, params: &ConnectParams<'_>) -> Result<(), SetupError> {
+fn validate_slots(domain: &VerbsDomain, params: &ConnectParams<'_>) -> Result<(), VerbsSetupError> {
     let caps = domain.shared.pd.device.capabilities;
     let slots = params.slots;
     let ok = slots.send_slots > 0
@@ -929,7 +929,7 @@ fn validate_slots(domain: &VerbsDomain, params: &ConnectParams<'_>) -> Result<()
     if ok {
         Ok(())
     } else {
-        Err(SetupError::InvalidArgument)
+        Err(VerbsSetupError::InvalidArgument)
     }
 }
 
@@ -938,12 +938,12 @@ fn zeroed_wc() -> ibv_wc {
     unsafe { std::mem::zeroed() }
 }
 
-fn map_resolve_errno(errno: i32) -> SetupError {
+fn map_resolve_errno(errno: i32) -> VerbsSetupError {
     match errno {
         libc::EADDRNOTAVAIL | libc::ENODEV | libc::ENETUNREACH | libc::EHOSTUNREACH => {
-            SetupError::Unreachable
+            VerbsSetupError::Unreachable
         }
-        other => SetupError::Os(other),
+        other => VerbsSetupError::Os(other),
     }
 }
 
@@ -964,11 +964,11 @@ fn completion_status(status: ibv_wc_status::Type) -> Result<(), CompletionError>
 }
 
 /// An epoll set watching `fds` for input.
-fn new_epoll(fds: &[RawFd]) -> Result<OwnedFd, SetupError> {
+fn new_epoll(fds: &[RawFd]) -> Result<OwnedFd, VerbsSetupError> {
     // SAFETY: no pointer arguments.
     let raw = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
     if raw < 0 {
-        return Err(SetupError::Os(errno()));
+        return Err(VerbsSetupError::Os(errno()));
     }
     // SAFETY: `raw` is a fresh fd we own.
     let epoll = unsafe { OwnedFd::from_raw_fd(raw) };
@@ -979,7 +979,7 @@ fn new_epoll(fds: &[RawFd]) -> Result<OwnedFd, SetupError> {
         };
         // SAFETY: valid epoll fd, valid fd, valid event struct.
         if unsafe { libc::epoll_ctl(raw, libc::EPOLL_CTL_ADD, fd, &mut event) } < 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
     }
     Ok(epoll)

@@ -11,7 +11,7 @@ use rdma_sys::{
 
 use crate::device::Device;
 use crate::sys::{errno, set_nonblocking};
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// A CQ bound to its own completion channel, whose fd is non-blocking so that it can sit
 /// in an epoll set. Must be dropped after every QP that uses it.
@@ -24,11 +24,11 @@ pub(crate) struct CompletionQueue {
 unsafe impl Send for CompletionQueue {}
 
 impl CompletionQueue {
-    pub(crate) fn create(device: &Device, depth: u32) -> Result<Self, SetupError> {
-        let depth = i32::try_from(depth).map_err(|_| SetupError::InvalidArgument)?;
+    pub(crate) fn create(device: &Device, depth: u32) -> Result<Self, VerbsSetupError> {
+        let depth = i32::try_from(depth).map_err(|_| VerbsSetupError::InvalidArgument)?;
         // SAFETY: live context (see `Device`).
         let channel = unsafe { ibv_create_comp_channel(device.context.as_ptr()) };
-        let channel = NonNull::new(channel).ok_or_else(|| SetupError::Os(errno()))?;
+        let channel = NonNull::new(channel).ok_or_else(|| VerbsSetupError::Os(errno()))?;
         // SAFETY: live context and channel; no CQ context pointer is used.
         let cq = unsafe {
             ibv_create_cq(
@@ -40,7 +40,7 @@ impl CompletionQueue {
             )
         };
         let Some(cq) = NonNull::new(cq) else {
-            let error = SetupError::Os(errno());
+            let error = VerbsSetupError::Os(errno());
             // SAFETY: created above, no CQ uses it.
             unsafe { ibv_destroy_comp_channel(channel.as_ptr()) };
             return Err(error);

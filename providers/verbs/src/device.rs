@@ -10,7 +10,7 @@ use rdma_sys::{
 use san_api::Capabilities;
 
 use crate::sys::errno;
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// Largest control buffer we allocate per slot (control messages are small; this only
 /// bounds a caller's mistake).
@@ -50,13 +50,13 @@ unsafe impl Sync for Device {}
 
 impl Device {
     /// Every device librdmacm knows.
-    pub(crate) fn all() -> Result<Vec<Device>, SetupError> {
+    pub(crate) fn all() -> Result<Vec<Device>, VerbsSetupError> {
         let mut count = 0;
         // SAFETY: `count` is a valid out slot; the returned array is freed below.
         let list = unsafe { rdma_get_devices(&mut count) };
         if list.is_null() {
             // ENODEV/ENOSYS: no rdma_cm device file, no kernel support.
-            return Err(SetupError::NoDevice);
+            return Err(VerbsSetupError::NoDevice);
         }
         let mut devices = Vec::new();
         for index in 0..usize::try_from(count).unwrap_or(0) {
@@ -73,15 +73,15 @@ impl Device {
     }
 
     /// The device called `name`, or the first one for `None`.
-    pub(crate) fn by_name(name: Option<&str>) -> Result<Device, SetupError> {
+    pub(crate) fn by_name(name: Option<&str>) -> Result<Device, VerbsSetupError> {
         Device::all()?
             .into_iter()
             .find(|device| name.is_none_or(|name| device.name == name))
-            .ok_or(SetupError::NoDevice)
+            .ok_or(VerbsSetupError::NoDevice)
     }
 
     /// Reads the name, transport and limits of an open context.
-    pub(crate) fn query(context: NonNull<ibv_context>) -> Result<Device, SetupError> {
+    pub(crate) fn query(context: NonNull<ibv_context>) -> Result<Device, VerbsSetupError> {
         // SAFETY: a live context has a valid `device` pointer whose `name` is a
         // NUL-terminated array inside the struct.
         let (name, transport) = unsafe {
@@ -97,7 +97,7 @@ impl Device {
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: live context, valid out struct.
         if unsafe { ibv_query_device(context.as_ptr(), &mut attr) } != 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
         // SAFETY: all-zero is a valid ibv_port_attr.
         let mut port: ibv_port_attr = unsafe { std::mem::zeroed() };
@@ -105,7 +105,7 @@ impl Device {
         // valid out struct.
         let rc = unsafe { ___ibv_query_port(context.as_ptr(), 1, &mut port) };
         if rc != 0 {
-            return Err(SetupError::Os(rc.abs()));
+            return Err(VerbsSetupError::Os(rc.abs()));
         }
         let iwarp = transport == ibv_transport_type::IBV_TRANSPORT_IWARP;
         let max_wr = u16::try_from(attr.max_qp_wr.max(0)).unwrap_or(u16::MAX);

@@ -38,7 +38,7 @@ use crate::monitor::{
 };
 use crate::mr::MemoryRegion;
 use crate::pd::ProtectionDomain;
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// How many recently revoked rkeys are never handed out again.
 const QUARANTINE: usize = 4096;
@@ -90,21 +90,21 @@ impl VerbsDomain {
     /// Opens a domain on the device named `name` (the first device for `None`).
     ///
     /// # Errors
-    /// [`SetupError::NoDevice`] without RDMA devices (on a host without RDMA support,
+    /// [`VerbsSetupError::NoDevice`] without RDMA devices (on a host without RDMA support,
     /// librdmacm fails with ENOSYS/ENODEV) or without one of that name.
-    pub fn open(name: Option<&str>) -> Result<Self, SetupError> {
+    pub fn open(name: Option<&str>) -> Result<Self, VerbsSetupError> {
         Self::on_device(Device::by_name(name)?)
     }
 
     /// Opens a domain on the device that serves the local address `ip`.
     ///
     /// # Errors
-    /// [`SetupError::NoDevice`] when no RDMA device serves it.
-    pub fn open_for_address(ip: IpAddr) -> Result<Self, SetupError> {
+    /// [`VerbsSetupError::NoDevice`] when no RDMA device serves it.
+    pub fn open_for_address(ip: IpAddr) -> Result<Self, VerbsSetupError> {
         Self::on_device(cm::device_for_local_ip(ip)?)
     }
 
-    fn on_device(device: Device) -> Result<Self, SetupError> {
+    fn on_device(device: Device) -> Result<Self, VerbsSetupError> {
         let pd = ProtectionDomain::allocate(device)?;
         let monitor = Monitor::get().map(|monitor| (monitor, monitor.subscribe()));
         Ok(Self {

@@ -17,7 +17,7 @@ use san_verbs_loader::abi::{
     AbiListener, AbiLocalSegment, AbiRange, AbiRegistration, AbiRemote, AbiRequest, AbiSlotConfig,
     AbiSockAddr, VerbsVtable,
 };
-use san_verbs_loader::{convert, ConnectParams, SetupError};
+use san_verbs_loader::{convert, ConnectParams, VerbsSetupError};
 
 use crate::{IncomingRequest, VerbsConnection, VerbsDomain, VerbsListener, WaitOutcome};
 
@@ -66,8 +66,8 @@ fn guard(body: impl FnOnce() -> i32) -> i32 {
     catch_unwind(AssertUnwindSafe(body)).unwrap_or(status::INTERNAL)
 }
 
-fn setup_status(result: Result<(), SetupError>) -> i32 {
-    result.err().map_or(status::OK, SetupError::to_status)
+fn setup_status(result: Result<(), VerbsSetupError>) -> i32 {
+    result.err().map_or(status::OK, VerbsSetupError::to_status)
 }
 
 /// Reborrows a handle, or `None` for null.
@@ -142,13 +142,13 @@ unsafe extern "C" fn domain_open(
         let ip = unsafe { local_ip.as_ref() }.map(AbiSockAddr::to_std);
         let opened = match ip {
             Some(Some(addr)) => VerbsDomain::open_for_address(addr.ip()),
-            Some(None) => Err(SetupError::InvalidArgument),
+            Some(None) => Err(VerbsSetupError::InvalidArgument),
             None if device_name.is_null() => VerbsDomain::open(None),
             None => {
                 // SAFETY: caller contract: a NUL-terminated string.
                 match unsafe { CStr::from_ptr(device_name) }.to_str() {
                     Ok(name) => VerbsDomain::open(Some(name)),
-                    Err(_) => Err(SetupError::InvalidArgument),
+                    Err(_) => Err(VerbsSetupError::InvalidArgument),
                 }
             }
         };

@@ -52,5 +52,5 @@ pub use connection::{VerbsConnection, WaitOutcome};
 pub use domain::VerbsDomain;
 pub use listener::{IncomingRequest, VerbsListener};
 pub use monitor::{EventCounts, MemoryChanges, MonitorUnavailable};
-pub use san_verbs_loader::{ConnectParams, ConnectorConfig, SetupError};
+pub use san_verbs_loader::{ConnectParams, ConnectorConfig, VerbsSetupError};
 pub use setup::{VerbsConnecting, VerbsConnector};

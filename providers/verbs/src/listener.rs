@@ -11,7 +11,7 @@ use crate::cm::{self, CmId, EventChannel};
 use crate::connection::VerbsConnection;
 use crate::domain::VerbsDomain;
 use crate::sys::errno;
-use crate::{ConnectParams, SetupError};
+use crate::{ConnectParams, VerbsSetupError};
 
 /// A listening endpoint on one address (which must be served by the domain's device).
 pub struct VerbsListener {
@@ -36,9 +36,13 @@ impl VerbsListener {
     /// `NoDevice` when the address is not served by `domain`'s device (a wildcard address
     /// is refused for the same reason: the domain is per device); `Os` for bind/listen
     /// failures such as `EADDRINUSE`.
-    pub fn bind(domain: &VerbsDomain, addr: SocketAddr, backlog: i32) -> Result<Self, SetupError> {
+    pub fn bind(
+        domain: &VerbsDomain,
+        addr: SocketAddr,
+        backlog: i32,
+    ) -> Result<Self, VerbsSetupError> {
         if addr.ip().is_unspecified() {
-            return Err(SetupError::NoDevice);
+            return Err(VerbsSetupError::NoDevice);
         }
         let channel = EventChannel::new()?;
         let id = CmId::new(&channel)?;
@@ -52,16 +56,16 @@ impl VerbsListener {
         } != 0
         {
             return Err(match errno() {
-                libc::EADDRNOTAVAIL | libc::ENODEV => SetupError::NoDevice,
-                other => SetupError::Os(other),
+                libc::EADDRNOTAVAIL | libc::ENODEV => VerbsSetupError::NoDevice,
+                other => VerbsSetupError::Os(other),
             });
         }
         if id.context() != Some(domain.shared.pd.device.context) {
-            return Err(SetupError::NoDevice);
+            return Err(VerbsSetupError::NoDevice);
         }
         // SAFETY: live, bound id.
         if unsafe { rdma_sys::rdma_listen(id.as_ptr(), backlog.max(1)) } != 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
         Ok(Self { id, channel })
     }
@@ -83,7 +87,7 @@ impl VerbsListener {
     pub fn next_request(
         &mut self,
         timeout: Option<Duration>,
-    ) -> Result<IncomingRequest, SetupError> {
+    ) -> Result<IncomingRequest, VerbsSetupError> {
         let deadline = timeout.map(cm::deadline_after);
         loop {
             let event = self.channel.next_until(deadline)?;
@@ -120,7 +124,7 @@ impl IncomingRequest {
         mut self,
         domain: &VerbsDomain,
         params: &ConnectParams<'_>,
-    ) -> Result<VerbsConnection, SetupError> {
+    ) -> Result<VerbsConnection, VerbsSetupError> {
         let frame = cm::encode_blob(params.private_data)?;
         let deadline = cm::deadline_after(params.timeout);
         // Give the connection its own channel so its events (established, disconnected)
@@ -128,9 +132,9 @@ impl IncomingRequest {
         // failure here rejects the request (dropping an id with an unanswered request
         // rejects it) and says so, so that the peer's TCP connection can stay as it is.
         let Some(mut id) = self.id.take() else {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         };
-        let declined = |_| SetupError::Declined;
+        let declined = |_| VerbsSetupError::Declined;
         let channel = EventChannel::new().map_err(declined)?;
         id.migrate(&channel).map_err(declined)?;
         id.set_ack_timeout();
@@ -147,7 +151,7 @@ impl IncomingRequest {
         let mut param = cm::conn_param(&frame, responder, initiator);
         // SAFETY: live id with a QP; `param` points at `frame`, which outlives the call.
         if unsafe { rdma_sys::rdma_accept(connection.id().as_ptr(), &mut param) } != 0 {
-            return Err(SetupError::Os(errno()));
+            return Err(VerbsSetupError::Os(errno()));
         }
         cm::expect_event(
             connection.id(),

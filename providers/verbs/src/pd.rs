@@ -6,7 +6,7 @@ use rdma_sys::{ibv_alloc_pd, ibv_dealloc_pd, ibv_pd};
 
 use crate::device::Device;
 use crate::sys::errno;
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// An allocated protection domain on one device. Everything registered or created on it
 /// (memory regions, queue pairs) must be destroyed before it; the owners guarantee that by
@@ -23,10 +23,10 @@ unsafe impl Send for ProtectionDomain {}
 unsafe impl Sync for ProtectionDomain {}
 
 impl ProtectionDomain {
-    pub(crate) fn allocate(device: Device) -> Result<Self, SetupError> {
+    pub(crate) fn allocate(device: Device) -> Result<Self, VerbsSetupError> {
         // SAFETY: the context is live for the process lifetime (see `Device`).
         let pd = unsafe { ibv_alloc_pd(device.context.as_ptr()) };
-        let pd = NonNull::new(pd).ok_or_else(|| SetupError::Os(errno()))?;
+        let pd = NonNull::new(pd).ok_or_else(|| VerbsSetupError::Os(errno()))?;
         Ok(Self { pd, device })
     }
 

@@ -13,7 +13,7 @@ use san_verbs_loader::ConnectorConfig;
 use crate::connection::VerbsConnection;
 use crate::domain::VerbsDomain;
 use crate::listener::{IncomingRequest, VerbsListener};
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// [`SanConnector`] on a [`VerbsDomain`]'s device. rdma_cm set-up blocks: `connect` and
 /// `accept` return once the connection is established (or failed) within
@@ -92,7 +92,7 @@ impl SanConnector for VerbsConnector<'_> {
     ) -> Result<Option<IncomingRequest>, san_api::SetupError> {
         match listener.next_request(Some(Duration::ZERO)) {
             Ok(request) => Ok(Some(request)),
-            Err(SetupError::TimedOut) => Ok(None),
+            Err(VerbsSetupError::TimedOut) => Ok(None),
             Err(other) => Err(other.into()),
         }
     }

@@ -2,7 +2,7 @@
 
 use std::os::fd::RawFd;
 
-use crate::SetupError;
+use crate::VerbsSetupError;
 
 /// The current thread's errno.
 pub(crate) fn errno() -> i32 {
@@ -12,12 +12,12 @@ pub(crate) fn errno() -> i32 {
 }
 
 /// Puts `fd` in non-blocking mode.
-pub(crate) fn set_nonblocking(fd: RawFd) -> Result<(), SetupError> {
+pub(crate) fn set_nonblocking(fd: RawFd) -> Result<(), VerbsSetupError> {
     // SAFETY: fcntl on an fd we own; F_GETFL/F_SETFL have no memory arguments.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
     // SAFETY: as above.
     if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
-        return Err(SetupError::Os(errno()));
+        return Err(VerbsSetupError::Os(errno()));
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use common::built_library;
 
-use san_verbs_loader::{LoadError, NoProviderReason, SetupError, VerbsLibrary, SYSFS_DEVICES};
+use san_verbs_loader::{LoadError, NoProviderReason, VerbsLibrary, VerbsSetupError, SYSFS_DEVICES};
 use sandirect_verbs::VerbsDomain;
 
 fn host_has_rdma() -> bool {
@@ -28,10 +28,10 @@ fn opening_a_domain_without_rdma_reports_no_device() {
     if host_has_rdma() {
         assert!(opened.is_ok(), "a host with devices opens the first one");
     } else {
-        assert_eq!(opened.err(), Some(SetupError::NoDevice));
+        assert_eq!(opened.err(), Some(VerbsSetupError::NoDevice));
         assert_eq!(
             VerbsDomain::open_for_address("127.0.0.1".parse().unwrap()).err(),
-            Some(SetupError::NoDevice)
+            Some(VerbsSetupError::NoDevice)
         );
     }
 }
@@ -95,15 +95,15 @@ fn the_built_library_speaks_the_loader_abi_and_fails_cleanly_without_devices() {
         // The sysfs check was fooled; the library itself must still fail cleanly.
         assert_eq!(
             library.open_domain_by_name("rxe0").err(),
-            Some(SetupError::NoDevice)
+            Some(VerbsSetupError::NoDevice)
         );
         assert_eq!(
             library.open_domain_for("192.0.2.1".parse().unwrap()).err(),
-            Some(SetupError::NoDevice)
+            Some(VerbsSetupError::NoDevice)
         );
     }
     assert_eq!(
         library.open_domain_by_name("bad\0name").err(),
-        Some(SetupError::InvalidArgument)
+        Some(VerbsSetupError::InvalidArgument)
     );
 }

@@ -46,7 +46,7 @@ impl std::error::Error for LoadError {}
 /// Why opening a domain, listening or connecting failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
-pub enum SetupError {
+pub enum VerbsSetupError {
     /// No RDMA device (with that name, or serving that address).
     NoDevice,
     /// An argument was rejected before any verbs call.
@@ -70,70 +70,70 @@ pub enum SetupError {
     Declined,
 }
 
-impl SetupError {
+impl VerbsSetupError {
     /// The ABI status code for this error.
     pub fn to_status(self) -> i32 {
         match self {
-            SetupError::NoDevice => status::NO_DEVICE,
-            SetupError::InvalidArgument => status::INVALID_ARGUMENT,
-            SetupError::TimedOut => status::TIMED_OUT,
-            SetupError::Rejected => status::REJECTED,
-            SetupError::Unreachable => status::UNREACHABLE,
-            SetupError::WrongDevice => status::WRONG_DEVICE,
-            SetupError::ConnectFailed => status::CONNECT_FAILED,
-            SetupError::Os(errno) => -errno.saturating_abs().max(1),
-            SetupError::Internal => status::INTERNAL,
-            SetupError::Declined => status::DECLINED,
+            VerbsSetupError::NoDevice => status::NO_DEVICE,
+            VerbsSetupError::InvalidArgument => status::INVALID_ARGUMENT,
+            VerbsSetupError::TimedOut => status::TIMED_OUT,
+            VerbsSetupError::Rejected => status::REJECTED,
+            VerbsSetupError::Unreachable => status::UNREACHABLE,
+            VerbsSetupError::WrongDevice => status::WRONG_DEVICE,
+            VerbsSetupError::ConnectFailed => status::CONNECT_FAILED,
+            VerbsSetupError::Os(errno) => -errno.saturating_abs().max(1),
+            VerbsSetupError::Internal => status::INTERNAL,
+            VerbsSetupError::Declined => status::DECLINED,
         }
     }
 
     /// Decodes an ABI status: `Ok(())` for [`status::OK`].
     ///
     /// # Errors
-    /// The decoded error for any other value (unknown codes become [`SetupError::Internal`]).
-    pub fn check(code: i32) -> Result<(), SetupError> {
+    /// The decoded error for any other value (unknown codes become [`VerbsSetupError::Internal`]).
+    pub fn check(code: i32) -> Result<(), VerbsSetupError> {
         Err(match code {
             status::OK => return Ok(()),
-            status::NO_DEVICE => SetupError::NoDevice,
-            status::INVALID_ARGUMENT => SetupError::InvalidArgument,
-            status::TIMED_OUT => SetupError::TimedOut,
-            status::REJECTED => SetupError::Rejected,
-            status::UNREACHABLE => SetupError::Unreachable,
-            status::WRONG_DEVICE => SetupError::WrongDevice,
-            status::CONNECT_FAILED => SetupError::ConnectFailed,
-            status::DECLINED => SetupError::Declined,
-            negative if negative < 0 => SetupError::Os(negative.saturating_neg()),
-            _ => SetupError::Internal,
+            status::NO_DEVICE => VerbsSetupError::NoDevice,
+            status::INVALID_ARGUMENT => VerbsSetupError::InvalidArgument,
+            status::TIMED_OUT => VerbsSetupError::TimedOut,
+            status::REJECTED => VerbsSetupError::Rejected,
+            status::UNREACHABLE => VerbsSetupError::Unreachable,
+            status::WRONG_DEVICE => VerbsSetupError::WrongDevice,
+            status::CONNECT_FAILED => VerbsSetupError::ConnectFailed,
+            status::DECLINED => VerbsSetupError::Declined,
+            negative if negative < 0 => VerbsSetupError::Os(negative.saturating_neg()),
+            _ => VerbsSetupError::Internal,
         })
     }
 }
 
-impl fmt::Display for SetupError {
+impl fmt::Display for VerbsSetupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SetupError::NoDevice => f.write_str("no RDMA device for that name or address"),
-            SetupError::InvalidArgument => f.write_str("invalid argument"),
-            SetupError::TimedOut => f.write_str("timed out"),
-            SetupError::Rejected => f.write_str("connection rejected by the peer"),
-            SetupError::Unreachable => f.write_str("peer unreachable over RDMA"),
-            SetupError::WrongDevice => {
+            VerbsSetupError::NoDevice => f.write_str("no RDMA device for that name or address"),
+            VerbsSetupError::InvalidArgument => f.write_str("invalid argument"),
+            VerbsSetupError::TimedOut => f.write_str("timed out"),
+            VerbsSetupError::Rejected => f.write_str("connection rejected by the peer"),
+            VerbsSetupError::Unreachable => f.write_str("peer unreachable over RDMA"),
+            VerbsSetupError::WrongDevice => {
                 f.write_str("connection resolved to another device than the domain's")
             }
-            SetupError::ConnectFailed => f.write_str("connection establishment failed"),
-            SetupError::Declined => {
+            VerbsSetupError::ConnectFailed => f.write_str("connection establishment failed"),
+            VerbsSetupError::Declined => {
                 f.write_str("connect request declined: no resources to set the connection up")
             }
-            SetupError::Os(errno) => write!(
+            VerbsSetupError::Os(errno) => write!(
                 f,
                 "verbs call failed: {}",
                 std::io::Error::from_raw_os_error(*errno)
             ),
-            SetupError::Internal => f.write_str("internal provider error"),
+            VerbsSetupError::Internal => f.write_str("internal provider error"),
         }
     }
 }
 
-impl std::error::Error for SetupError {}
+impl std::error::Error for VerbsSetupError {}
 
 /// The provider-contract view of a verbs set-up failure, which decides whether the switch may
 /// fall back to TCP ([`san_api::SetupError::allows_tcp_fallback`]).
@@ -144,15 +144,15 @@ impl std::error::Error for SetupError {}
 /// [`NoResources`](san_api::SetupError::NoResources), and a failed establishment after the
 /// request went out is [`Other`](san_api::SetupError::Other): the RDMA path failing says
 /// nothing about the TCP path.
-impl From<SetupError> for san_api::SetupError {
-    fn from(error: SetupError) -> Self {
+impl From<VerbsSetupError> for san_api::SetupError {
+    fn from(error: VerbsSetupError) -> Self {
         match error {
-            SetupError::NoDevice => san_api::SetupError::NoResources,
-            SetupError::TimedOut => san_api::SetupError::TimedOut,
-            SetupError::Rejected => san_api::SetupError::Rejected,
-            SetupError::Unreachable => san_api::SetupError::Unreachable,
-            SetupError::Declined => san_api::SetupError::NoResources,
-            SetupError::Os(errno) => match errno {
+            VerbsSetupError::NoDevice => san_api::SetupError::NoResources,
+            VerbsSetupError::TimedOut => san_api::SetupError::TimedOut,
+            VerbsSetupError::Rejected => san_api::SetupError::Rejected,
+            VerbsSetupError::Unreachable => san_api::SetupError::Unreachable,
+            VerbsSetupError::Declined => san_api::SetupError::NoResources,
+            VerbsSetupError::Os(errno) => match errno {
                 libc::ECONNREFUSED => san_api::SetupError::Refused,
                 libc::ECONNRESET => san_api::SetupError::Reset,
                 libc::EHOSTUNREACH | libc::ENETUNREACH => san_api::SetupError::Unreachable,
@@ -165,10 +165,10 @@ impl From<SetupError> for san_api::SetupError {
                 | libc::ENFILE => san_api::SetupError::NoResources,
                 _ => san_api::SetupError::Other,
             },
-            SetupError::InvalidArgument
-            | SetupError::WrongDevice
-            | SetupError::ConnectFailed
-            | SetupError::Internal => san_api::SetupError::Other,
+            VerbsSetupError::InvalidArgument
+            | VerbsSetupError::WrongDevice
+            | VerbsSetupError::ConnectFailed
+            | VerbsSetupError::Internal => san_api::SetupError::Other,
         }
     }
 }
@@ -180,23 +180,23 @@ mod tests {
     #[test]
     fn every_setup_error_survives_the_status_round_trip() {
         for error in [
-            SetupError::NoDevice,
-            SetupError::InvalidArgument,
-            SetupError::TimedOut,
-            SetupError::Rejected,
-            SetupError::Unreachable,
-            SetupError::WrongDevice,
-            SetupError::ConnectFailed,
-            SetupError::Os(libc::ENOMEM),
-            SetupError::Internal,
-            SetupError::Declined,
+            VerbsSetupError::NoDevice,
+            VerbsSetupError::InvalidArgument,
+            VerbsSetupError::TimedOut,
+            VerbsSetupError::Rejected,
+            VerbsSetupError::Unreachable,
+            VerbsSetupError::WrongDevice,
+            VerbsSetupError::ConnectFailed,
+            VerbsSetupError::Os(libc::ENOMEM),
+            VerbsSetupError::Internal,
+            VerbsSetupError::Declined,
         ] {
-            assert_eq!(SetupError::check(error.to_status()), Err(error));
+            assert_eq!(VerbsSetupError::check(error.to_status()), Err(error));
         }
-        assert_eq!(SetupError::check(status::OK), Ok(()));
+        assert_eq!(VerbsSetupError::check(status::OK), Ok(()));
         assert_eq!(
-            SetupError::check(12345),
-            Err(SetupError::Internal),
+            VerbsSetupError::check(12345),
+            Err(VerbsSetupError::Internal),
             "unknown codes are internal errors"
         );
     }
@@ -205,24 +205,27 @@ mod tests {
     fn only_refusal_reset_and_unreachability_forbid_the_tcp_fallback() {
         use san_api::SetupError as Contract;
         let cases = [
-            (SetupError::NoDevice, Contract::NoResources),
-            (SetupError::InvalidArgument, Contract::Other),
-            (SetupError::TimedOut, Contract::TimedOut),
-            (SetupError::Rejected, Contract::Rejected),
-            (SetupError::Unreachable, Contract::Unreachable),
-            (SetupError::WrongDevice, Contract::Other),
-            (SetupError::ConnectFailed, Contract::Other),
-            (SetupError::Os(libc::ECONNREFUSED), Contract::Refused),
-            (SetupError::Os(libc::ECONNRESET), Contract::Reset),
-            (SetupError::Os(libc::ENETUNREACH), Contract::Unreachable),
-            (SetupError::Os(libc::ENOMEM), Contract::NoResources),
-            (SetupError::Os(libc::EINVAL), Contract::Other),
-            (SetupError::Internal, Contract::Other),
+            (VerbsSetupError::NoDevice, Contract::NoResources),
+            (VerbsSetupError::InvalidArgument, Contract::Other),
+            (VerbsSetupError::TimedOut, Contract::TimedOut),
+            (VerbsSetupError::Rejected, Contract::Rejected),
+            (VerbsSetupError::Unreachable, Contract::Unreachable),
+            (VerbsSetupError::WrongDevice, Contract::Other),
+            (VerbsSetupError::ConnectFailed, Contract::Other),
+            (VerbsSetupError::Os(libc::ECONNREFUSED), Contract::Refused),
+            (VerbsSetupError::Os(libc::ECONNRESET), Contract::Reset),
+            (
+                VerbsSetupError::Os(libc::ENETUNREACH),
+                Contract::Unreachable,
+            ),
+            (VerbsSetupError::Os(libc::ENOMEM), Contract::NoResources),
+            (VerbsSetupError::Os(libc::EINVAL), Contract::Other),
+            (VerbsSetupError::Internal, Contract::Other),
         ];
         for (verbs, contract) in cases {
             assert_eq!(Contract::from(verbs), contract, "{verbs:?}");
         }
-        assert!(Contract::from(SetupError::NoDevice).allows_tcp_fallback());
-        assert!(!Contract::from(SetupError::Unreachable).allows_tcp_fallback());
+        assert!(Contract::from(VerbsSetupError::NoDevice).allows_tcp_fallback());
+        assert!(!Contract::from(VerbsSetupError::Unreachable).allows_tcp_fallback());
     }
 }

@@ -19,7 +19,7 @@ use crate::abi::{
     self, AbiCapabilities, AbiCompletion, AbiConnection, AbiDomain, AbiListener, AbiLocalSegment,
     AbiRange, AbiRegistration, AbiRemote, AbiRequest, AbiSockAddr,
 };
-use crate::{convert, ConnectParams, Library, SetupError};
+use crate::{convert, ConnectParams, Library, VerbsSetupError};
 
 /// Completions fetched per call across the boundary.
 const POLL_BATCH: usize = 32;
@@ -36,9 +36,9 @@ pub struct LoadedDomain {
 unsafe impl Send for LoadedDomain {}
 
 impl LoadedDomain {
-    pub(crate) fn new(library: Arc<Library>, raw: *mut AbiDomain) -> Result<Self, SetupError> {
+    pub(crate) fn new(library: Arc<Library>, raw: *mut AbiDomain) -> Result<Self, VerbsSetupError> {
         if raw.is_null() {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         }
         let mut caps = AbiCapabilities::default();
         // SAFETY: `raw` is a live domain handle from this library; `caps` is a valid out slot.
@@ -48,7 +48,7 @@ impl LoadedDomain {
             raw,
             capabilities: convert::capabilities_from_abi(&caps),
         };
-        SetupError::check(status)?;
+        VerbsSetupError::check(status)?;
         Ok(domain)
     }
 
@@ -57,9 +57,9 @@ impl LoadedDomain {
     /// covering the whole address space means "more changed than was queued".
     ///
     /// # Errors
-    /// [`SetupError::Internal`] if the memory-change monitor is not running (then nothing
+    /// [`VerbsSetupError::Internal`] if the memory-change monitor is not running (then nothing
     /// may be cached past its transfer) or the library failed.
-    pub fn take_memory_changes(&mut self) -> Result<Vec<MemRange>, SetupError> {
+    pub fn take_memory_changes(&mut self) -> Result<Vec<MemRange>, VerbsSetupError> {
         const BATCH: usize = 64;
         let mut ranges = [AbiRange::default(); BATCH];
         let mut count = 0usize;
@@ -74,7 +74,7 @@ impl LoadedDomain {
             )
         };
         if status != crate::abi::status::OK {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         }
         Ok(ranges[..count.min(BATCH)]
             .iter()
@@ -96,17 +96,21 @@ impl LoadedDomain {
     /// Binds a listener on `addr` (port 0: any free port).
     ///
     /// # Errors
-    /// [`SetupError::NoDevice`] when the address is not served by this domain's device;
-    /// [`SetupError::Os`] for a failed bind/listen (e.g. `EADDRINUSE`).
-    pub fn listen(&mut self, addr: SocketAddr, backlog: i32) -> Result<LoadedListener, SetupError> {
+    /// [`VerbsSetupError::NoDevice`] when the address is not served by this domain's device;
+    /// [`VerbsSetupError::Os`] for a failed bind/listen (e.g. `EADDRINUSE`).
+    pub fn listen(
+        &mut self,
+        addr: SocketAddr,
+        backlog: i32,
+    ) -> Result<LoadedListener, VerbsSetupError> {
         let abi_addr = AbiSockAddr::from_std(addr);
         let mut raw: *mut AbiListener = std::ptr::null_mut();
         // SAFETY: live domain handle; `abi_addr` and `raw` are valid for the call.
         let status =
             unsafe { (self.library.vtable.listener_bind)(self.raw, &abi_addr, backlog, &mut raw) };
-        SetupError::check(status)?;
+        VerbsSetupError::check(status)?;
         if raw.is_null() {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         }
         Ok(LoadedListener {
             library: self.library.clone(),
@@ -117,13 +121,13 @@ impl LoadedDomain {
     /// Connects to a listener at `remote`; returns the connection and the peer's reply blob.
     ///
     /// # Errors
-    /// See [`SetupError`]: `Rejected` when no sandirect listener is there, `TimedOut`,
+    /// See [`VerbsSetupError`]: `Rejected` when no sandirect listener is there, `TimedOut`,
     /// `Unreachable`, `WrongDevice`.
     pub fn connect(
         &mut self,
         remote: SocketAddr,
         params: &ConnectParams<'_>,
-    ) -> Result<(LoadedConnection, Vec<u8>), SetupError> {
+    ) -> Result<(LoadedConnection, Vec<u8>), VerbsSetupError> {
         let abi_remote = AbiSockAddr::from_std(remote);
         let abi_params = params.to_abi();
         let mut reply = [0u8; abi::MAX_PRIVATE_DATA];
@@ -142,7 +146,7 @@ impl LoadedDomain {
                 &mut raw,
             )
         };
-        SetupError::check(status)?;
+        VerbsSetupError::check(status)?;
         let connection = LoadedConnection::new(self.library.clone(), raw)?;
         Ok((connection, reply[..reply_len.min(reply.len())].to_vec()))
     }
@@ -232,11 +236,11 @@ impl LoadedListener {
     /// with the peer's setup blob.
     ///
     /// # Errors
-    /// [`SetupError::TimedOut`] when none arrived in time.
+    /// [`VerbsSetupError::TimedOut`] when none arrived in time.
     pub fn next_request(
         &mut self,
         timeout: Option<Duration>,
-    ) -> Result<(LoadedRequest, Vec<u8>), SetupError> {
+    ) -> Result<(LoadedRequest, Vec<u8>), VerbsSetupError> {
         let mut blob = [0u8; abi::MAX_PRIVATE_DATA];
         let mut blob_len = 0usize;
         let mut raw: *mut AbiRequest = std::ptr::null_mut();
@@ -251,9 +255,9 @@ impl LoadedListener {
                 &mut blob_len,
             )
         };
-        SetupError::check(status)?;
+        VerbsSetupError::check(status)?;
         if raw.is_null() {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         }
         Ok((
             LoadedRequest {
@@ -285,14 +289,14 @@ impl LoadedRequest {
     /// Accepts, setting up the slot pools of `params` on `domain`'s device.
     ///
     /// # Errors
-    /// [`SetupError::WrongDevice`] if the request arrived on another device than the
-    /// domain's; [`SetupError::ConnectFailed`]/[`SetupError::TimedOut`] if establishment
+    /// [`VerbsSetupError::WrongDevice`] if the request arrived on another device than the
+    /// domain's; [`VerbsSetupError::ConnectFailed`]/[`VerbsSetupError::TimedOut`] if establishment
     /// did not complete.
     pub fn accept(
         mut self,
         domain: &mut LoadedDomain,
         params: &ConnectParams<'_>,
-    ) -> Result<LoadedConnection, SetupError> {
+    ) -> Result<LoadedConnection, VerbsSetupError> {
         let abi_params = params.to_abi();
         let mut raw: *mut AbiConnection = std::ptr::null_mut();
         // The call consumes the request whatever happens: forget it so Drop does not
@@ -302,7 +306,7 @@ impl LoadedRequest {
         let status = unsafe {
             (self.library.vtable.request_accept)(request, domain.raw, &abi_params, &mut raw)
         };
-        SetupError::check(status)?;
+        VerbsSetupError::check(status)?;
         LoadedConnection::new(self.library.clone(), raw)
     }
 }
@@ -328,9 +332,9 @@ pub struct LoadedConnection {
 unsafe impl Send for LoadedConnection {}
 
 impl LoadedConnection {
-    fn new(library: Arc<Library>, raw: *mut AbiConnection) -> Result<Self, SetupError> {
+    fn new(library: Arc<Library>, raw: *mut AbiConnection) -> Result<Self, VerbsSetupError> {
         if raw.is_null() {
-            return Err(SetupError::Internal);
+            return Err(VerbsSetupError::Internal);
         }
         // SAFETY: live connection handle.
         let slots =

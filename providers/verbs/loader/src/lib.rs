@@ -26,7 +26,7 @@ mod error;
 mod handles;
 mod setup;
 
-pub use error::{LoadError, NoProviderReason, SetupError};
+pub use error::{LoadError, NoProviderReason, VerbsSetupError};
 pub use handles::{LoadedConnection, LoadedDomain, LoadedListener, LoadedRequest};
 pub use setup::{ConnectorConfig, LoadedConnecting, LoadedConnector, LoadedIncoming};
 
@@ -182,8 +182,8 @@ impl VerbsLibrary {
     /// Opens a protection domain on the device that serves the local address `ip`.
     ///
     /// # Errors
-    /// [`SetupError::NoDevice`] when no RDMA device serves the address.
-    pub fn open_domain_for(&self, ip: IpAddr) -> Result<LoadedDomain, SetupError> {
+    /// [`VerbsSetupError::NoDevice`] when no RDMA device serves the address.
+    pub fn open_domain_for(&self, ip: IpAddr) -> Result<LoadedDomain, VerbsSetupError> {
         let addr = AbiSockAddr::from_std((ip, 0).into());
         self.open_domain(&addr, std::ptr::null())
     }
@@ -191,10 +191,10 @@ impl VerbsLibrary {
     /// Opens a protection domain on the device named `name` (e.g. `rxe0`).
     ///
     /// # Errors
-    /// [`SetupError::NoDevice`] when there is no such device;
-    /// [`SetupError::InvalidArgument`] for a name containing NUL.
-    pub fn open_domain_by_name(&self, name: &str) -> Result<LoadedDomain, SetupError> {
-        let name = CString::new(name).map_err(|_| SetupError::InvalidArgument)?;
+    /// [`VerbsSetupError::NoDevice`] when there is no such device;
+    /// [`VerbsSetupError::InvalidArgument`] for a name containing NUL.
+    pub fn open_domain_by_name(&self, name: &str) -> Result<LoadedDomain, VerbsSetupError> {
+        let name = CString::new(name).map_err(|_| VerbsSetupError::InvalidArgument)?;
         self.open_domain(std::ptr::null(), name.as_ptr())
     }
 
@@ -202,11 +202,11 @@ impl VerbsLibrary {
         &self,
         ip: *const AbiSockAddr,
         name: *const libc::c_char,
-    ) -> Result<LoadedDomain, SetupError> {
+    ) -> Result<LoadedDomain, VerbsSetupError> {
         let mut raw: *mut AbiDomain = std::ptr::null_mut();
         // SAFETY: `ip` and `name` are null or valid for the call; `raw` is a valid out slot.
         let status = unsafe { (self.inner.vtable.domain_open)(ip, name, &mut raw) };
-        SetupError::check(status)?;
+        VerbsSetupError::check(status)?;
         handles::LoadedDomain::new(self.inner.clone(), raw)
     }
 }

@@ -141,7 +141,7 @@ impl SanConnector for LoadedConnector<'_> {
                 request,
                 private_data,
             })),
-            Err(crate::SetupError::TimedOut) => Ok(None),
+            Err(crate::VerbsSetupError::TimedOut) => Ok(None),
             Err(other) => Err(other.into()),
         }
     }

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use san_verbs_loader::SetupError;
+use san_verbs_loader::VerbsSetupError;
 
 use super::link::{all_preposted, VerbsLink};
 use super::watcher::{started_watcher, StartService};
@@ -18,10 +18,10 @@ use crate::real;
 
 /// A set-up failure that is this side's want of resources (memory it may not pin,
 /// descriptors, queue pairs), not the peer's doing.
-fn local_shortage(error: SetupError) -> bool {
+fn local_shortage(error: VerbsSetupError) -> bool {
     // The provider's own classification of set-up errors; a missing device is the peer's
     // address not being served, not a shortage.
-    error != SetupError::NoDevice
+    error != VerbsSetupError::NoDevice
         && san_api::SetupError::from(error) == san_api::SetupError::NoResources
 }
 
@@ -39,7 +39,7 @@ pub(crate) fn client(
     let listen = || domain.with(|d| d.listen(canonical_addr(local), 4));
     let listener = match listen() {
         Ok(listener) => listener,
-        Err(SetupError::Os(libc::EADDRINUSE)) => {
+        Err(VerbsSetupError::Os(libc::EADDRINUSE)) => {
             // iWARP: rdma_cm ports are kernel TCP ports, shared with our bound socket only
             // when both allow it.
             let one: libc::c_int = 1;
@@ -114,15 +114,17 @@ pub(crate) fn acceptor(
                     peer.ip(),
                     matches!(
                         error,
-                        SetupError::Unreachable | SetupError::NoDevice | SetupError::WrongDevice
+                        VerbsSetupError::Unreachable
+                            | VerbsSetupError::NoDevice
+                            | VerbsSetupError::WrongDevice
                     ),
                 );
             }
             Err(match error {
-                SetupError::Rejected
-                | SetupError::Unreachable
-                | SetupError::NoDevice
-                | SetupError::WrongDevice => AcceptorError::PeerPlain,
+                VerbsSetupError::Rejected
+                | VerbsSetupError::Unreachable
+                | VerbsSetupError::NoDevice
+                | VerbsSetupError::WrongDevice => AcceptorError::PeerPlain,
                 _ => AcceptorError::Resource,
             })
         }

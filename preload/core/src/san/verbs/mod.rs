@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use san_api::{Capabilities, SanDomain};
 use san_verbs_loader::{
-    ConnectParams, LoadError, LoadedConnection, LoadedDomain, LoadedListener, SetupError,
-    VerbsLibrary,
+    ConnectParams, LoadError, LoadedConnection, LoadedDomain, LoadedListener, VerbsLibrary,
+    VerbsSetupError,
 };
 
 use super::registrations::SharedRegistrations;
@@ -60,10 +60,12 @@ impl Domain {
     /// registrations of one device are serialized).
     pub(super) fn with<T>(
         &self,
-        f: impl FnOnce(&mut LoadedDomain) -> Result<T, SetupError>,
-    ) -> Result<T, SetupError> {
+        f: impl FnOnce(&mut LoadedDomain) -> Result<T, VerbsSetupError>,
+    ) -> Result<T, VerbsSetupError> {
         let mut registrations = self.registrations.lock();
-        let domain = registrations.verbs_domain().ok_or(SetupError::Internal)?;
+        let domain = registrations
+            .verbs_domain()
+            .ok_or(VerbsSetupError::Internal)?;
         f(domain)
     }
 }
@@ -251,7 +253,7 @@ impl Attach {
                 };
                 match listening.next_request(Some(Duration::ZERO)) {
                     Ok(found) => found,
-                    Err(SetupError::TimedOut) => return,
+                    Err(VerbsSetupError::TimedOut) => return,
                     Err(error) => {
                         tracing::debug!(?error, "client CM listener failed");
                         *listener = None;
@@ -278,7 +280,7 @@ impl Attach {
             *state = match accepted {
                 Ok(conn) if matches!(*state, AttachState::Attaching) => AttachState::Attached(conn),
                 Ok(_) => AttachState::Done,
-                Err(error @ (SetupError::Declined | SetupError::WrongDevice)) => {
+                Err(error @ (VerbsSetupError::Declined | VerbsSetupError::WrongDevice)) => {
                     tracing::debug!(?error, "declined the acceptor's CM connect: staying on TCP");
                     AttachState::Declined
                 }
