@@ -28,6 +28,7 @@ pub mod hooks;
 pub mod inventory;
 pub mod logging;
 pub mod mirror;
+pub mod negative_cache;
 pub mod ops;
 pub mod process;
 pub mod real;

@@ -11,9 +11,10 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use preload_core::discovery::{
-    probe_listener, ConnectionKey, DirectoryProblem, DiscoveryError, ListenerMarker, NegativeCache,
-    NegativeCacheConfig, PeerKind, Role, SegmentDir,
+    probe_listener, ConnectionKey, DirectoryProblem, DiscoveryError, ListenerMarker, Role,
+    SegmentDir,
 };
+use preload_core::negative_cache::{NegativeCache, NegativeCacheConfig, PeerKind};
 
 /// A port number no other test of this binary (nor, likely, of a concurrent run) uses: markers
 /// live in a host-wide namespace, so tests must not share names.

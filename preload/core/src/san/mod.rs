@@ -152,7 +152,8 @@ pub use switchover::assist_all_in_process;
 pub use table::{counters, live_sockets, san_index, SanCounters};
 pub use tunables::FORK_BUDGET;
 
-use crate::discovery::{ConnectionKey, ListenerMarker, PeerKind};
+use crate::discovery::{ConnectionKey, ListenerMarker};
+use crate::negative_cache::PeerKind;
 use crate::record::{flags, Bypass, DataPath, SocketRecord};
 use crate::registry::registry;
 use crate::settings::ProviderChoice;

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use super::registrations::SharedRegistrations;
-use crate::discovery::{NegativeCache, NegativeCacheConfig, SegmentDir};
+use crate::discovery::SegmentDir;
+use crate::negative_cache::{NegativeCache, NegativeCacheConfig};
 
 /// Process-wide SAN resources, created on first use.
 pub(super) struct Provider {
