@@ -623,7 +623,7 @@ fn shutdown(fd: BorrowedFd<'_>, how: libc::c_int, op: &'static str) -> Result<()
 // The peer's side
 // ---------------------------------------------------------------------------------------------
 
-/// Raises the other side's the watched end readable after we pushed data to it (we hold its the raising end). One
+/// Raises the other side's the watched end readable after we pushed data to it (we hold its raising end). One
 /// token per rising edge, and no system call while the watched end is raised; when that side asked for an
 /// edge per arrival ([`Mirror::set_edge_per_arrival`]), a token for every call (up to
 /// 64 unclaimed).
@@ -668,7 +668,7 @@ pub fn raise_readable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
 }
 
 /// Raises the other side's the watched end writable after we returned space or credits to it (we hold
-/// its the raising end): drains the raising end if that side lowered writability.
+/// its raising end): drains the raising end if that side lowered writability.
 pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     // Pairs with the fence in `Mirror::lower_writable`.
     fence(Ordering::SeqCst);
@@ -706,7 +706,7 @@ pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     }
 }
 
-/// Mirrors our FIN to the other side: `shutdown(K, SHUT_WR)`, so its the watched end reports IN|RDHUP.
+/// Mirrors our FIN to the other side: `shutdown(K, SHUT_WR)`, so its watched end reports IN|RDHUP.
 /// Keep the raising end open until the session is over: closing it is what reports HUP.
 ///
 /// # Errors

@@ -1,15 +1,15 @@
 //! The side channel of the switch-over: an abstract Unix stream socket named by the connection
-//! key, through which the two processes pass their readiness-mirror ends (`K`, `SCM_RIGHTS`)
+//! key, through which the two processes pass their readiness-mirror raising ends (`SCM_RIGHTS`)
 //! and the shared page holding both sides' [`MirrorWords`].
 //!
 //! **Why the acceptor connects.** The acceptor must finish inside `accept()` without waiting
 //! for the client, which may be blocked anywhere. A Unix stream `connect()` succeeds as soon as
 //! the client's listener has room in its backlog, and data (with descriptors) can be queued on
 //! the connection before the client accepts it. So the connecting side listens at `connect()`
-//! time; the acceptor connects, queues its `K` and the words page, and only then attaches the
+//! time; the acceptor connects, queues its raising end and the words page, and only then attaches the
 //! segment. When the client sees the segment attached, everything it needs is already queued.
-//! The client answers with its own `K` before it sends its `Hello`, so by the time the
-//! acceptor's session is established the client's `K` is waiting on the same socket.
+//! The client answers with its own the raising end before it sends its `Hello`, so by the time the
+//! acceptor's session is established the client's raising end is waiting on the same socket.
 //!
 //! **Who may connect.** The name lives in the abstract namespace, which anyone can reach; the
 //! acceptor checks the listener's credentials (`SO_PEERCRED`) and the client checks the

@@ -479,7 +479,7 @@ pub fn after_fork_in_child() {
     });
 }
 
-/// The mirror end `M` of a switched SAN socket (what epoll watches in its place); a pending
+/// The watched end of a switched SAN socket (what epoll watches in its place); a pending
 /// client whose acceptor attached switches first.
 pub fn mirror_of(fd: c_int, index: u32) -> Option<c_int> {
     if orphaned(index) {

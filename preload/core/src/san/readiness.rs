@@ -1,5 +1,5 @@
 //! Readiness of SAN sockets to `poll`, `select` and `epoll`: a switched socket is watched
-//! through its mirror `M` in place of its TCP socket, a stash holder through its stash's
+//! through its mirror's watched end in place of its TCP socket, a stash holder through its stash's
 //! eventfd, and what the kernel reports is corrected to agree with the session (no
 //! readability without data; errors and RDHUP, which a mirror cannot show); `FIONREAD`.
 
@@ -17,7 +17,7 @@ use crate::registry::registry;
 use crate::{errno, real};
 
 /// `poll()`/`ppoll()` on a set containing SAN sockets: each switched SAN socket's entry is
-/// watched through its mirror `M` (the caller polls `fds` as rewritten, then calls
+/// watched through its mirror's watched end (the caller polls `fds` as rewritten, then calls
 /// [`poll_fds`] again with `restore` to put the application's fds back).
 ///
 /// Returns the original fds of the rewritten entries (to restore), or an empty vector when

@@ -150,7 +150,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                 Err(SanError::Errno(libc::EAGAIN)) => {
                     if nonblocking {
                         // A short count, like EAGAIN, tells an edge-triggered caller to wait
-                        // for EPOLLOUT: `M` must be lowered so that the peer's returned room
+                        // for EPOLLOUT: the watched end must be lowered so that the peer's returned room
                         // makes that edge (room that appeared meanwhile: send on).
                         if socket.lower_writable() {
                             return Some(if done > 0 {

@@ -38,7 +38,7 @@ impl SanSocket {
         }
         // The peer learns of our FIN from the session's `Fin` message, which may wait behind
         // queued data for credits; its mirror is raised when that message is transmitted
-        // (and its own session then reports RDHUP locally). Shutting down its `K` here
+        // (and its own session then reports RDHUP locally). Shutting down its raising end here
         // instead could show RDHUP before the data and the `Fin` arrive: an edge-triggered
         // peer would see its only edge too early.
         self.service();

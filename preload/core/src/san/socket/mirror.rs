@@ -1,4 +1,4 @@
-//! The socket's readiness mirror `M` (what poll/select/epoll watch in place of the TCP
+//! The socket's readiness mirror's watched end (what poll/select/epoll watch in place of the TCP
 //! socket): kept exact after reads and sends, raised by whoever drives a verbs session, and
 //! the peer's end told of our FIN.
 
@@ -20,8 +20,8 @@ impl SanSocket {
         }
     }
 
-    /// Once our FIN has left (nothing queued before it), shuts the peer's `K` for writing
-    /// so its `M` reports RDHUP like a TCP socket that received a FIN.
+    /// Once our FIN has left (nothing queued before it), shuts the peer's raising end for writing
+    /// so its watched end reports RDHUP like a TCP socket that received a FIN.
     pub(super) fn mirror_fin(&mut self) {
         if self.fin_mirrored || !self.write_shut || self.deferred_shutdown.is_some() {
             return;
@@ -52,7 +52,7 @@ impl SanSocket {
         readiness
     }
 
-    /// After a read: if nothing more is readable, lowers `M` so level-triggered waiters and
+    /// After a read: if nothing more is readable, lowers the watched end so level-triggered waiters and
     /// `poll()` stop reporting it (no system call when it is already low).
     pub(crate) fn settle_readable(&mut self) {
         if self.watched && !self.readiness().readable {
@@ -60,7 +60,7 @@ impl SanSocket {
         }
     }
 
-    /// After a receive found nothing: lowers `M`'s readability (so a level-triggered waiter
+    /// After a receive found nothing: lowers the watched end's readability (so a level-triggered waiter
     /// sleeps) unless data arrived meanwhile. Returns true when the caller may report EAGAIN.
     pub(crate) fn lower_readable(&mut self) -> bool {
         let (Some(mirror), Some(conn)) = (self.mirror.as_mut(), self.conn.as_ref()) else {
@@ -74,7 +74,7 @@ impl SanSocket {
         !matches!(lowered, Ok(ReadLowering::StillReadable))
     }
 
-    /// After a send found no room: lowers `M`'s writability until the peer returns space.
+    /// After a send found no room: lowers the watched end's writability until the peer returns space.
     /// Returns true when the caller may report EAGAIN.
     pub(crate) fn lower_writable(&mut self) -> bool {
         let Some(mirror) = self.mirror.as_mut() else {
@@ -98,12 +98,12 @@ impl SanSocket {
         !matches!(lowered, Ok(WriteLowering::StillWritable))
     }
 
-    /// The mirror end `M` (what epoll/poll watch in place of the TCP socket).
+    /// The watched end (what epoll/poll watch in place of the TCP socket).
     pub(crate) fn mirror_fd(&self) -> Option<RawFd> {
         self.mirror.as_ref().map(|m| m.as_fd().as_raw_fd())
     }
 
-    /// Whether an edge-triggered epoll registration watches `M`: the peer then raises it for
+    /// Whether an edge-triggered epoll registration watches the watched end: the peer then raises it for
     /// every arrival, as a TCP socket signals every arriving segment (see
     /// [`crate::mirror::Mirror::set_edge_per_arrival`]).
     pub(crate) fn set_edge_per_arrival(&self, on: bool) {
@@ -123,7 +123,7 @@ impl SanSocket {
         let readiness = self.readiness();
         // Acceptor: the client's pre-switch bytes wait on TCP, read before the session's;
         // the application watches the mirror, not TCP, so they make the mirror readable.
-        // Readable only while poll/select/epoll watch `M`: a thread blocked in a call waits
+        // Readable only while poll/select/epoll watch the watched end: a thread blocked in a call waits
         // on the connection's fd and the bell instead (a token written and read back per
         // message otherwise). `set_watched` raises what is due when watching starts.
         let readable =
@@ -137,7 +137,7 @@ impl SanSocket {
         conn.raise_own_mirror(readable, writable);
     }
 
-    /// poll/select/epoll watch `M` from now on: over verbs, where `M`'s readability is kept
+    /// poll/select/epoll watch the watched end from now on: over verbs, where the watched end's readability is kept
     /// only while watched, it is raised now if data waits.
     pub(crate) fn set_watched(&mut self) {
         if !self.watched {

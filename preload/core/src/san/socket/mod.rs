@@ -100,7 +100,7 @@ pub(crate) enum Phase {
     Switched,
 }
 
-/// The peer's mirror end `K` and its words, learnt at the switch (client) or lazily after it
+/// The peer's raising end and its words, learnt at the switch (client) or lazily after it
 /// (acceptor). Read by the doorbell from inside the provider.
 #[derive(Debug, Default)]
 pub(crate) struct PeerMirror {
@@ -156,7 +156,7 @@ pub(crate) struct SanSocket {
     peer: Arc<PeerMirror>,
     page: Option<Arc<WordsPage>>,
     /// Client: the exchange listener while pending. Acceptor: the exchange connection until
-    /// the client's `K` arrived.
+    /// the client's raising end arrived.
     exchange: Option<OwnedFd>,
     /// Client: stream bytes written on TCP while pending.
     tcp_sent: u64,
@@ -177,7 +177,7 @@ pub(crate) struct SanSocket {
     write_shut: bool,
     /// A shutdown waiting for the early bytes to enter the session first.
     deferred_shutdown: Option<c_int>,
-    /// Our FIN was mirrored to the peer's `M` (RDHUP there).
+    /// Our FIN was mirrored to the peer's watched end (RDHUP there).
     fin_mirrored: bool,
     /// Stream bytes were queued since the peer's mirror was last raised readable.
     data_to_announce: bool,
@@ -378,7 +378,7 @@ impl SanSocket {
         Ok(socket.accepted())
     }
 
-    /// Creates the mirror (both ends local: `K` stays with the link, for the service thread)
+    /// Creates the mirror (both ends local: the raising end stays with the link, for the service thread)
     /// and the session.
     pub(super) fn start_verbs_session(&mut self, role: Role) -> Result<(), SetupError> {
         let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);

@@ -203,12 +203,12 @@ impl SanSocket {
         }
     }
 
-    /// Prepares a blocking wait for room to send (no credits): lowers `M`'s writability,
+    /// Prepares a blocking wait for room to send (no credits): lowers the watched end's writability,
     /// which the peer raises whenever it transmits (credits travel with every message).
     /// `None`: room appeared meanwhile, retry at once.
     ///
-    /// Unlike [`SanSocket::prepare_wait`] this does not watch `M`'s readability: data that
-    /// another thread has yet to read keeps `M` readable, and a sender that woke on it would
+    /// Unlike [`SanSocket::prepare_wait`] this does not watch the watched end's readability: data that
+    /// another thread has yet to read keeps the watched end readable, and a sender that woke on it would
     /// spin, keeping the socket's lock from that very reader (which it needs to make room).
     pub(crate) fn prepare_send_wait(&mut self) -> Option<WaitFds> {
         if self.phase == Phase::Pending {
@@ -221,7 +221,7 @@ impl SanSocket {
         self.watch_link_directly(&mut wait).then_some(wait)
     }
 
-    /// A wait on `M` for `events` and on the socket's bell (`asleep`: `finish_wait` owes
+    /// A wait on the watched end for `events` and on the socket's bell (`asleep`: `finish_wait` owes
     /// the waiter count and the connection's blocking state).
     fn mirror_wait(&self, events: i16, asleep: bool) -> WaitFds {
         WaitFds {

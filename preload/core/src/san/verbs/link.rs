@@ -40,7 +40,7 @@ pub(crate) struct VerbsLink {
     conn: Option<LoadedConnection>,
     attach: Option<Arc<Attach>>,
     domain: &'static Domain,
-    /// Our mirror's other end `K` and its words: the service thread raises `M` through them.
+    /// Our mirror's raising end and its words: the service thread raises the watched end through them.
     own: Option<(OwnedFd, SideWords)>,
     closed: bool,
     /// Receive slots the provider posted at set-up (work-request id = slot number, so a
@@ -275,7 +275,7 @@ impl VerbsLink {
         }
     }
 
-    /// Keeps our mirror's `K` end: the service thread raises `M` through it.
+    /// Keeps our mirror's raising end: the service thread raises the watched end through it.
     pub(crate) fn set_own_mirror(&mut self, k: OwnedFd, words: SideWords) {
         self.own = Some((k, words));
     }

@@ -11,7 +11,7 @@
 //!   [`watcher::Watcher`] holds: the pending clients' CM listeners (it accepts their requests here)
 //!   and every switched connection's pollable fd (completion channel + CM channel). On an
 //!   event it drives that socket's session under the socket's lock and raises the socket's
-//!   own readiness mirror: the peer is remote and cannot write our `K`, so that thread does.
+//!   own readiness mirror: the peer is remote and cannot write our raising end, so that thread does.
 //!   This module is the adapter alone: it knows no SAN socket and runs no thread.
 //!
 //! This file holds the library, the domains and the negative cache, and a pending client's
