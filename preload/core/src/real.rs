@@ -20,7 +20,7 @@ use core::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 
 use crate::errno;
 
-/// Slot value meaning "resolved, and the C library has no such symbol".
+/// A [`RealFn`] pointer meaning "resolved, and the C library has no such symbol".
 const MISSING: *mut c_void = core::ptr::dangling_mut::<c_void>();
 
 static SELF_RESOLVED: AtomicUsize = AtomicUsize::new(0);
@@ -34,12 +34,12 @@ pub fn self_resolved_count() -> usize {
 ///
 /// `repr(C)` with the pointer first: the cdylib's `vfork` trampoline loads it from offset 0.
 #[repr(C)]
-pub struct Slot {
+pub struct RealFn {
     ptr: AtomicPtr<c_void>,
     name: &'static str,
 }
 
-impl Slot {
+impl RealFn {
     const fn new(nul_terminated_name: &'static str) -> Self {
         Self {
             ptr: AtomicPtr::new(core::ptr::null_mut()),
@@ -124,7 +124,7 @@ pub fn resolve_all() {
 }
 
 /// Every slot, in table order.
-pub fn all_slots() -> &'static [&'static Slot] {
+pub fn all_slots() -> &'static [&'static RealFn] {
     ALL_SLOTS
 }
 
@@ -173,10 +173,10 @@ macro_rules! define_real {
         #[allow(non_upper_case_globals)]
         pub mod slot {
             $( #[doc = concat!("The real `", stringify!($name), "`.")]
-               pub static $name: super::Slot = super::Slot::new(concat!(stringify!($name), "\0")); )*
+               pub static $name: super::RealFn = super::RealFn::new(concat!(stringify!($name), "\0")); )*
         }
 
-        static ALL_SLOTS: &[&Slot] = &[$(&slot::$name),*];
+        static ALL_SLOTS: &[&RealFn] = &[$(&slot::$name),*];
 
         $(
             check_signature!($check $name, fn_ptr_type!($ret; ($($ty),*) $(; $vty)?));

@@ -23,14 +23,14 @@ pub(crate) enum SanObject {
     Stashed(Box<Stashed>),
 }
 
-pub(super) type Slot = Mutex<Option<SanObject>>;
+pub(super) type ObjectSlot = Mutex<Option<SanObject>>;
 
 const SLOTS_PER_CHUNK: usize = 1024;
 const CHUNKS: usize = crate::registry::MAX_CHUNKS;
 
-/// Slot chunks, allocated on first use and never freed (record indices are reused, so the
+/// ObjectSlot chunks, allocated on first use and never freed (record indices are reused, so the
 /// number of slots is bounded by the most sockets ever open at once).
-static SLOT_CHUNKS: [AtomicPtr<Slot>; CHUNKS] =
+static SLOT_CHUNKS: [AtomicPtr<ObjectSlot>; CHUNKS] =
     [const { AtomicPtr::new(core::ptr::null_mut()) }; CHUNKS];
 
 /// Sockets with a SAN object (pending or switched): while zero, poll/select pay nothing.
@@ -65,13 +65,13 @@ pub fn counters() -> &'static SanCounters {
 }
 
 /// The slot of record index `index` (its chunk allocated on first use).
-pub(super) fn slot(index: u32) -> &'static Slot {
+pub(super) fn slot(index: u32) -> &'static ObjectSlot {
     let chunk_index = (index as usize / SLOTS_PER_CHUNK).min(CHUNKS - 1);
     let chunk = &SLOT_CHUNKS[chunk_index];
     let mut base = chunk.load(Ordering::Acquire);
     if base.is_null() {
-        let fresh: Box<[Slot]> = (0..SLOTS_PER_CHUNK).map(|_| Mutex::new(None)).collect();
-        let fresh = Box::into_raw(fresh).cast::<Slot>();
+        let fresh: Box<[ObjectSlot]> = (0..SLOTS_PER_CHUNK).map(|_| Mutex::new(None)).collect();
+        let fresh = Box::into_raw(fresh).cast::<ObjectSlot>();
         match chunk.compare_exchange(
             core::ptr::null_mut(),
             fresh,
