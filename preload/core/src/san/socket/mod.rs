@@ -314,16 +314,7 @@ impl SanSocket {
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
     ) -> Result<SanSocket, SetupError> {
-        let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
-        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
-        let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
-            .map_err(|_| SetupError::Resource)?;
-        if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
-            || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
-        {
-            return Err(SetupError::Resource);
-        }
-        drop(their_end);
+        let (link, our_mirror, page) = offer_mirror(name)?;
         // Attach last: the client switches when it sees the attach, and by then everything
         // it needs is queued on the exchange.
         let segment = ShmSegment::attach(dir, name.as_str()).map_err(|_| SetupError::PeerPlain)?;
@@ -506,6 +497,24 @@ impl Drop for SanSocket {
             registrations.release_owner(self.owner);
         }
     }
+}
+
+/// The accepting side's half of the exchange: connects to the client's exchange listener
+/// and passes the client its end of our mirror and the words page. Returns the exchange
+/// connection, our mirror end and the page.
+fn offer_mirror(
+    name: &SegmentName,
+) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SetupError> {
+    let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
+    let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+    let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
+        .map_err(|_| SetupError::Resource)?;
+    if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
+        || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
+    {
+        return Err(SetupError::Resource);
+    }
+    Ok((link, our_mirror, page))
 }
 
 /// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known
