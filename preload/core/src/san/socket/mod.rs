@@ -333,6 +333,39 @@ impl SanSocket {
         Ok(socket.accepted())
     }
 
+    /// Unit tests: a socket over `conn` (an in-process simulated connection) in place of a
+    /// shm segment, set up as [`SanSocket::client`] (pending, exchange listener up) or
+    /// [`SanSocket::acceptor`] (mirror end and words page queued on the exchange, session
+    /// started, our `Hello` out) would set it up. The caller marks the link attached
+    /// afterwards, as the segment attach comes last.
+    #[cfg(test)]
+    pub(crate) fn over_link(
+        record: &'static SocketRecord,
+        side: Side,
+        name: &SegmentName,
+        conn: Link,
+    ) -> Result<SanSocket, SetupError> {
+        let peer = Arc::new(PeerMirror::default());
+        if side == Side::Client {
+            let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
+            let mut socket = Self::fresh(record, Side::Client, name, conn, peer);
+            socket.exchange = Some(listener);
+            return Ok(socket);
+        }
+        let (link, our_mirror, page) = offer_mirror(name)?;
+        let session = Session::new(
+            Role::Passive,
+            session_config(),
+            conn.capabilities(),
+            SLOTS,
+            0,
+        );
+        let mut socket = Self::fresh(record, Side::Acceptor, name, conn, peer);
+        socket.exchange = Some(link);
+        socket.start_session(session, our_mirror, page);
+        Ok(socket.accepted())
+    }
+
     fn with_link(
         record: &'static SocketRecord,
         side: Side,
