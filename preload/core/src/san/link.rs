@@ -33,6 +33,9 @@ pub(crate) enum Link {
     Shm(ShmConnection),
     /// Cross-host RDMA verbs (the loaded provider).
     Verbs(VerbsLink),
+    /// Unit tests: a seeded `san-sim` connection, so the socket code runs in-process.
+    #[cfg(test)]
+    Sim(super::in_process_tests::SimLink),
 }
 
 impl From<ShmConnection> for Link {
@@ -47,6 +50,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.capabilities(),
             Link::Verbs(link) => link.capabilities(),
+            #[cfg(test)]
+            Link::Sim(link) => link.capabilities(),
         }
     }
 
@@ -55,6 +60,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.is_up(),
             Link::Verbs(link) => link.is_up(),
+            #[cfg(test)]
+            Link::Sim(link) => link.is_up(),
         }
     }
 
@@ -64,6 +71,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.prepare_to_block(),
             Link::Verbs(_) => true,
+            #[cfg(test)]
+            Link::Sim(link) => link.prepare_to_block(),
         }
     }
 
@@ -73,6 +82,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.has_input(),
             Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(link) => link.has_input(),
         }
     }
 
@@ -82,6 +93,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.has_queued_sends(),
             Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(link) => link.has_queued_sends(),
         }
     }
 
@@ -114,6 +127,8 @@ impl Link {
                 }
                 WaitResult::TimedOut
             }
+            #[cfg(test)]
+            Link::Sim(link) => link.wait(timeout),
         }
     }
 
@@ -122,6 +137,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.close(),
             Link::Verbs(link) => link.close(),
+            #[cfg(test)]
+            Link::Sim(link) => link.close(),
         }
     }
 
@@ -131,6 +148,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.segment().is_attached(),
             Link::Verbs(link) => link.attached(None),
+            #[cfg(test)]
+            Link::Sim(link) => link.peer_attached(),
         }
     }
 
@@ -140,6 +159,8 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.segment().is_attached(),
             Link::Verbs(link) => link.attached(Some(setup_timeout())),
+            #[cfg(test)]
+            Link::Sim(link) => link.peer_attached(),
         }
     }
 
@@ -148,13 +169,17 @@ impl Link {
         match self {
             Link::Shm(conn) => conn.segment().peer_pid(),
             Link::Verbs(_) => None,
+            // Both ends are in this process: the in-process assist drives the other one.
+            #[cfg(test)]
+            Link::Sim(_) => Some(std::process::id()),
         }
     }
 
     /// True for a connection to a process on this host (the `shm` provider): its peer
     /// raises our mirror and can be nudged.
     pub(crate) fn is_intra_host(&self) -> bool {
-        matches!(self, Link::Shm(_))
+        // (The unit tests' simulated link counts as one: both its ends are in this process.)
+        !matches!(self, Link::Verbs(_))
     }
 
     /// The data path a switched socket on this connection takes.
@@ -162,6 +187,8 @@ impl Link {
         match self {
             Link::Shm(_) => DataPath::SanShm,
             Link::Verbs(_) => DataPath::SanVerbs,
+            #[cfg(test)]
+            Link::Sim(_) => DataPath::SanShm,
         }
     }
 
@@ -171,6 +198,8 @@ impl Link {
         match self {
             Link::Verbs(link) => Some(link.registrations()),
             Link::Shm(_) => provider().map(|p| &p.registrations),
+            #[cfg(test)]
+            Link::Sim(_) => provider().map(|p| &p.registrations),
         }
     }
 
@@ -186,6 +215,8 @@ impl Link {
         match self {
             Link::Verbs(link) => link.arm(solicited_only),
             Link::Shm(_) => true,
+            #[cfg(test)]
+            Link::Sim(_) => true,
         }
     }
 
@@ -225,6 +256,8 @@ impl Link {
         match self {
             Link::Verbs(link) => link.answer_expected && link.spin.should_poll(),
             Link::Shm(_) => false,
+            #[cfg(test)]
+            Link::Sim(_) => false,
         }
     }
 
@@ -238,6 +271,8 @@ impl Link {
                 link.gather()
             }
             Link::Shm(_) => true,
+            #[cfg(test)]
+            Link::Sim(_) => true,
         }
     }
 
@@ -253,6 +288,8 @@ impl Link {
         match self {
             Link::Verbs(link) => link.begin_direct_wait().map(Some).ok_or(NotArmed),
             Link::Shm(_) => Ok(None),
+            #[cfg(test)]
+            Link::Sim(_) => Ok(None),
         }
     }
 
@@ -277,6 +314,8 @@ impl Link {
         match self {
             Link::Verbs(link) => link.take_owed_event(),
             Link::Shm(_) => false,
+            #[cfg(test)]
+            Link::Sim(_) => false,
         }
     }
 
@@ -285,6 +324,8 @@ impl Link {
         match self {
             Link::Verbs(link) => Some(link),
             Link::Shm(_) => None,
+            #[cfg(test)]
+            Link::Sim(_) => None,
         }
     }
 
@@ -293,6 +334,8 @@ impl Link {
         match self {
             Link::Verbs(link) => Some(link),
             Link::Shm(_) => None,
+            #[cfg(test)]
+            Link::Sim(_) => None,
         }
     }
 }
@@ -302,6 +345,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.slot_config(),
             Link::Verbs(link) => link.slot_config(),
+            #[cfg(test)]
+            Link::Sim(link) => link.slot_config(),
         }
     }
 
@@ -309,6 +354,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.post_send(wr_id, message),
             Link::Verbs(link) => link.conn_mut()?.post_send(wr_id, message),
+            #[cfg(test)]
+            Link::Sim(link) => link.post_send(wr_id, message),
         }
     }
 
@@ -316,6 +363,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.post_recv(wr_id, slot),
             Link::Verbs(link) => link.post_recv(wr_id, slot),
+            #[cfg(test)]
+            Link::Sim(link) => link.post_recv(wr_id, slot),
         }
     }
 
@@ -323,6 +372,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.recv_slot(slot, len),
             Link::Verbs(link) => link.conn().map_or(&[], |c| c.recv_slot(slot, len)),
+            #[cfg(test)]
+            Link::Sim(link) => link.recv_slot(slot, len),
         }
     }
 
@@ -335,6 +386,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.post_write(wr_id, local, remote),
             Link::Verbs(link) => link.conn_mut()?.post_write(wr_id, local, remote),
+            #[cfg(test)]
+            Link::Sim(link) => link.post_write(wr_id, local, remote),
         }
     }
 
@@ -347,6 +400,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.post_read(wr_id, local, remote),
             Link::Verbs(link) => link.conn_mut()?.post_read(wr_id, local, remote),
+            #[cfg(test)]
+            Link::Sim(link) => link.post_read(wr_id, local, remote),
         }
     }
 
@@ -354,6 +409,8 @@ impl SanConnection for Link {
         match self {
             Link::Shm(conn) => conn.poll_completions(out, max),
             Link::Verbs(link) => link.poll_completions(out, max),
+            #[cfg(test)]
+            Link::Sim(link) => link.poll_completions(out, max),
         }
     }
 }

@@ -134,6 +134,10 @@ mod readiness;
 mod recv;
 mod send;
 
+// Unit tests of the socket path over a simulated link, in-process.
+#[cfg(test)]
+mod in_process_tests;
+
 use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 use std::net::SocketAddr;

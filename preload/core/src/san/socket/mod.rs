@@ -314,16 +314,7 @@ impl SanSocket {
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
     ) -> Result<SanSocket, SetupError> {
-        let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
-        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
-        let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
-            .map_err(|_| SetupError::Resource)?;
-        if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
-            || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
-        {
-            return Err(SetupError::Resource);
-        }
-        drop(their_end);
+        let (link, our_mirror, page) = offer_mirror(name)?;
         // Attach last: the client switches when it sees the attach, and by then everything
         // it needs is queued on the exchange.
         let segment = ShmSegment::attach(dir, name.as_str()).map_err(|_| SetupError::PeerPlain)?;
@@ -337,6 +328,39 @@ impl SanSocket {
             0,
         );
         let mut socket = Self::fresh(record, Side::Acceptor, name, conn.into(), peer);
+        socket.exchange = Some(link);
+        socket.start_session(session, our_mirror, page);
+        Ok(socket.accepted())
+    }
+
+    /// Unit tests: a socket over `conn` (an in-process simulated connection) in place of a
+    /// shm segment, set up as [`SanSocket::client`] (pending, exchange listener up) or
+    /// [`SanSocket::acceptor`] (mirror end and words page queued on the exchange, session
+    /// started, our `Hello` out) would set it up. The caller marks the link attached
+    /// afterwards, as the segment attach comes last.
+    #[cfg(test)]
+    pub(crate) fn over_link(
+        record: &'static SocketRecord,
+        side: Side,
+        name: &SegmentName,
+        conn: Link,
+    ) -> Result<SanSocket, SetupError> {
+        let peer = Arc::new(PeerMirror::default());
+        if side == Side::Client {
+            let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
+            let mut socket = Self::fresh(record, Side::Client, name, conn, peer);
+            socket.exchange = Some(listener);
+            return Ok(socket);
+        }
+        let (link, our_mirror, page) = offer_mirror(name)?;
+        let session = Session::new(
+            Role::Passive,
+            session_config(),
+            conn.capabilities(),
+            SLOTS,
+            0,
+        );
+        let mut socket = Self::fresh(record, Side::Acceptor, name, conn, peer);
         socket.exchange = Some(link);
         socket.start_session(session, our_mirror, page);
         Ok(socket.accepted())
@@ -506,6 +530,24 @@ impl Drop for SanSocket {
             registrations.release_owner(self.owner);
         }
     }
+}
+
+/// The accepting side's half of the exchange: connects to the client's exchange listener
+/// and passes the client its end of our mirror and the words page. Returns the exchange
+/// connection, our mirror end and the page.
+fn offer_mirror(
+    name: &SegmentName,
+) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SetupError> {
+    let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
+    let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+    let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
+        .map_err(|_| SetupError::Resource)?;
+    if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
+        || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
+    {
+        return Err(SetupError::Resource);
+    }
+    Ok((link, our_mirror, page))
 }
 
 /// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known

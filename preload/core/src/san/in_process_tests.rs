@@ -1,0 +1,1213 @@
+//! In-process tests of the SAN socket path.
+//!
+//! Two SAN sockets of this process, a client and an acceptor, whose kernel sockets are a real
+//! loopback TCP pair (the application's descriptor is always a kernel socket) and whose
+//! connection is a seeded `san-sim` pair ([`SimLink`], `Link::Sim`). The tests call what the
+//! hooks call — `send_iov`, `recv_iov`, `on_shutdown`, `on_released`, `downgrade_all` — with
+//! both sockets installed in the slot table, so the switch-over, the send and receive loops,
+//! the downgrade and the close run as they do under the preload, while the simulation
+//! delays, reorders and postpones what it carries.
+//!
+//! Every seeded test runs a handful of seeds; `SIM_SEED=N` runs seed `N` alone. A failure
+//! names its seed. Each run is bounded: a hang fails the test instead of stalling it.
+
+use core::ffi::c_int;
+use std::collections::VecDeque;
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use san_api::{
+    Capabilities, Completion, CompletionKind, LocalSegment, PostError, RecvSlot, RemoteDescriptor,
+    SanConnection, SlotConfig, WrId,
+};
+use san_shm::WaitResult;
+use san_sim::{FaultConfig, SimConnection, SimFabric};
+
+use super::kernel::RawBuf;
+use super::link::Link;
+use super::socket::{Phase, SanSocket, Side};
+use super::switchover::switch_pending;
+use super::table::{lock, SanObject};
+use super::tunables::SLOTS;
+use super::{downgrade_all, install, on_released, on_shutdown, recv_iov, send_iov};
+use crate::discovery::{ConnectionKey, SegmentName};
+use crate::errno;
+use crate::record::{flags, Counter, SocketRecord, SocketState};
+use crate::registry::registry;
+
+// ----- the simulated link ------------------------------------------------------------------
+
+/// The fabric and both ends of one simulated connection.
+struct SimWorld {
+    fabric: SimFabric,
+    /// How many fabric events each drive runs (seeded: drives see partial progress).
+    rng: ChaCha8Rng,
+    conns: [Option<SimConnection>; 2],
+    /// Side `i` posted a receive: messages to it may leave.
+    receiving: [bool; 2],
+    /// Messages side `i` posted before its peer could receive (the acceptor's `Hello`, sent
+    /// before the client's session exists): the shm provider keeps them the same way.
+    outbox: [VecDeque<(WrId, Vec<u8>)>; 2],
+}
+
+// SAFETY: every `Rc` behind this fabric (the fabric handle and both connection handles) is a
+// field of this one value and none leaves it (the methods below hand out plain data), so
+// moving the value moves the whole reference graph; the `Mutex` of `SharedWorld` serialises
+// every access to it.
+unsafe impl Send for SimWorld {}
+
+type SharedWorld = Arc<Mutex<SimWorld>>;
+
+fn world(shared: &SharedWorld) -> MutexGuard<'_, SimWorld> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl SimWorld {
+    /// Runs a few fabric events (a seeded number), then posts what waited for a receiver.
+    fn run(&mut self) {
+        self.flush();
+        for _ in 0..self.rng.gen_range(1..=8) {
+            if !self.fabric.step() {
+                break;
+            }
+        }
+        self.flush();
+    }
+
+    fn flush(&mut self) {
+        for side in 0..2 {
+            let Some(conn) = self.conns[side].as_mut() else {
+                self.outbox[side].clear();
+                continue;
+            };
+            if conn.is_broken() {
+                self.outbox[side].clear();
+                continue;
+            }
+            if !self.receiving[1 - side] {
+                continue;
+            }
+            while let Some((wr_id, message)) = self.outbox[side].front() {
+                if conn.post_send(*wr_id, message).is_err() {
+                    break;
+                }
+                self.outbox[side].pop_front();
+            }
+        }
+    }
+
+    /// A completion waits for side `side`, or the fabric still has events to run.
+    fn has_news(&self, side: usize) -> bool {
+        self.conns[side]
+            .as_ref()
+            .is_some_and(|c| c.queued_completions() > 0)
+            || !self.fabric.is_idle()
+    }
+}
+
+/// One end of a simulated connection, as the socket code sees it (`Link::Sim`).
+pub(crate) struct SimLink {
+    world: SharedWorld,
+    side: usize,
+    caps: Capabilities,
+    slots: SlotConfig,
+    /// Received messages, copied out of the connection when their completion is polled
+    /// (`recv_slot` lends them while the world's lock is not held).
+    slot_bytes: Vec<Vec<u8>>,
+    /// The acceptor "attached" (set by the harness once the acceptor is set up).
+    attached: Arc<AtomicBool>,
+}
+
+impl SimLink {
+    fn world(&self) -> MutexGuard<'_, SimWorld> {
+        world(&self.world)
+    }
+
+    pub(crate) fn capabilities(&self) -> Capabilities {
+        self.caps
+    }
+
+    pub(crate) fn is_up(&self) -> bool {
+        self.world().conns[self.side]
+            .as_ref()
+            .is_some_and(|c| !c.is_broken())
+    }
+
+    /// Runs the fabric a little: true when a completion waits or events are still to run.
+    pub(crate) fn has_input(&self) -> bool {
+        let mut world = self.world();
+        world.run();
+        world.has_news(self.side)
+    }
+
+    pub(crate) fn prepare_to_block(&self) -> bool {
+        !self.has_input()
+    }
+
+    pub(crate) fn has_queued_sends(&self) -> bool {
+        !self.world().outbox[self.side].is_empty()
+    }
+
+    pub(crate) fn wait(&self, timeout: Duration) -> WaitResult {
+        if self.has_input() {
+            return WaitResult::Notified;
+        }
+        if !self.is_up() {
+            return WaitResult::Disconnected;
+        }
+        std::thread::sleep(timeout.min(Duration::from_millis(1)));
+        WaitResult::TimedOut
+    }
+
+    pub(crate) fn close(&mut self) {
+        let mut world = self.world();
+        world.conns[self.side] = None;
+        world.outbox[self.side].clear();
+    }
+
+    pub(crate) fn peer_attached(&self) -> bool {
+        self.attached.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn slot_config(&self) -> SlotConfig {
+        self.slots
+    }
+
+    pub(crate) fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError> {
+        if message.len() > self.slots.slot_size as usize {
+            return Err(PostError::TooLong);
+        }
+        let side = self.side;
+        let mut world = self.world();
+        if world.conns[side].as_ref().is_none_or(|c| c.is_broken()) {
+            return Err(PostError::Disconnected);
+        }
+        world.outbox[side].push_back((wr_id, message.to_vec()));
+        world.flush();
+        Ok(())
+    }
+
+    pub(crate) fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
+        let side = self.side;
+        {
+            let mut world = self.world();
+            world.conns[side]
+                .as_mut()
+                .ok_or(PostError::Disconnected)?
+                .post_recv(wr_id, slot)?;
+            world.receiving[side] = true;
+            world.flush();
+        }
+        if let Some(bytes) = self.slot_bytes.get_mut(usize::from(slot.0)) {
+            bytes.clear();
+        }
+        Ok(())
+    }
+
+    pub(crate) fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8] {
+        self.slot_bytes
+            .get(usize::from(slot.0))
+            .map_or(&[][..], |bytes| &bytes[..bytes.len().min(len as usize)])
+    }
+
+    pub(crate) fn post_write(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        let side = self.side;
+        self.world().conns[side]
+            .as_mut()
+            .ok_or(PostError::Disconnected)?
+            .post_write(wr_id, local, remote)
+    }
+
+    pub(crate) fn post_read(
+        &mut self,
+        wr_id: WrId,
+        local: LocalSegment,
+        remote: RemoteDescriptor,
+    ) -> Result<(), PostError> {
+        let side = self.side;
+        self.world().conns[side]
+            .as_mut()
+            .ok_or(PostError::Disconnected)?
+            .post_read(wr_id, local, remote)
+    }
+
+    pub(crate) fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let side = self.side;
+        let shared = self.world.clone();
+        let mut world = world(&shared);
+        world.run();
+        let Some(conn) = world.conns[side].as_mut() else {
+            return 0;
+        };
+        let first = out.len();
+        let count = conn.poll_completions(out, max);
+        for completion in &out[first..] {
+            if let (CompletionKind::Recv { slot, len }, Ok(())) =
+                (completion.kind, completion.status)
+            {
+                if let Some(bytes) = self.slot_bytes.get_mut(usize::from(slot.0)) {
+                    *bytes = conn.recv_slot(slot, len).to_vec();
+                }
+            }
+        }
+        count
+    }
+}
+
+// ----- the harness -------------------------------------------------------------------------
+
+/// One end: the kernel socket and its record (slot index).
+struct End {
+    fd: c_int,
+    index: u32,
+    record: &'static SocketRecord,
+    released: AtomicBool,
+}
+
+/// A client and an acceptor over one simulated connection.
+struct Pair {
+    world: SharedWorld,
+    attached: Arc<AtomicBool>,
+    name: SegmentName,
+    client: End,
+    acceptor: End,
+    /// The acceptor's link until [`Pair::attach`] sets the acceptor up.
+    acceptor_link: Mutex<Option<SimLink>>,
+}
+
+/// Faults the simulation injects in the seeded tests: nothing that breaks the connection.
+fn benign_faults() -> FaultConfig {
+    FaultConfig {
+        completion_delay: 0.05,
+        reorder: 0.05,
+        delayed_repost: 0.05,
+        ..FaultConfig::NONE
+    }
+}
+
+impl Pair {
+    /// A connected TCP pair whose client is a pending SAN socket (nothing attached yet).
+    fn pending(seed: u64, faults: FaultConfig) -> Pair {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client =
+            std::net::TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
+        let (server, _) = listener.accept().expect("accept");
+        let (local, peer) = (
+            client.local_addr().expect("local"),
+            client.peer_addr().expect("peer"),
+        );
+        let name = ConnectionKey::from_connecting_side(local, peer).segment_name();
+
+        let fabric = SimFabric::new(seed, faults);
+        let (a, b) = (fabric.add_endpoint(), fabric.add_endpoint());
+        let (conn_a, conn_b) = fabric.connect(a, b, SLOTS, SLOTS).expect("sim connect");
+        let caps = [conn_a.capabilities(), conn_b.capabilities()];
+        let shared = Arc::new(Mutex::new(SimWorld {
+            fabric,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            conns: [Some(conn_a), Some(conn_b)],
+            receiving: [false; 2],
+            outbox: [VecDeque::new(), VecDeque::new()],
+        }));
+        let attached = Arc::new(AtomicBool::new(false));
+        let link = |side: usize| SimLink {
+            world: shared.clone(),
+            side,
+            caps: caps[side],
+            slots: SLOTS,
+            slot_bytes: vec![Vec::new(); usize::from(SLOTS.recv_slots)],
+            attached: attached.clone(),
+        };
+
+        let client = end(client.into_raw_fd(), local, peer);
+        client.record.set_flag(flags::CLIENT, true);
+        let socket = SanSocket::over_link(client.record, Side::Client, &name, Link::Sim(link(0)))
+            .expect("pending client");
+        install(client.index, client.record, socket);
+        let acceptor = end(server.into_raw_fd(), peer, local);
+        acceptor.record.set_flag(flags::SERVER, true);
+        Pair {
+            world: shared.clone(),
+            attached: attached.clone(),
+            name,
+            client,
+            acceptor_link: Mutex::new(Some(link(1))),
+            acceptor,
+        }
+    }
+
+    /// A pair whose acceptor attached and whose client switched.
+    fn switched(seed: u64, faults: FaultConfig) -> Pair {
+        let pair = Pair::pending(seed, faults);
+        pair.attach();
+        switch_pending(pair.client.fd, pair.client.index);
+        assert!(pair.is_switched(&pair.client), "the client switches");
+        pair
+    }
+
+    /// The acceptor's side of `accept()` (`on_accepted`): set up over the link, attach, write
+    /// the switch marker, install.
+    fn attach(&self) {
+        let link = self
+            .acceptor_link
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .expect("attached once");
+        let acceptor = &self.acceptor;
+        let mut socket =
+            SanSocket::over_link(acceptor.record, Side::Acceptor, &self.name, Link::Sim(link))
+                .expect("acceptor");
+        self.attached.store(true, Ordering::Release);
+        socket.wake_pending_client(acceptor.fd);
+        install(acceptor.index, acceptor.record, socket);
+    }
+
+    fn is_switched(&self, end: &End) -> bool {
+        matches!(lock(end.index).as_ref(),
+            Some(SanObject::Socket(s)) if s.phase == Phase::Switched)
+    }
+
+    /// Pumps an end's session once (what its own next call or a waiting thread would do).
+    fn service(&self, end: &End) {
+        if let Some(SanObject::Socket(socket)) = lock(end.index).as_mut() {
+            socket.service();
+        }
+    }
+
+    /// `send(2)` as the hook makes it: the SAN path, or the kernel when it declines.
+    fn send(&self, end: &End, data: &[u8], send_flags: c_int) -> Result<usize, c_int> {
+        let send_flags = send_flags | libc::MSG_NOSIGNAL;
+        let bufs = [RawBuf {
+            ptr: data.as_ptr().cast_mut(),
+            len: data.len(),
+        }];
+        let n = send_iov(end.fd, end.index, &bufs, send_flags).unwrap_or_else(|| {
+            // SAFETY: our buffer, our socket.
+            unsafe { libc::send(end.fd, data.as_ptr().cast(), data.len(), send_flags) }
+        });
+        if n < 0 {
+            Err(errno::get())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// `recv(2)` as the hook makes it.
+    fn recv(&self, end: &End, buf: &mut [u8], recv_flags: c_int) -> Result<usize, c_int> {
+        let bufs = [RawBuf {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }];
+        let n = recv_iov(end.fd, end.index, &bufs, recv_flags).unwrap_or_else(|| {
+            // SAFETY: our buffer, our socket.
+            unsafe { libc::recv(end.fd, buf.as_mut_ptr().cast(), buf.len(), recv_flags) }
+        });
+        if n < 0 {
+            Err(errno::get())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// `shutdown(2)` as the hook makes it (the real call, then the SAN's).
+    fn shutdown(&self, end: &End, how: c_int) {
+        // SAFETY: our socket.
+        assert_eq!(unsafe { libc::shutdown(end.fd, how) }, 0);
+        if how != libc::SHUT_WR {
+            end.record.set_flag(flags::SHUT_RD, true);
+        }
+        if how != libc::SHUT_RD {
+            end.record.set_flag(flags::SHUT_WR, true);
+        }
+        on_shutdown(end.fd, end.index, how);
+    }
+
+    /// `close(2)` of the last descriptor, as the hook makes it.
+    fn close(&self, end: &End) {
+        if end.released.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        on_released(end.index, Some(end.fd));
+        // SAFETY: the descriptor is ours and closed once.
+        drop(unsafe { OwnedFd::from_raw_fd(end.fd) });
+        registry().release(end.index);
+    }
+
+    /// Sends all of `data` from `from` while `to` reads it, both nonblocking, in seeded chunk
+    /// sizes (short writes and partial reads included); returns what `to` read.
+    fn transfer(&self, from: &End, to: &End, data: &[u8], rng: &mut ChaCha8Rng) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut sent = 0;
+        let mut received = Vec::with_capacity(data.len());
+        let mut buf = vec![0u8; 256 << 10];
+        while received.len() < data.len() {
+            assert!(
+                Instant::now() < deadline,
+                "transfer stalled: {sent} sent, {} received of {}",
+                received.len(),
+                data.len()
+            );
+            if sent < data.len() {
+                let chunk = rng.gen_range(1..=(data.len() - sent).min(200_000));
+                match self.send(from, &data[sent..sent + chunk], libc::MSG_DONTWAIT) {
+                    Ok(n) => sent += n,
+                    Err(libc::EAGAIN) => {}
+                    Err(e) => panic!("send: errno {e}"),
+                }
+            }
+            let want = rng.gen_range(1..=buf.len());
+            match self.recv(to, &mut buf[..want], libc::MSG_DONTWAIT) {
+                Ok(0) => panic!("unexpected end of stream after {}", received.len()),
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+                Err(libc::EAGAIN) => self.service(from),
+                Err(e) => panic!("recv: errno {e}"),
+            }
+        }
+        received
+    }
+
+    /// Sends all of `data` from `from`, nonblocking, driving `to` while the window is full.
+    fn send_all(&self, from: &End, to: &End, data: &[u8]) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut sent = 0;
+        while sent < data.len() {
+            assert!(Instant::now() < deadline, "send stalled at {sent}");
+            match self.send(from, &data[sent..], libc::MSG_DONTWAIT) {
+                Ok(n) => sent += n,
+                Err(libc::EAGAIN) => self.service(to),
+                Err(e) => panic!("send: errno {e}"),
+            }
+        }
+    }
+
+    /// Reads exactly `len` bytes into `end`, nonblocking, in seeded read sizes.
+    fn read_exact(&self, end: &End, other: &End, len: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut received = Vec::with_capacity(len);
+        let mut buf = vec![0u8; len.max(1)];
+        while received.len() < len {
+            assert!(
+                Instant::now() < deadline,
+                "read stalled at {} of {len}",
+                received.len()
+            );
+            let want = rng.gen_range(1..=len - received.len());
+            match self.recv(end, &mut buf[..want], libc::MSG_DONTWAIT) {
+                Ok(0) => panic!("end of stream after {}", received.len()),
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+                Err(libc::EAGAIN) => self.service(other),
+                Err(e) => panic!("recv: errno {e}"),
+            }
+        }
+        received
+    }
+
+    /// Reads exactly `len` bytes into `end` with blocking reads of at most `chunk` bytes.
+    fn read_blocking(&self, end: &End, len: usize, chunk: usize) -> Vec<u8> {
+        let mut received = Vec::with_capacity(len);
+        let mut buf = vec![0u8; chunk];
+        while received.len() < len {
+            let want = chunk.min(len - received.len());
+            match self.recv(end, &mut buf[..want], 0) {
+                Ok(0) => panic!("end of stream after {}", received.len()),
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+                Err(e) => panic!("recv: errno {e} after {}", received.len()),
+            }
+        }
+        received
+    }
+
+    /// Reads until end of stream (nonblocking, bounded).
+    fn read_to_end(&self, end: &End, other: &End) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut received = Vec::new();
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            assert!(Instant::now() < deadline, "no end of stream");
+            match self.recv(end, &mut buf, libc::MSG_DONTWAIT) {
+                Ok(0) => return received,
+                Ok(n) => received.extend_from_slice(&buf[..n]),
+                Err(libc::EAGAIN) => {
+                    self.service(other);
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                Err(e) => panic!("recv: errno {e} after {} bytes", received.len()),
+            }
+        }
+    }
+
+    /// A byte counter of the end's record.
+    fn counter(&self, end: &End, counter: Counter) -> u64 {
+        end.record.counter(counter)
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        // (Not `close`: a failed test must not hide its message behind a second panic.)
+        for end in [&self.client, &self.acceptor] {
+            if !end.released.swap(true, Ordering::AcqRel) {
+                on_released(end.index, None);
+                // SAFETY: the descriptor is ours and closed once.
+                drop(unsafe { OwnedFd::from_raw_fd(end.fd) });
+                registry().release(end.index);
+            }
+        }
+    }
+}
+
+fn end(fd: c_int, local: std::net::SocketAddr, peer: std::net::SocketAddr) -> End {
+    let (index, record) = registry()
+        .claim(fd, SocketState::ConnectedTcp)
+        .expect("a record");
+    record.set_addresses(Some(local), Some(peer));
+    End {
+        fd,
+        index,
+        record,
+        released: AtomicBool::new(false),
+    }
+}
+
+/// A stream pattern that shows where a byte came from (offset and stream).
+fn pattern(len: usize, stream: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3] ^ stream)
+        .collect()
+}
+
+/// Asserts two byte strings are equal, naming the first difference (not dumping megabytes).
+#[track_caller]
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    if got == want {
+        return;
+    }
+    let at = got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| a != b)
+        .unwrap_or(got.len().min(want.len()));
+    panic!(
+        "{what}: {} bytes received, {} expected; first difference at offset {at}",
+        got.len(),
+        want.len()
+    );
+}
+
+/// Runs `body` on its own thread, failing if it takes longer than `limit` (a hang).
+fn bounded(limit: Duration, what: String, body: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(catch_unwind(AssertUnwindSafe(body)));
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(())) => {}
+        Ok(Err(panic)) => {
+            eprintln!("{what} failed");
+            resume_unwind(panic)
+        }
+        Err(_) => panic!("{what}: still running after {limit:?} (hang)"),
+    }
+}
+
+/// Runs `body` for each seed (`SIM_SEED=N`: seed `N` alone), bounded, naming a failing seed.
+fn for_seeds(test: &str, body: impl Fn(u64) + Send + Sync + 'static) {
+    let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
+        Ok(value) => vec![value.parse().expect("SIM_SEED is a number")],
+        Err(_) => (1..=6).collect(),
+    };
+    let body = Arc::new(body);
+    for seed in seeds {
+        let body = body.clone();
+        bounded(
+            Duration::from_secs(30),
+            format!("{test} with SIM_SEED={seed}"),
+            move || body(seed),
+        );
+    }
+}
+
+/// A fresh loopback pair of plain kernel sockets, `(client, server)`: the oracle the SAN's
+/// answers are compared with.
+fn kernel_pair() -> (OwnedFd, OwnedFd) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let client =
+        std::net::TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
+    let (server, _) = listener.accept().expect("accept");
+    (client.into(), server.into())
+}
+
+fn kernel_send(fd: &OwnedFd, data: &[u8]) -> Result<usize, c_int> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: our buffer, our socket.
+    let n = unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            data.as_ptr().cast(),
+            data.len(),
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(errno::get())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+fn kernel_recv(fd: &OwnedFd, buf: &mut [u8]) -> Result<usize, c_int> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: our buffer, our socket.
+    let n = unsafe {
+        libc::recv(
+            fd.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(errno::get())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+fn set_linger_zero(fd: c_int) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid `linger` for our socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            core::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+}
+
+// ----- tests -------------------------------------------------------------------------------
+
+/// Bytes written on TCP while the client is pending, then over the SAN after the switch,
+/// arrive once each and in order; the acceptor's early bytes (sent before the handshake
+/// completed) reach the client.
+#[test]
+fn switch_over_keeps_tcp_bytes_then_san_bytes_in_order() {
+    for_seeds("switch-over", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let pair = Pair::pending(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let before = pattern(rng.gen_range(1..=50_000), 1);
+        let after = pattern(rng.gen_range(1..=300_000), 2);
+        let early = pattern(rng.gen_range(1..=20_000), 3);
+
+        assert_eq!(pair.send(c, &before, 0), Ok(before.len()), "pending send");
+        assert_eq!(pair.counter(c, Counter::TcpSent), before.len() as u64);
+        pair.attach();
+        // The server greets first: its session still handshakes, the bytes wait in it.
+        assert_eq!(pair.send(a, &early, libc::MSG_DONTWAIT), Ok(early.len()));
+        // The client's read finds the switch marker on TCP, switches, and gets the greeting.
+        let got = pair.read_exact(c, a, early.len(), &mut rng);
+        assert!(
+            pair.is_switched(c),
+            "reading the marker switched the client"
+        );
+        assert_same(&got, &early, "acceptor → client (early bytes)");
+
+        pair.send_all(c, a, &after);
+        let got = pair.read_exact(a, c, before.len() + after.len(), &mut rng);
+        let mut whole = before.clone();
+        whole.extend_from_slice(&after);
+        assert_same(&got, &whole, "client → acceptor (TCP, then SAN)");
+        assert_eq!(
+            pair.counter(a, Counter::TcpReceived),
+            before.len() as u64,
+            "the acceptor read exactly the pending bytes from TCP"
+        );
+        assert_eq!(
+            pair.counter(c, Counter::SanInlineSent),
+            after.len() as u64,
+            "everything after the switch went over the SAN"
+        );
+        assert_eq!(pair.counter(c, Counter::TcpSent), before.len() as u64);
+    });
+}
+
+/// A pending client whose server never attaches (a plain server): the server's first byte
+/// finds the segment unattached, the client drops its SAN object and stays on TCP, and every
+/// byte of both directions arrives.
+#[test]
+fn pending_client_of_a_plain_server_stays_on_tcp() {
+    for_seeds("plain server", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let pair = Pair::pending(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(rng.gen_range(1..=60_000), 17);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()));
+        let got = pair.read_blocking(a, request.len(), 4_096);
+        assert_same(&got, &request, "request over TCP");
+        let answer = pattern(rng.gen_range(1..=60_000), 18);
+        assert_eq!(pair.send(a, &answer, 0), Ok(answer.len()));
+        let got = pair.read_blocking(c, answer.len(), 5_000);
+        assert_same(&got, &answer, "answer over TCP");
+        assert!(lock(c.index).is_none(), "the client dropped its SAN object");
+        assert_eq!(c.record.flags() & flags::SAN, 0);
+        assert_eq!(pair.counter(c, Counter::TcpSent), request.len() as u64);
+    });
+}
+
+/// Inline sends of many sizes, both ways, nonblocking with short writes and partial reads
+/// of seeded sizes, under delays, reordering and late receives: the bytes arrive intact.
+#[test]
+fn inline_sends_of_many_sizes_arrive_intact() {
+    for_seeds("inline sizes", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x51);
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        for (round, len) in [
+            1usize,
+            7,
+            4096,
+            16_383,
+            16_384,
+            16_385,
+            65_536,
+            100_001,
+            1 << 20,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let out = pattern(len, round as u8);
+            let got = pair.transfer(c, a, &out, &mut rng);
+            assert_same(&got, &out, &format!("client → acceptor, {len} bytes"));
+            let back = pattern(len, 0x80 | round as u8);
+            let got = pair.transfer(a, c, &back, &mut rng);
+            assert_same(&got, &back, &format!("acceptor → client, {len} bytes"));
+        }
+        assert_eq!(pair.counter(c, Counter::TcpSent), 0, "nothing went on TCP");
+    });
+}
+
+/// `MSG_PEEK` shows the head of the stream without consuming it, across message
+/// boundaries; the reads that follow see the same bytes.
+#[test]
+fn peek_shows_bytes_without_consuming_them() {
+    for_seeds("peek", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(40_000, 9);
+        assert_eq!(pair.send(c, &data, 0), Ok(data.len()));
+        let mut buf = vec![0u8; 50_000];
+        // Wait until all of it is readable (peeks of the whole).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            assert!(Instant::now() < deadline, "data stalled");
+            match pair.recv(a, &mut buf, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
+                Ok(n) if n == data.len() => break,
+                Ok(n) => {
+                    assert_same(&buf[..n], &data[..n], "a partial peek");
+                    pair.service(c);
+                }
+                Err(libc::EAGAIN) => pair.service(c),
+                Err(e) => panic!("peek: errno {e}"),
+            }
+        }
+        assert_same(&buf[..data.len()], &data, "peek of everything");
+        let mut small = [0u8; 5];
+        assert_eq!(pair.recv(a, &mut small, libc::MSG_PEEK), Ok(5));
+        assert_eq!(small, data[..5]);
+        assert_eq!(pair.recv(a, &mut small[..3], 0), Ok(3));
+        assert_eq!(small[..3], data[..3]);
+        assert_eq!(pair.recv(a, &mut small, libc::MSG_PEEK), Ok(5));
+        assert_eq!(small, data[3..8], "the peek after a read starts after it");
+        let mut rest = vec![0u8; data.len() - 3];
+        assert_eq!(pair.recv(a, &mut rest, libc::MSG_WAITALL), Ok(rest.len()));
+        assert_same(&rest, &data[3..], "the reads after peeks");
+    });
+}
+
+/// A blocking `MSG_WAITALL` read returns the whole request once it is all there (the peer's
+/// session is driven by the waiting thread, both ends being in this process).
+#[test]
+fn blocking_waitall_read_returns_everything() {
+    for_seeds("waitall", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(300_000, 4);
+        assert_eq!(pair.send(c, &data, 0), Ok(data.len()));
+        let mut buf = vec![0u8; data.len()];
+        assert_eq!(pair.recv(a, &mut buf, libc::MSG_WAITALL), Ok(data.len()));
+        assert_same(&buf, &data, "MSG_WAITALL");
+    });
+}
+
+/// Empty: a nonblocking read fails with `EAGAIN`, and a blocking read with `SO_RCVTIMEO`
+/// fails with `EAGAIN` once the timeout passed, as on kernel TCP.
+#[test]
+fn empty_reads_fail_with_eagain() {
+    for_seeds("eagain", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let a = &pair.acceptor;
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN)
+        );
+        let timeout = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 100_000,
+        };
+        // SAFETY: a valid timeval for our socket.
+        let rc = unsafe {
+            libc::setsockopt(
+                a.fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                core::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        a.record.set_flag(flags::RCVTIMEO, true);
+        let start = Instant::now();
+        assert_eq!(pair.recv(a, &mut buf, 0), Err(libc::EAGAIN));
+        let waited = start.elapsed();
+        assert!(
+            waited >= Duration::from_millis(90) && waited < Duration::from_secs(5),
+            "waited {waited:?} for a 100 ms timeout"
+        );
+    });
+}
+
+/// A blocking send larger than the send buffer (rendezvous off: inline, in many messages)
+/// while another thread reads with blocking calls: exact bytes, no hang.
+#[test]
+fn large_blocking_send_with_a_blocking_reader() {
+    for_seeds("large send", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let data = pattern(9 << 20, 5);
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| {
+                let mut sent = 0;
+                while sent < data.len() {
+                    match pair.send(&pair.client, &data[sent..], 0) {
+                        Ok(n) => sent += n,
+                        Err(e) => panic!("send: errno {e}"),
+                    }
+                }
+            });
+            let mut got = Vec::with_capacity(data.len());
+            let mut buf = vec![0u8; 1 << 20];
+            while got.len() < data.len() {
+                match pair.recv(&pair.acceptor, &mut buf, 0) {
+                    Ok(0) => panic!("end of stream after {}", got.len()),
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                    Err(e) => panic!("recv: errno {e}"),
+                }
+            }
+            sender.join().expect("sender");
+            assert_same(&got, &data, "9 MiB blocking send");
+        });
+    });
+}
+
+/// Downgrade mid-stream (what `fork` does): bytes queued in the session both ways before,
+/// bytes sent on TCP after, arrive exactly once and in order; the unread ones reach the
+/// application through the stash.
+#[test]
+fn downgrade_mid_stream_keeps_bytes_exact() {
+    for_seeds("downgrade", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let to_acceptor = pattern(30_000, 6);
+        let to_client = pattern(20_000, 7);
+        assert_eq!(pair.send(c, &to_acceptor, 0), Ok(to_acceptor.len()));
+        assert_eq!(pair.send(a, &to_client, 0), Ok(to_client.len()));
+        for _ in 0..20 {
+            pair.service(a);
+            pair.service(c);
+        }
+        let client_fd = c.fd;
+        downgrade_all(Some(&move |fd| fd == client_fd));
+        assert!(
+            !matches!(lock(c.index).as_ref(), Some(SanObject::Socket(_))),
+            "the client is no longer a SAN socket"
+        );
+        assert_ne!(
+            c.record.flags() & flags::STASHED,
+            0,
+            "the bytes the client had not read went to its stash"
+        );
+
+        let tcp_to_acceptor = pattern(10_000, 8);
+        let tcp_to_client = pattern(12_000, 10);
+        assert_eq!(pair.send(c, &tcp_to_acceptor, 0), Ok(tcp_to_acceptor.len()));
+        assert_eq!(pair.send(a, &tcp_to_client, 0), Ok(tcp_to_client.len()));
+
+        let mut want = to_acceptor.clone();
+        want.extend_from_slice(&tcp_to_acceptor);
+        let got = pair.read_blocking(a, want.len(), 9_000);
+        assert_same(&got, &want, "client → acceptor across the downgrade");
+        assert!(
+            !matches!(lock(a.index).as_ref(), Some(SanObject::Socket(_))),
+            "the acceptor is no longer a SAN socket"
+        );
+
+        let mut want = to_client.clone();
+        want.extend_from_slice(&tcp_to_client);
+        let got = pair.read_blocking(c, want.len(), 7_000);
+        assert_same(
+            &got,
+            &want,
+            "acceptor → client across the downgrade (stash, TCP)",
+        );
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            pair.recv(c, &mut buf, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN)
+        );
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN)
+        );
+    });
+}
+
+/// A close after sending: the peer reads every byte, then end of stream (0), as over TCP.
+#[test]
+fn close_after_data_reads_data_then_eof() {
+    for_seeds("close", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(rng.gen_range(1..=500_000), 11);
+        let mut sent = 0;
+        while sent < data.len() {
+            match pair.send(c, &data[sent..], libc::MSG_DONTWAIT) {
+                Ok(n) => sent += n,
+                Err(libc::EAGAIN) => pair.service(a),
+                Err(e) => panic!("send: errno {e}"),
+            }
+        }
+        pair.close(c);
+        let got = pair.read_to_end(a, a);
+        assert_same(&got, &data, "bytes before the close");
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Ok(0),
+            "EOF stays"
+        );
+    });
+}
+
+/// `shutdown(SHUT_WR)`: the peer reads the data then end of stream, can still answer, and
+/// the shut side's next send fails with `EPIPE` (as on kernel TCP).
+#[test]
+fn shutdown_write_gives_eof_and_the_peer_still_answers() {
+    for_seeds("shutdown", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(25_000, 12);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()));
+        pair.shutdown(c, libc::SHUT_WR);
+        let got = pair.read_to_end(a, c);
+        assert_same(&got, &request, "request before the FIN");
+        let answer = pattern(33_000, 13);
+        assert_eq!(pair.send(a, &answer, 0), Ok(answer.len()));
+        let mut got = vec![0u8; answer.len()];
+        assert_eq!(pair.recv(c, &mut got, libc::MSG_WAITALL), Ok(answer.len()));
+        assert_same(&got, &answer, "answer after our FIN");
+        // Kernel TCP: a send after SHUT_WR fails with EPIPE.
+        let (kernel_client, _kernel_server) = kernel_pair();
+        let kernel_fd = std::os::fd::AsRawFd::as_raw_fd(&kernel_client);
+        // SAFETY: our socket.
+        let rc = unsafe { libc::shutdown(kernel_fd, libc::SHUT_WR) };
+        assert_eq!(rc, 0);
+        let kernel = kernel_send(&kernel_client, b"x");
+        assert_eq!(pair.send(c, b"x", libc::MSG_DONTWAIT), kernel);
+    });
+}
+
+/// The peer closes (gracefully) with nothing unread: reads see end of stream; sends fail
+/// with the errno kernel TCP gives after the same calls (first send accepted, `EPIPE` once
+/// the peer's reset came back).
+#[test]
+fn sends_after_the_peer_closed_fail_like_tcp() {
+    // The kernel's answers to: peer closes; we read (EOF); we send; we send again.
+    let kernel = {
+        let (client, server) = kernel_pair();
+        drop(client);
+        std::thread::sleep(Duration::from_millis(20));
+        let mut buf = [0u8; 8];
+        let eof = kernel_recv(&server, &mut buf);
+        let first = kernel_send(&server, b"late");
+        std::thread::sleep(Duration::from_millis(20));
+        let second = kernel_send(&server, b"late");
+        (eof, first, second)
+    };
+    assert_eq!(
+        kernel,
+        (Ok(0), Ok(4), Err(libc::EPIPE)),
+        "the kernel's answers"
+    );
+    for_seeds("peer close", move |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        pair.close(c);
+        let got = pair.read_to_end(a, a);
+        assert!(got.is_empty());
+        let first = pair.send(a, b"late", libc::MSG_DONTWAIT);
+        // The reset comes back as soon as the peer's absence is noticed (bounded).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let second = loop {
+            pair.service(a);
+            let result = pair.send(a, b"late", libc::MSG_DONTWAIT);
+            if result.is_err() || Instant::now() >= deadline {
+                break result;
+            }
+        };
+        assert_eq!((first, second), (kernel.1, kernel.2));
+    });
+}
+
+/// The kernel's answers after the peer's abortive close (`SO_LINGER` 0) to: read, read,
+/// send.
+fn kernel_after_abortive_close() -> (
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+) {
+    let (client, server) = kernel_pair();
+    set_linger_zero(std::os::fd::AsRawFd::as_raw_fd(&client));
+    drop(client);
+    std::thread::sleep(Duration::from_millis(20));
+    let mut buf = [0u8; 8];
+    let first = kernel_recv(&server, &mut buf);
+    let second = kernel_recv(&server, &mut buf);
+    let send = kernel_send(&server, b"x");
+    (first, second, send)
+}
+
+/// The same calls on an acceptor whose client closed abortively.
+fn san_after_abortive_close(
+    seed: u64,
+) -> (
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+) {
+    let pair = Pair::switched(seed, benign_faults());
+    let (c, a) = (&pair.client, &pair.acceptor);
+    set_linger_zero(c.fd);
+    pair.close(c);
+    let mut buf = [0u8; 8];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let first = loop {
+        match pair.recv(a, &mut buf, libc::MSG_DONTWAIT) {
+            Err(libc::EAGAIN) if Instant::now() < deadline => pair.service(a),
+            other => break other,
+        }
+    };
+    let second = pair.recv(a, &mut buf, libc::MSG_DONTWAIT);
+    let send = pair.send(a, b"x", libc::MSG_DONTWAIT);
+    (first, second, send)
+}
+
+/// An abortive close (`SO_LINGER` 0) of the peer: as over kernel TCP, the next read fails
+/// with `ECONNRESET` and later reads see end of stream.
+#[test]
+fn abortive_peer_close_resets_reads_like_tcp() {
+    let kernel = kernel_after_abortive_close();
+    assert_eq!(
+        (kernel.0, kernel.1),
+        (Err(libc::ECONNRESET), Ok(0)),
+        "the kernel's answers"
+    );
+    for_seeds("abortive close", move |seed| {
+        let san = san_after_abortive_close(seed);
+        assert_eq!((san.0, san.1), (kernel.0, kernel.1));
+    });
+}
+
+/// After the reset was reported (by a read), kernel TCP refuses sends with `EPIPE` (the
+/// socket is closed; `ECONNRESET` is reported once).
+#[test]
+#[ignore = "bug: after a read reported ECONNRESET, SanSocket::send keeps answering ECONNRESET \
+            (send_reset_errno ignores reset_reported when no kernel error is set); TCP gives EPIPE"]
+fn send_after_a_reported_reset_fails_with_epipe() {
+    let kernel = kernel_after_abortive_close();
+    assert_eq!(kernel.2, Err(libc::EPIPE), "the kernel's answer");
+    for_seeds("send after reset", move |seed| {
+        assert_eq!(san_after_abortive_close(seed).2, kernel.2);
+    });
+}
+
+/// A blocking `MSG_WAITALL` read whose request spans the peer's downgrade (its session's
+/// last bytes, then its first TCP bytes) returns all of it, as kernel TCP would.
+#[test]
+#[ignore = "bug: recv_iov returns the SAN part alone (a short count) when downgrade::settle \
+            completes the downgrade mid-call, instead of reading the rest from TCP"]
+fn waitall_read_across_a_downgrade_returns_everything() {
+    for_seeds("waitall across downgrade", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let over_san = pattern(30_000, 15);
+        assert_eq!(pair.send(c, &over_san, 0), Ok(over_san.len()));
+        let client_fd = c.fd;
+        downgrade_all(Some(&move |fd| fd == client_fd));
+        let over_tcp = pattern(10_000, 16);
+        assert_eq!(pair.send(c, &over_tcp, 0), Ok(over_tcp.len()));
+        let mut want = over_san.clone();
+        want.extend_from_slice(&over_tcp);
+        let mut got = vec![0u8; want.len()];
+        assert_eq!(pair.recv(a, &mut got, libc::MSG_WAITALL), Ok(want.len()));
+        assert_same(&got, &want, "MSG_WAITALL across the downgrade");
+    });
+}
+
+/// The connection breaks under the session (a fatal transport error): the application
+/// sees `ECONNRESET` once, then end of stream; nothing hangs.
+#[test]
+fn transport_error_is_a_reset() {
+    for_seeds("transport error", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(10_000, 14);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let got = pair.transfer(c, a, &data, &mut rng);
+        assert_same(&got, &data, "before the error");
+        {
+            let world = world(&pair.world);
+            let id = world.conns[0].as_ref().expect("client connection").id();
+            world.fabric.inject_qp_error(id).expect("inject");
+        }
+        let mut buf = [0u8; 8];
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let first = loop {
+            match pair.recv(a, &mut buf, libc::MSG_DONTWAIT) {
+                Err(libc::EAGAIN) if Instant::now() < deadline => pair.service(c),
+                other => break other,
+            }
+        };
+        assert_eq!(first, Err(libc::ECONNRESET));
+        assert_eq!(pair.recv(a, &mut buf, libc::MSG_DONTWAIT), Ok(0));
+    });
+}
