@@ -1,0 +1,512 @@
+//! The in-process cases: each asserts what a user of the socket sees (bytes intact and in
+//! order, errnos as on kernel TCP, no hang) over seeded simulated links.
+
+use super::*;
+
+/// Bytes written on TCP while the client is pending, then over the SAN after the switch,
+/// arrive once each and in order; the acceptor's early bytes (sent before the handshake
+/// completed) reach the client.
+#[test]
+fn switch_over_keeps_tcp_bytes_then_san_bytes_in_order() {
+    for_seeds("switch-over", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let pair = Pair::pending(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let before = pattern(rng.gen_range(1..=50_000), 1);
+        let after = pattern(rng.gen_range(1..=300_000), 2);
+        let early = pattern(rng.gen_range(1..=20_000), 3);
+
+        assert_eq!(pair.send(c, &before, 0), Ok(before.len()), "pending send");
+        assert_eq!(pair.counter(c, Counter::TcpSent), before.len() as u64);
+        pair.attach();
+        // The server greets first: its session still handshakes, the bytes wait in it.
+        assert_eq!(pair.send(a, &early, libc::MSG_DONTWAIT), Ok(early.len()));
+        // The client's read finds the switch marker on TCP, switches, and gets the greeting.
+        let got = pair.read_exact(c, a, early.len(), &mut rng);
+        assert!(
+            pair.is_switched(c),
+            "reading the marker switched the client"
+        );
+        assert_same(&got, &early, "acceptor → client (early bytes)");
+
+        pair.send_all(c, a, &after);
+        let got = pair.read_exact(a, c, before.len() + after.len(), &mut rng);
+        let mut whole = before.clone();
+        whole.extend_from_slice(&after);
+        assert_same(&got, &whole, "client → acceptor (TCP, then SAN)");
+        assert_eq!(
+            pair.counter(a, Counter::TcpReceived),
+            before.len() as u64,
+            "the acceptor read exactly the pending bytes from TCP"
+        );
+        assert_eq!(
+            pair.counter(c, Counter::SanInlineSent),
+            after.len() as u64,
+            "everything after the switch went over the SAN"
+        );
+        assert_eq!(pair.counter(c, Counter::TcpSent), before.len() as u64);
+    });
+}
+
+/// A pending client whose server never attaches (a plain server): the server's first byte
+/// finds the segment unattached, the client drops its SAN object and stays on TCP, and every
+/// byte of both directions arrives.
+#[test]
+fn pending_client_of_a_plain_server_stays_on_tcp() {
+    for_seeds("plain server", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let pair = Pair::pending(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(rng.gen_range(1..=60_000), 17);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()));
+        let got = pair.read_blocking(a, request.len(), 4_096);
+        assert_same(&got, &request, "request over TCP");
+        let answer = pattern(rng.gen_range(1..=60_000), 18);
+        assert_eq!(pair.send(a, &answer, 0), Ok(answer.len()));
+        let got = pair.read_blocking(c, answer.len(), 5_000);
+        assert_same(&got, &answer, "answer over TCP");
+        assert!(lock(c.index).is_none(), "the client dropped its SAN object");
+        assert_eq!(c.record.flags() & flags::SAN, 0);
+        assert_eq!(pair.counter(c, Counter::TcpSent), request.len() as u64);
+    });
+}
+
+/// Inline sends of many sizes, both ways, nonblocking with short writes and partial reads
+/// of seeded sizes, under delays, reordering and late receives: the bytes arrive intact.
+#[test]
+fn inline_sends_of_many_sizes_arrive_intact() {
+    for_seeds("inline sizes", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x51);
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        for (round, len) in [
+            1usize,
+            7,
+            4096,
+            16_383,
+            16_384,
+            16_385,
+            65_536,
+            100_001,
+            1 << 20,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let out = pattern(len, round as u8);
+            let got = pair.transfer(c, a, &out, &mut rng);
+            assert_same(&got, &out, &format!("client → acceptor, {len} bytes"));
+            let back = pattern(len, 0x80 | round as u8);
+            let got = pair.transfer(a, c, &back, &mut rng);
+            assert_same(&got, &back, &format!("acceptor → client, {len} bytes"));
+        }
+        assert_eq!(pair.counter(c, Counter::TcpSent), 0, "nothing went on TCP");
+    });
+}
+
+/// `MSG_PEEK` shows the head of the stream without consuming it, across message
+/// boundaries; the reads that follow see the same bytes.
+#[test]
+fn peek_shows_bytes_without_consuming_them() {
+    for_seeds("peek", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(40_000, 9);
+        assert_eq!(pair.send(c, &data, 0), Ok(data.len()));
+        let mut buf = vec![0u8; 50_000];
+        // Wait until all of it is readable (peeks of the whole).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            assert!(Instant::now() < deadline, "data stalled");
+            match pair.recv(a, &mut buf, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
+                Ok(n) if n == data.len() => break,
+                Ok(n) => {
+                    assert_same(&buf[..n], &data[..n], "a partial peek");
+                    pair.service(c);
+                }
+                Err(libc::EAGAIN) => pair.service(c),
+                Err(e) => panic!("peek: errno {e}"),
+            }
+        }
+        assert_same(&buf[..data.len()], &data, "peek of everything");
+        let mut small = [0u8; 5];
+        assert_eq!(pair.recv(a, &mut small, libc::MSG_PEEK), Ok(5));
+        assert_eq!(small, data[..5]);
+        assert_eq!(pair.recv(a, &mut small[..3], 0), Ok(3));
+        assert_eq!(small[..3], data[..3]);
+        assert_eq!(pair.recv(a, &mut small, libc::MSG_PEEK), Ok(5));
+        assert_eq!(small, data[3..8], "the peek after a read starts after it");
+        let mut rest = vec![0u8; data.len() - 3];
+        assert_eq!(pair.recv(a, &mut rest, libc::MSG_WAITALL), Ok(rest.len()));
+        assert_same(&rest, &data[3..], "the reads after peeks");
+    });
+}
+
+/// A blocking `MSG_WAITALL` read returns the whole request once it is all there (the peer's
+/// session is driven by the waiting thread, both ends being in this process).
+#[test]
+fn blocking_waitall_read_returns_everything() {
+    for_seeds("waitall", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(300_000, 4);
+        assert_eq!(pair.send(c, &data, 0), Ok(data.len()));
+        let mut buf = vec![0u8; data.len()];
+        assert_eq!(pair.recv(a, &mut buf, libc::MSG_WAITALL), Ok(data.len()));
+        assert_same(&buf, &data, "MSG_WAITALL");
+    });
+}
+
+/// Empty: a nonblocking read fails with `EAGAIN`, and a blocking read with `SO_RCVTIMEO`
+/// fails with `EAGAIN` once the timeout passed, as on kernel TCP.
+#[test]
+fn empty_reads_fail_with_eagain() {
+    for_seeds("eagain", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let a = &pair.acceptor;
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN)
+        );
+        let timeout = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 100_000,
+        };
+        // SAFETY: a valid timeval for our socket.
+        let rc = unsafe {
+            libc::setsockopt(
+                a.fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                core::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        a.record.set_flag(flags::RCVTIMEO, true);
+        let start = Instant::now();
+        assert_eq!(pair.recv(a, &mut buf, 0), Err(libc::EAGAIN));
+        let waited = start.elapsed();
+        assert!(
+            waited >= Duration::from_millis(90) && waited < Duration::from_secs(5),
+            "waited {waited:?} for a 100 ms timeout"
+        );
+    });
+}
+
+/// A blocking send larger than the send buffer (rendezvous off: inline, in many messages)
+/// while another thread reads with blocking calls: exact bytes, no hang.
+#[test]
+fn large_blocking_send_with_a_blocking_reader() {
+    for_seeds("large send", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let data = pattern(9 << 20, 5);
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| {
+                let mut sent = 0;
+                while sent < data.len() {
+                    match pair.send(&pair.client, &data[sent..], 0) {
+                        Ok(n) => sent += n,
+                        Err(e) => panic!("send: errno {e}"),
+                    }
+                }
+            });
+            let mut got = Vec::with_capacity(data.len());
+            let mut buf = vec![0u8; 1 << 20];
+            while got.len() < data.len() {
+                match pair.recv(&pair.acceptor, &mut buf, 0) {
+                    Ok(0) => panic!("end of stream after {}", got.len()),
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                    Err(e) => panic!("recv: errno {e}"),
+                }
+            }
+            sender.join().expect("sender");
+            assert_same(&got, &data, "9 MiB blocking send");
+        });
+    });
+}
+
+/// Downgrade mid-stream (what `fork` does): bytes queued in the session both ways before,
+/// bytes sent on TCP after, arrive exactly once and in order; the unread ones reach the
+/// application through the stash.
+#[test]
+fn downgrade_mid_stream_keeps_bytes_exact() {
+    for_seeds("downgrade", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let to_acceptor = pattern(30_000, 6);
+        let to_client = pattern(20_000, 7);
+        assert_eq!(pair.send(c, &to_acceptor, 0), Ok(to_acceptor.len()));
+        assert_eq!(pair.send(a, &to_client, 0), Ok(to_client.len()));
+        for _ in 0..20 {
+            pair.service(a);
+            pair.service(c);
+        }
+        let client_fd = c.fd;
+        downgrade_all(Some(&move |fd| fd == client_fd));
+        assert!(
+            !matches!(lock(c.index).as_ref(), Some(SanObject::Socket(_))),
+            "the client is no longer a SAN socket"
+        );
+        assert_ne!(
+            c.record.flags() & flags::STASHED,
+            0,
+            "the bytes the client had not read went to its stash"
+        );
+
+        let tcp_to_acceptor = pattern(10_000, 8);
+        let tcp_to_client = pattern(12_000, 10);
+        assert_eq!(pair.send(c, &tcp_to_acceptor, 0), Ok(tcp_to_acceptor.len()));
+        assert_eq!(pair.send(a, &tcp_to_client, 0), Ok(tcp_to_client.len()));
+
+        let mut want = to_acceptor.clone();
+        want.extend_from_slice(&tcp_to_acceptor);
+        let got = pair.read_blocking(a, want.len(), 9_000);
+        assert_same(&got, &want, "client → acceptor across the downgrade");
+        assert!(
+            !matches!(lock(a.index).as_ref(), Some(SanObject::Socket(_))),
+            "the acceptor is no longer a SAN socket"
+        );
+
+        let mut want = to_client.clone();
+        want.extend_from_slice(&tcp_to_client);
+        let got = pair.read_blocking(c, want.len(), 7_000);
+        assert_same(
+            &got,
+            &want,
+            "acceptor → client across the downgrade (stash, TCP)",
+        );
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            pair.recv(c, &mut buf, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN)
+        );
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN)
+        );
+    });
+}
+
+/// A close after sending: the peer reads every byte, then end of stream (0), as over TCP.
+#[test]
+fn close_after_data_reads_data_then_eof() {
+    for_seeds("close", |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(rng.gen_range(1..=500_000), 11);
+        let mut sent = 0;
+        while sent < data.len() {
+            match pair.send(c, &data[sent..], libc::MSG_DONTWAIT) {
+                Ok(n) => sent += n,
+                Err(libc::EAGAIN) => pair.service(a),
+                Err(e) => panic!("send: errno {e}"),
+            }
+        }
+        pair.close(c);
+        let got = pair.read_to_end(a, a);
+        assert_same(&got, &data, "bytes before the close");
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Ok(0),
+            "EOF stays"
+        );
+    });
+}
+
+/// `shutdown(SHUT_WR)`: the peer reads the data then end of stream, can still answer, and
+/// the shut side's next send fails with `EPIPE` (as on kernel TCP).
+#[test]
+fn shutdown_write_gives_eof_and_the_peer_still_answers() {
+    for_seeds("shutdown", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(25_000, 12);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()));
+        pair.shutdown(c, libc::SHUT_WR);
+        let got = pair.read_to_end(a, c);
+        assert_same(&got, &request, "request before the FIN");
+        let answer = pattern(33_000, 13);
+        assert_eq!(pair.send(a, &answer, 0), Ok(answer.len()));
+        let mut got = vec![0u8; answer.len()];
+        assert_eq!(pair.recv(c, &mut got, libc::MSG_WAITALL), Ok(answer.len()));
+        assert_same(&got, &answer, "answer after our FIN");
+        // Kernel TCP: a send after SHUT_WR fails with EPIPE.
+        let (kernel_client, _kernel_server) = kernel_pair();
+        let kernel_fd = std::os::fd::AsRawFd::as_raw_fd(&kernel_client);
+        // SAFETY: our socket.
+        let rc = unsafe { libc::shutdown(kernel_fd, libc::SHUT_WR) };
+        assert_eq!(rc, 0);
+        let kernel = kernel_send(&kernel_client, b"x");
+        assert_eq!(pair.send(c, b"x", libc::MSG_DONTWAIT), kernel);
+    });
+}
+
+/// The peer closes (gracefully) with nothing unread: reads see end of stream; sends fail
+/// with the errno kernel TCP gives after the same calls (first send accepted, `EPIPE` once
+/// the peer's reset came back).
+#[test]
+fn sends_after_the_peer_closed_fail_like_tcp() {
+    // The kernel's answers to: peer closes; we read (EOF); we send; we send again.
+    let kernel = {
+        let (client, server) = kernel_pair();
+        drop(client);
+        std::thread::sleep(Duration::from_millis(20));
+        let mut buf = [0u8; 8];
+        let eof = kernel_recv(&server, &mut buf);
+        let first = kernel_send(&server, b"late");
+        std::thread::sleep(Duration::from_millis(20));
+        let second = kernel_send(&server, b"late");
+        (eof, first, second)
+    };
+    assert_eq!(
+        kernel,
+        (Ok(0), Ok(4), Err(libc::EPIPE)),
+        "the kernel's answers"
+    );
+    for_seeds("peer close", move |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        pair.close(c);
+        let got = pair.read_to_end(a, a);
+        assert!(got.is_empty());
+        let first = pair.send(a, b"late", libc::MSG_DONTWAIT);
+        // The reset comes back as soon as the peer's absence is noticed (bounded).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let second = loop {
+            pair.service(a);
+            let result = pair.send(a, b"late", libc::MSG_DONTWAIT);
+            if result.is_err() || Instant::now() >= deadline {
+                break result;
+            }
+        };
+        assert_eq!((first, second), (kernel.1, kernel.2));
+    });
+}
+
+/// The kernel's answers after the peer's abortive close (`SO_LINGER` 0) to: read, read,
+/// send.
+fn kernel_after_abortive_close() -> (
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+) {
+    let (client, server) = kernel_pair();
+    set_linger_zero(std::os::fd::AsRawFd::as_raw_fd(&client));
+    drop(client);
+    std::thread::sleep(Duration::from_millis(20));
+    let mut buf = [0u8; 8];
+    let first = kernel_recv(&server, &mut buf);
+    let second = kernel_recv(&server, &mut buf);
+    let send = kernel_send(&server, b"x");
+    (first, second, send)
+}
+
+/// The same calls on an acceptor whose client closed abortively.
+fn san_after_abortive_close(
+    seed: u64,
+) -> (
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+    Result<usize, c_int>,
+) {
+    let pair = Pair::switched(seed, benign_faults());
+    let (c, a) = (&pair.client, &pair.acceptor);
+    set_linger_zero(c.fd);
+    pair.close(c);
+    let mut buf = [0u8; 8];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let first = loop {
+        match pair.recv(a, &mut buf, libc::MSG_DONTWAIT) {
+            Err(libc::EAGAIN) if Instant::now() < deadline => pair.service(a),
+            other => break other,
+        }
+    };
+    let second = pair.recv(a, &mut buf, libc::MSG_DONTWAIT);
+    let send = pair.send(a, b"x", libc::MSG_DONTWAIT);
+    (first, second, send)
+}
+
+/// An abortive close (`SO_LINGER` 0) of the peer: as over kernel TCP, the next read fails
+/// with `ECONNRESET` and later reads see end of stream.
+#[test]
+fn abortive_peer_close_resets_reads_like_tcp() {
+    let kernel = kernel_after_abortive_close();
+    assert_eq!(
+        (kernel.0, kernel.1),
+        (Err(libc::ECONNRESET), Ok(0)),
+        "the kernel's answers"
+    );
+    for_seeds("abortive close", move |seed| {
+        let san = san_after_abortive_close(seed);
+        assert_eq!((san.0, san.1), (kernel.0, kernel.1));
+    });
+}
+
+/// After the reset was reported (by a read), kernel TCP refuses sends with `EPIPE` (the
+/// socket is closed; `ECONNRESET` is reported once).
+#[test]
+#[ignore = "bug: after a read reported ECONNRESET, SanSocket::send keeps answering ECONNRESET \
+            (send_reset_errno ignores reset_reported when no kernel error is set); TCP gives EPIPE"]
+fn send_after_a_reported_reset_fails_with_epipe() {
+    let kernel = kernel_after_abortive_close();
+    assert_eq!(kernel.2, Err(libc::EPIPE), "the kernel's answer");
+    for_seeds("send after reset", move |seed| {
+        assert_eq!(san_after_abortive_close(seed).2, kernel.2);
+    });
+}
+
+/// A blocking `MSG_WAITALL` read whose request spans the peer's downgrade (its session's
+/// last bytes, then its first TCP bytes) returns all of it, as kernel TCP would.
+#[test]
+#[ignore = "bug: recv_iov returns the SAN part alone (a short count) when downgrade::settle \
+            completes the downgrade mid-call, instead of reading the rest from TCP"]
+fn waitall_read_across_a_downgrade_returns_everything() {
+    for_seeds("waitall across downgrade", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let over_san = pattern(30_000, 15);
+        assert_eq!(pair.send(c, &over_san, 0), Ok(over_san.len()));
+        let client_fd = c.fd;
+        downgrade_all(Some(&move |fd| fd == client_fd));
+        let over_tcp = pattern(10_000, 16);
+        assert_eq!(pair.send(c, &over_tcp, 0), Ok(over_tcp.len()));
+        let mut want = over_san.clone();
+        want.extend_from_slice(&over_tcp);
+        let mut got = vec![0u8; want.len()];
+        assert_eq!(pair.recv(a, &mut got, libc::MSG_WAITALL), Ok(want.len()));
+        assert_same(&got, &want, "MSG_WAITALL across the downgrade");
+    });
+}
+
+/// The connection breaks under the session (a fatal transport error): the application
+/// sees `ECONNRESET` once, then end of stream; nothing hangs.
+#[test]
+fn transport_error_is_a_reset() {
+    for_seeds("transport error", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let data = pattern(10_000, 14);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let got = pair.transfer(c, a, &data, &mut rng);
+        assert_same(&got, &data, "before the error");
+        {
+            let world = world(&pair.world);
+            let id = world.conns[0].as_ref().expect("client connection").id();
+            world.fabric.inject_qp_error(id).expect("inject");
+        }
+        let mut buf = [0u8; 8];
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let first = loop {
+            match pair.recv(a, &mut buf, libc::MSG_DONTWAIT) {
+                Err(libc::EAGAIN) if Instant::now() < deadline => pair.service(c),
+                other => break other,
+            }
+        };
+        assert_eq!(first, Err(libc::ECONNRESET));
+        assert_eq!(pair.recv(a, &mut buf, libc::MSG_DONTWAIT), Ok(0));
+    });
+}
