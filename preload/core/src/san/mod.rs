@@ -163,7 +163,7 @@ use crate::registry::registry;
 use crate::settings::ProviderChoice;
 use kernel::{route_source, socket_name};
 use provider::provider;
-use socket::{SanSocket, SetupError};
+use socket::{SanSocket, SocketSetupError};
 use table::{forget_name, lock, orphaned, SanObject, COUNTERS, LIVE};
 
 /// Installs `socket` in the slot of record index `index`.
@@ -349,17 +349,17 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
     let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
     let mode = crate::settings::provider_choice();
     let shm = if mode == ProviderChoice::Verbs {
-        Err(SetupError::PeerPlain)
+        Err(SocketSetupError::PeerPlain)
     } else {
         SanSocket::acceptor(record, &provider.dir, &name, &provider.registrations)
     };
     let accepted = match shm {
         // Not a same-host client: a cross-host one, if a device serves this address.
-        Err(SetupError::PeerPlain) if mode != ProviderChoice::Shm => {
+        Err(SocketSetupError::PeerPlain) if mode != ProviderChoice::Shm => {
             match verbs::connect::acceptor(local, peer, service::start) {
                 Ok(link) => SanSocket::verbs_acceptor(record, &name, link),
-                Err(verbs::connect::AcceptorError::PeerPlain) => Err(SetupError::PeerPlain),
-                Err(verbs::connect::AcceptorError::Resource) => Err(SetupError::Resource),
+                Err(verbs::connect::AcceptorError::PeerPlain) => Err(SocketSetupError::PeerPlain),
+                Err(verbs::connect::AcceptorError::Resource) => Err(SocketSetupError::Resource),
             }
         }
         other => other,
@@ -377,12 +377,12 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
                 service::watch_socket(index, socket);
             }
         }
-        Err(SetupError::PeerPlain) => {
+        Err(SocketSetupError::PeerPlain) => {
             record
                 .bypass
                 .store(Bypass::PeerNotCapable as u32, Ordering::Release);
         }
-        Err(SetupError::Resource) => {
+        Err(SocketSetupError::Resource) => {
             COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
             record
                 .bypass

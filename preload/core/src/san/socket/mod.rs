@@ -138,7 +138,7 @@ impl Doorbell for MirrorDoorbell {
 
 /// Why a socket could not be set up; the connection stays on TCP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum SetupError {
+pub(crate) enum SocketSetupError {
     /// The peer is not preloaded (no exchange listener / no segment).
     PeerPlain,
     /// A resource or system call failed.
@@ -294,10 +294,10 @@ impl SanSocket {
         dir: &std::path::Path,
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
-    ) -> Result<SanSocket, SetupError> {
-        let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
+    ) -> Result<SanSocket, SocketSetupError> {
+        let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
         let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
-            .map_err(|_| SetupError::Resource)?;
+            .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer);
         socket.exchange = Some(listener);
@@ -313,11 +313,12 @@ impl SanSocket {
         dir: &std::path::Path,
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
-    ) -> Result<SanSocket, SetupError> {
+    ) -> Result<SanSocket, SocketSetupError> {
         let (link, our_mirror, page) = offer_mirror(name)?;
         // Attach last: the client switches when it sees the attach, and by then everything
         // it needs is queued on the exchange.
-        let segment = ShmSegment::attach(dir, name.as_str()).map_err(|_| SetupError::PeerPlain)?;
+        let segment =
+            ShmSegment::attach(dir, name.as_str()).map_err(|_| SocketSetupError::PeerPlain)?;
         let _ = segment.unlink();
         let (conn, peer) = shm_connection(segment, registrations)?;
         let session = Session::new(
@@ -344,10 +345,10 @@ impl SanSocket {
         side: Side,
         name: &SegmentName,
         conn: Link,
-    ) -> Result<SanSocket, SetupError> {
+    ) -> Result<SanSocket, SocketSetupError> {
         let peer = Arc::new(PeerMirror::default());
         if side == Side::Client {
-            let listener = exchange::listen(name).ok_or(SetupError::Resource)?;
+            let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
             let mut socket = Self::fresh(record, Side::Client, name, conn, peer);
             socket.exchange = Some(listener);
             return Ok(socket);
@@ -396,7 +397,7 @@ impl SanSocket {
         record: &'static SocketRecord,
         name: &SegmentName,
         link: VerbsLink,
-    ) -> Result<SanSocket, SetupError> {
+    ) -> Result<SanSocket, SocketSetupError> {
         let mut socket = Self::with_link(record, Side::Acceptor, name, link);
         socket.start_verbs_session(Role::Passive)?;
         Ok(socket.accepted())
@@ -404,15 +405,15 @@ impl SanSocket {
 
     /// Creates the mirror (both ends local: the raising end stays with the link, for the service thread)
     /// and the session.
-    pub(super) fn start_verbs_session(&mut self, role: Role) -> Result<(), SetupError> {
-        let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+    pub(super) fn start_verbs_session(&mut self, role: Role) -> Result<(), SocketSetupError> {
+        let page = Arc::new(WordsPage::create().ok_or(SocketSetupError::Resource)?);
         let (mirror, k) =
-            Mirror::new(SideWords::new(page.clone(), 0)).map_err(|_| SetupError::Resource)?;
+            Mirror::new(SideWords::new(page.clone(), 0)).map_err(|_| SocketSetupError::Resource)?;
         let link = self
             .conn
             .as_mut()
             .and_then(Link::verbs_mut)
-            .ok_or(SetupError::Resource)?;
+            .ok_or(SocketSetupError::Resource)?;
         link.set_own_mirror(k, SideWords::new(page.clone(), 0));
         let mut capabilities = link.capabilities();
         // Not offering to read makes the peer's rendezvous sends WRITE mode.
@@ -537,15 +538,15 @@ impl Drop for SanSocket {
 /// connection, our mirror end and the page.
 fn offer_mirror(
     name: &SegmentName,
-) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SetupError> {
-    let link = exchange::connect(name).ok_or(SetupError::PeerPlain)?;
-    let page = Arc::new(WordsPage::create().ok_or(SetupError::Resource)?);
+) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SocketSetupError> {
+    let link = exchange::connect(name).ok_or(SocketSetupError::PeerPlain)?;
+    let page = Arc::new(WordsPage::create().ok_or(SocketSetupError::Resource)?);
     let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
-        .map_err(|_| SetupError::Resource)?;
+        .map_err(|_| SocketSetupError::Resource)?;
     if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
         || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
     {
-        return Err(SetupError::Resource);
+        return Err(SocketSetupError::Resource);
     }
     Ok((link, our_mirror, page))
 }
@@ -555,14 +556,17 @@ fn offer_mirror(
 fn shm_connection(
     segment: ShmSegment,
     registrations: &super::registrations::SharedRegistrations,
-) -> Result<(ShmConnection, Arc<PeerMirror>), SetupError> {
+) -> Result<(ShmConnection, Arc<PeerMirror>), SocketSetupError> {
     let peer = Arc::new(PeerMirror::default());
     let conn = ShmConnection::with_doorbell(
         segment,
-        registrations.lock().domain().ok_or(SetupError::Resource)?,
+        registrations
+            .lock()
+            .domain()
+            .ok_or(SocketSetupError::Resource)?,
         connection_config(),
         Box::new(MirrorDoorbell(peer.clone())),
     )
-    .map_err(|_| SetupError::Resource)?;
+    .map_err(|_| SocketSetupError::Resource)?;
     Ok((conn, peer))
 }
