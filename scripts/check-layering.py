@@ -2,6 +2,7 @@
 """Checks that the file-level module graph of a Rust crate has no circles.
 
 Usage: check-layering.py SRC_DIR [SRC_DIR ...]
+       check-layering.py --edges SRC_DIR [SRC_DIR ...]
        check-layering.py --self-test
 
 An edge A -> B means code in file A names something in file B through a path: a `use`
@@ -571,9 +572,21 @@ def self_test():
     return failures == 0
 
 
+def print_edges(src, out=sys.stdout):
+    """Prints every file-to-file edge of one crate with all the names behind it (to compare
+    the graph before and after a change to this script or to the crate)."""
+    _, edges = analyse(src)
+    print("# %s" % src.rstrip("/"), file=out)
+    for (a, b), names in sorted(edges.items()):
+        print("%s -> %s: %s" % (a, b, ", ".join(sorted(names))), file=out)
+
+
 def main(argv):
     if argv == ["--self-test"]:
         return 0 if self_test() else 1
+    edges_only = bool(argv) and argv[0] == "--edges"
+    if edges_only:
+        argv = argv[1:]
     if not argv or any(a.startswith("-") for a in argv):
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
@@ -582,7 +595,10 @@ def main(argv):
         if not os.path.isdir(src):
             print("check-layering: %s is not a directory" % src, file=sys.stderr)
             return 2
-        ok = check(src) and ok
+        if edges_only:
+            print_edges(src)
+        else:
+            ok = check(src) and ok
     return 0 if ok else 1
 
 
