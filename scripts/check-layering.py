@@ -11,8 +11,11 @@ module's name) or a path inside code (`crate::san::STASH_ENV`, `super::lock(...)
 `io::settle(...)` after `use super::io`). Each path goes to the file of the deepest
 module that exists (`a/b.rs`, `a/b/mod.rs`, else `a.rs`; an inline `mod` counts as part of
 its file). A `mod x;` declaration is no edge: a parent owning a child is the layering, a
-child naming its parent's items is the arrow that matters. Code compiled only for tests
-(`#[cfg(test)]` items) is ignored, and so are comments and literals.
+child naming its parent's items is the arrow that matters. Comments and literals are
+ignored, and so is code compiled only for tests: an item, statement, match arm, enum variant
+or field under `#[cfg(test)]` or `#[cfg(all(test, ...))]` (exactly that element, to the end
+of its block or to its `,` or `;`), a file with `#![cfg(test)]` and the files of a test-only
+`mod x;`. Other predicates naming `test` (`any(test, ...)`, `not(test)`) keep their code.
 
 A circle (strongly connected component of two or more files) is reported with, for each
 edge inside it, the names that tie the two files; the exit status is then 1.
@@ -112,13 +115,176 @@ def matching_brace(text, open_at):
     return len(text)
 
 
+CLOSER = {"(": ")", "[": "]", "{": "}"}
+
+
+def skip_group(text, open_at):
+    """The index just past the bracket closing the `(`, `[` or `{` at `open_at` (the three
+    kinds nest inside one another; a stray closer of another kind ends the search)."""
+    stack = []
+    for j in range(open_at, len(text)):
+        c = text[j]
+        if c in CLOSER:
+            stack.append(CLOSER[c])
+        elif c in ")]}":
+            if not stack or stack.pop() != c:
+                return j + 1
+            if not stack:
+                return j + 1
+    return len(text)
+
+
+def skip_generics(text, open_at):
+    """The index just past the `>` closing generic arguments opened by the `<` at `open_at`,
+    or None when that `<` is not one. Rustfmt writes `Vec<u8>` and `f::<T>` with the `<`
+    right after a name and `a < b` with spaces, and generic arguments hold no `{`, `}`,
+    `.`, `|` nor a `;` outside brackets (`[T; N]`): a `<` that breaks either rule is a
+    comparison."""
+    if open_at == 0 or not (text[open_at - 1].isalnum() or text[open_at - 1] in "_:"):
+        return None
+    angle, j, n = 1, open_at + 1, len(text)
+    while j < n:
+        c = text[j]
+        if c in "([":
+            end = skip_group(text, j)
+            if re.search(r"[{}.|]", text[j:end]):
+                return None
+            j = end
+            continue
+        if c in "{};.|)]":
+            return None
+        if c == "<" and not text.startswith("<=", j):
+            angle += 1
+        elif c == ">" and text[j - 1] not in "-=":
+            angle -= 1
+            if angle == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def skip_space(text, j):
+    while j < len(text) and text[j].isspace():
+        j += 1
+    return j
+
+
+def skip_attributes(text, j):
+    """Past any outer attributes (`#[...]`) and the space around them."""
+    while True:
+        j = skip_space(text, j)
+        m = re.compile(r"#\s*\[").match(text, j)
+        if not m:
+            return j
+        j = skip_group(text, m.end() - 1)
+
+
+# An item whose extent is its first `;` or its first `{...}` block, whatever the commas
+# before (`fn f<A, B>(a: A, b: B) where A: X, B: Y {...}`): a declaration by its keyword, an
+# `extern "ABI" {...}` block or a braced macro invocation (`thread_local! {...}`).
+BRACED_ITEM = re.compile(
+    r"(?:pub\s*(?:\([^()]*\))?\s*)?(?:(?:default|const|async|unsafe|safe|extern)\s+)*"
+    r"(?:(?:fn|impl|mod|trait|struct|enum|union)\b|macro_rules\s*!|extern\s*\{)"
+    r"|" + IDENT + r"(?:\s*::\s*" + IDENT + r")*\s*!\s*\{"
+)
+# An expression that ends with a block and needs no `;` or `,` after it: a block
+# statement, a match arm's block body.
+BLOCK_LIKE = re.compile(
+    r"(?:(?:unsafe|async(?:\s+move)?|loop|const)\s*)?\{|(?:if|match|while|for)\b"
+)
+
+
+def skip_block_like(text, j):
+    """The end of the block-like expression at `j` (see BLOCK_LIKE), `if` chains with their
+    `else` branches included."""
+    while True:
+        brace = j
+        while brace < len(text) and text[brace] != "{":
+            if text[brace] in ";)]}":
+                return brace
+            brace = skip_group(text, brace) if text[brace] in "([" else brace + 1
+        j = skip_group(text, brace)
+        after = skip_space(text, j)
+        if not re.compile(r"else\b").match(text, after):
+            return j
+        j = skip_space(text, after + len("else"))
+
+
+def item_end(text, start):
+    """The end of the item, statement, match arm, enum variant or field starting at `start`
+    (its attributes already skipped). The extent is the exact one where Rust's syntax fixes
+    it, and the shorter one where a guess is needed: code kept by mistake can only add an
+    edge, code skipped by mistake could hide one."""
+    n = len(text)
+    if BRACED_ITEM.match(text, start):
+        j = start
+        while j < n:
+            c = text[j]
+            if c == "{":
+                return skip_group(text, j)
+            if c in "([":
+                j = skip_group(text, j)
+                continue
+            if c in ")]}":
+                return j
+            if c == ";":
+                return j + 1
+            j += 1
+        return n
+    if BLOCK_LIKE.match(text, start):
+        return skip_block_like(text, start)
+    # A statement, match arm, enum variant or field: to the first `;` or `,` outside
+    # brackets, or to the closer of the list it is part of.
+    j, arm = start, False
+    while j < n:
+        c = text[j]
+        if c in ")]}":
+            return j
+        if c in ";,":
+            return j + 1
+        if c in "([":
+            j = skip_group(text, j)
+            continue
+        if c == "<":
+            end = skip_generics(text, j)
+            j = end if end is not None else j + 1
+            continue
+        if not arm and text.startswith("=>", j):
+            arm = True
+            body = skip_space(text, j + 2)
+            if BLOCK_LIKE.match(text, body):
+                # `pat => {...}` (or `=> if ... {...} else {...}`) ends with its block;
+                # the comma after it is optional.
+                end = skip_block_like(text, body)
+                after = skip_space(text, end)
+                return after + 1 if text.startswith(",", after) else end
+            j = body
+            continue
+        if c == "{":
+            j = skip_group(text, j)
+            # After a block inside the item (a struct literal or pattern, an `if` in a
+            # `let`), what follows says whether the item goes on: a `,` or `;`, an operator
+            # that cannot start an expression, a method call, `else` or `as`. Anything else
+            # starts the next item.
+            after = skip_space(text, j)
+            if after < n and text[after] in ",;=.?+/%^<>":
+                continue
+            if re.compile(r"(?:else|as)\b").match(text, after):
+                continue
+            return j
+        j += 1
+    return n
+
+
 def is_test_only(predicate):
-    """True for a cfg predicate that holds only when compiling tests."""
+    """True for a cfg predicate that holds only when compiling tests: `test`, or `all(...)`
+    with such a predicate among its terms. Any other predicate naming `test` (`any(test,
+    feature = "x")`, `not(test)`) may hold in a normal build: its code is kept."""
     predicate = re.sub(r"\s+", "", predicate)
     if predicate == "test":
         return True
     m = re.fullmatch(r"all\((.*)\)", predicate)
-    return bool(m) and "test" in split_top_level(m.group(1))
+    return bool(m) and any(is_test_only(term) for term in split_top_level(m.group(1)))
 
 
 def split_top_level(text, sep=","):
@@ -143,40 +309,25 @@ def remove_test_items(text):
     """Blanks every item carrying a test-only `#[cfg(...)]`; returns the text and the names
     of test-only `mod x;` declarations (whose files belong to the tests)."""
     test_mods = set()
+    at = 0
     while True:
-        for m in CFG_ATTR.finditer(text):
-            # The attribute's predicate runs to its balanced `)`.
-            depth, j = 1, m.end()
-            while j < len(text) and depth:
-                depth += {"(": 1, ")": -1}.get(text[j], 0)
-                j += 1
-            if not is_test_only(text[m.end():j - 1]):
-                continue
-            # The item runs to the first `;` or balanced `{...}` (skipping further attributes
-            # and bracketed parts such as `#[derive(...)]` or `[u8; 4]`).
-            k, square = text.find("]", j) + 1 or len(text), 0
-            while k < len(text):
-                if text[k] == "[":
-                    square += 1
-                elif text[k] == "]":
-                    square -= 1
-                elif square == 0 and text[k] == ";":
-                    k += 1
-                    break
-                elif square == 0 and text[k] == "{":
-                    k = matching_brace(text, k)
-                    break
-                k += 1
-            item = text[m.start():k]
-            decl = re.search(r"\bmod\s+(" + IDENT + r")\s*;", item)
-            if decl:
-                test_mods.add(decl.group(1))
-            text = text[:m.start()] + "".join(
-                "\n" if c == "\n" else " " for c in item
-            ) + text[k:]
-            break
-        else:
+        m = CFG_ATTR.search(text, at)
+        if not m:
             return text, test_mods
+        # The attribute's predicate runs to its balanced `)`, the attribute to its `]`.
+        close = skip_group(text, m.end() - 1)
+        at = close
+        if not is_test_only(text[m.end():close - 1]):
+            continue
+        bracket = skip_space(text, close)
+        start = skip_attributes(text, bracket + 1 if text.startswith("]", bracket) else close)
+        end = item_end(text, start)
+        item = text[m.start():end]
+        decl = re.search(r"\bmod\s+(" + IDENT + r")\s*;", item)
+        if decl:
+            test_mods.add(decl.group(1))
+        text = text[:m.start()] + "".join("\n" if c == "\n" else " " for c in item) + text[end:]
+        at = end
 
 
 def module_path_of(rel):
@@ -498,7 +649,8 @@ def check(src, out=sys.stdout):
 
 
 SELF_TESTS = {
-    # name: (files, expected circles as sorted lists of files)
+    # name: (files, expected circles as sorted lists of files[, expected edges as
+    # (from, to, present)])
     "cycle through use": (
         {
             "lib.rs": "mod a;\nmod b;\n",
@@ -547,12 +699,70 @@ SELF_TESTS = {
         },
         [],
     ),
+    # `#[cfg(test)]` on a match arm, an enum variant or a field skips that one element: the
+    # non-test ones after it still count.
+    "a test-only match arm hides no arm after it": (
+        {
+            "lib.rs": "mod a;\nmod b;\n",
+            "a.rs": "pub enum E { X, Y }\npub fn f(e: E) -> bool {\n    match e {\n"
+            "        #[cfg(test)]\n        E::X => true,\n"
+            "        E::Y => crate::b::g(),\n    }\n}\n"
+            "pub fn h() -> u8 {\n    7\n}\n",
+            "b.rs": "pub fn g() -> bool { crate::a::h() > 0 }\n",
+        },
+        [["a.rs", "b.rs"]],
+    ),
+    "a test-only enum variant hides no variant after it": (
+        {
+            "lib.rs": "mod a;\nmod b;\n",
+            "a.rs": "pub enum Link {\n    Shm(u8),\n    #[cfg(test)]\n    Sim(u16),\n"
+            "    Verbs(crate::b::VerbsLink),\n}\n"
+            "impl From<u8> for Link {\n    fn from(v: u8) -> Link { Link::Shm(v) }\n}\n",
+            "b.rs": "pub struct VerbsLink;\npub fn wrap() -> crate::a::Link { 0u8.into() }\n",
+        },
+        [["a.rs", "b.rs"]],
+    ),
+    "a test-only arm naming test code is no edge": (
+        {
+            "lib.rs": "mod link;\npub mod testing;\n#[cfg(test)]\nmod in_process_tests;\n",
+            "link.rs": "pub enum Link {\n    Shm(u8),\n"
+            "    #[cfg(test)]\n    Sim(crate::in_process_tests::SimLink),\n}\n"
+            "impl Link {\n    pub fn is_up(&self) -> bool {\n        match self {\n"
+            "            Link::Shm(_) => true,\n            #[cfg(test)]\n"
+            "            Link::Sim(link) => crate::testing::up(link),\n        }\n    }\n}\n",
+            "testing.rs": "pub fn up(_: &crate::link::Link) -> bool { true }\n",
+            "in_process_tests.rs": "pub struct SimLink;\n"
+            "pub fn f(l: &crate::link::Link) -> bool { l.is_up() }\n",
+        },
+        [],
+        [("link.rs", "testing.rs", False), ("testing.rs", "link.rs", True)],
+    ),
+    # Further attributes after `#[cfg(test)]`, an arm whose block needs no comma, a test-only
+    # field whose type holds a comma, and predicates that may hold outside tests.
+    "test-only code skipped exactly, other cfg code kept": (
+        {
+            "lib.rs": "mod a;\nmod b;\nmod c;\nmod d;\nmod e;\n",
+            "a.rs": "pub enum E { X, Y }\npub fn f(e: E) -> u8 {\n    match e {\n"
+            "        #[cfg(test)]\n        #[allow(unreachable_patterns)]\n"
+            "        E::X => if true {\n            0\n        } else {\n"
+            "            crate::b::t()\n        }\n        E::Y => crate::c::g(),\n    }\n}\n"
+            "pub struct S {\n    #[cfg(test)]\n    m: HashMap<u8, crate::b::T>,\n"
+            "    n: Vec<crate::e::U>,\n}\n"
+            "#[cfg(all(test, unix))]\nfn in_test() { crate::b::t(); }\n"
+            "#[cfg(any(test, feature = \"sim\"))]\npub fn sim() { crate::d::run(); }\n",
+            "b.rs": "pub struct T;\npub fn t() -> u8 { crate::a::f(crate::a::E::Y) }\n",
+            "c.rs": "pub fn g() -> u8 { let _ = crate::a::E::X; 1 }\n",
+            "d.rs": "pub fn run() { crate::a::sim() }\n",
+            "e.rs": "pub struct U;\npub fn new() -> crate::a::S { todo!() }\n",
+        },
+        [["a.rs", "c.rs", "d.rs", "e.rs"]],
+    ),
 }
 
 
 def self_test():
     failures = 0
-    for name, (files, expected) in SELF_TESTS.items():
+    for name, (files, expected, *expected_edges) in SELF_TESTS.items():
         with tempfile.TemporaryDirectory() as tmp:
             for rel, text in files.items():
                 path = os.path.join(tmp, rel)
@@ -560,13 +770,24 @@ def self_test():
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(text)
             _, edges, comps = circles(tmp)
-        if comps == expected:
+        wrong_edges = [
+            (a, b, present)
+            for a, b, present in (expected_edges[0] if expected_edges else [])
+            if ((a, b) in edges) != present
+        ]
+        if comps == expected and not wrong_edges:
             print("check-layering self-test: %s: ok" % name)
         else:
             failures += 1
             print(
-                "check-layering self-test: %s: FAILED, expected %s, found %s (edges %s)"
-                % (name, expected, comps, sorted(edges)),
+                "check-layering self-test: %s: FAILED, expected %s, found %s (edges %s%s)"
+                % (
+                    name,
+                    expected,
+                    comps,
+                    sorted(edges),
+                    "; expected (from, to, present): %s" % wrong_edges if wrong_edges else "",
+                ),
                 file=sys.stderr,
             )
     return failures == 0
