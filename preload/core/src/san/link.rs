@@ -14,7 +14,7 @@ use san_api::{
 };
 use san_shm::{ShmConnection, WaitResult};
 
-use super::provider::provider;
+use super::provider::{provider, rendezvous_enabled};
 use super::registrations::SharedRegistrations;
 use super::tunables::setup_timeout;
 use super::verbs::link::VerbsLink;
@@ -199,7 +199,17 @@ impl Link {
             Link::Verbs(link) => Some(link.registrations()),
             Link::Shm(_) => provider().map(|p| &p.registrations),
             #[cfg(test)]
-            Link::Sim(_) => provider().map(|p| &p.registrations),
+            Link::Sim(link) => link.registrations(),
+        }
+    }
+
+    /// Whether this side offers rendezvous to its peer: the process's setting (the unit
+    /// tests' simulated link says per connection, without touching process-wide settings).
+    pub(crate) fn offers_rendezvous(&self) -> bool {
+        match self {
+            Link::Shm(_) | Link::Verbs(_) => rendezvous_enabled(),
+            #[cfg(test)]
+            Link::Sim(link) => link.offers_rendezvous(),
         }
     }
 

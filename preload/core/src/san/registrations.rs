@@ -46,6 +46,10 @@ pub(super) enum AnyDomain {
     Shm(ShmDomain),
     /// A verbs protection domain (one device).
     Verbs(LoadedDomain),
+    /// Unit tests: keys for this process's own memory, which the simulated link's RDMA
+    /// copies between (see `super::in_process_tests`).
+    #[cfg(test)]
+    Test(super::in_process_tests::TestDomain),
 }
 
 impl SanDomain for AnyDomain {
@@ -53,6 +57,8 @@ impl SanDomain for AnyDomain {
         match self {
             AnyDomain::Shm(d) => d.capabilities(),
             AnyDomain::Verbs(d) => d.capabilities(),
+            #[cfg(test)]
+            AnyDomain::Test(d) => d.capabilities(),
         }
     }
 
@@ -60,6 +66,8 @@ impl SanDomain for AnyDomain {
         match self {
             AnyDomain::Shm(d) => d.register(range, access),
             AnyDomain::Verbs(d) => d.register(range, access),
+            #[cfg(test)]
+            AnyDomain::Test(d) => d.register(range, access),
         }
     }
 
@@ -67,6 +75,8 @@ impl SanDomain for AnyDomain {
         match self {
             AnyDomain::Shm(d) => d.deregister(lkey),
             AnyDomain::Verbs(d) => d.deregister(lkey),
+            #[cfg(test)]
+            AnyDomain::Test(d) => d.deregister(lkey),
         }
     }
 
@@ -74,6 +84,8 @@ impl SanDomain for AnyDomain {
         match self {
             AnyDomain::Shm(d) => d.revoke_remote(lkey),
             AnyDomain::Verbs(d) => d.revoke_remote(lkey),
+            #[cfg(test)]
+            AnyDomain::Test(d) => d.revoke_remote(lkey),
         }
     }
 
@@ -85,6 +97,8 @@ impl SanDomain for AnyDomain {
         match self {
             AnyDomain::Shm(d) => d.expose_remote(lkey, access),
             AnyDomain::Verbs(d) => d.expose_remote(lkey, access),
+            #[cfg(test)]
+            AnyDomain::Test(d) => d.expose_remote(lkey, access),
         }
     }
 
@@ -92,6 +106,8 @@ impl SanDomain for AnyDomain {
         match self {
             AnyDomain::Shm(d) => d.memory_invalidated(range),
             AnyDomain::Verbs(d) => d.memory_invalidated(range),
+            #[cfg(test)]
+            AnyDomain::Test(d) => d.memory_invalidated(range),
         }
     }
 }
@@ -137,6 +153,13 @@ impl SharedRegistrations {
         Self::with_domain(AnyDomain::Verbs(domain))
     }
 
+    /// Unit tests: a fresh cache in front of a test domain (one per simulated pair, so that
+    /// a test's refusals and registrations are its own).
+    #[cfg(test)]
+    pub(super) fn test(domain: super::in_process_tests::TestDomain) -> SharedRegistrations {
+        Self::with_domain(AnyDomain::Test(domain))
+    }
+
     fn with_domain(domain: AnyDomain) -> SharedRegistrations {
         let refuse_left = crate::settings::refused_registrations();
         SharedRegistrations(Mutex::new(Registrations {
@@ -164,7 +187,31 @@ impl Registrations {
         match &self.domain {
             AnyDomain::Shm(domain) => Some(domain),
             AnyDomain::Verbs(_) => None,
+            #[cfg(test)]
+            AnyDomain::Test(_) => None,
         }
+    }
+
+    /// Unit tests: the test domain, if this cache is in front of one.
+    #[cfg(test)]
+    pub(super) fn test_domain(&self) -> Option<&super::in_process_tests::TestDomain> {
+        match &self.domain {
+            AnyDomain::Test(domain) => Some(domain),
+            _ => None,
+        }
+    }
+
+    /// Unit tests: how many references the sockets hold.
+    #[cfg(test)]
+    pub(super) fn held(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Unit tests: the next `count` registrations fail as if the domain were out of
+    /// resources (the test knob's effect, for one cache).
+    #[cfg(test)]
+    pub(super) fn refuse_next(&mut self, count: u64) {
+        self.refuse_left = count;
     }
 
     /// The verbs domain (rdma_cm set-up runs on it); `None` for the shm cache.
@@ -172,6 +219,8 @@ impl Registrations {
         match &mut self.domain {
             AnyDomain::Verbs(domain) => Some(domain),
             AnyDomain::Shm(_) => None,
+            #[cfg(test)]
+            AnyDomain::Test(_) => None,
         }
     }
 

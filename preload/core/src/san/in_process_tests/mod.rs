@@ -8,11 +8,15 @@
 //! the downgrade and the close run as they do under the preload, while the simulation
 //! delays, reorders and postpones what it carries.
 //!
+//! A pair may offer rendezvous (`Pair::switched_with`): it then has a registration cache of
+//! its own in front of a test domain, and its links move the application's buffers by
+//! simulated RDMA (see [`rdma`]); the others never offer it, whatever the process settings.
+//!
 //! Every seeded test runs a handful of seeds; `SIM_SEED=N` runs seed `N` alone. A failure
 //! names its seed. Each run is bounded: a hang fails the test instead of stalling it.
 
 use core::ffi::c_int;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +34,7 @@ use san_sim::{FaultConfig, SimConnection, SimFabric};
 
 use super::kernel::RawBuf;
 use super::link::Link;
+use super::registrations::SharedRegistrations;
 use super::socket::{Phase, SanSocket, Side};
 use super::switchover::switch_pending;
 use super::table::{lock, SanObject};
@@ -53,6 +58,9 @@ struct SimWorld {
     /// Messages side `i` posted before its peer could receive (the acceptor's `Hello`, sent
     /// before the client's session exists): the shm provider keeps them the same way.
     outbox: [VecDeque<(WrId, Vec<u8>)>; 2],
+    /// RDMA requests on the application's memory that could not be performed (see
+    /// [`rdma::perform`]): none, in a correct rendezvous.
+    rdma_violations: Vec<String>,
 }
 
 // SAFETY: every `Rc` behind this fabric (the fabric handle and both connection handles) is a
@@ -121,6 +129,10 @@ pub(crate) struct SimLink {
     slot_bytes: Vec<Vec<u8>>,
     /// The acceptor "attached" (set by the harness once the acceptor is set up).
     attached: Arc<AtomicBool>,
+    /// Rendezvous pairs: the pair's registrations and this end's stand-in ranges.
+    rendezvous: Option<(&'static SharedRegistrations, Scratch)>,
+    /// RDMA requests on the application's memory, by the id of their stand-ins.
+    rdma: HashMap<WrId, RealOp>,
 }
 
 impl SimLink {
@@ -165,6 +177,7 @@ impl SimLink {
     }
 
     pub(crate) fn close(&mut self) {
+        self.rdma.clear();
         let mut world = self.world();
         world.conns[self.side] = None;
         world.outbox[self.side].clear();
@@ -176,6 +189,55 @@ impl SimLink {
 
     pub(crate) fn slot_config(&self) -> SlotConfig {
         self.slots
+    }
+
+    pub(crate) fn offers_rendezvous(&self) -> bool {
+        self.rendezvous.is_some()
+    }
+
+    pub(crate) fn registrations(&self) -> Option<&'static SharedRegistrations> {
+        self.rendezvous.map(|(registrations, _)| registrations)
+    }
+
+    /// Posts an RDMA request: its stand-in to the fabric, the real one kept until then.
+    fn post_rdma(&mut self, wr_id: WrId, op: RealOp) -> Result<(), PostError> {
+        let (_, scratch) = self.rendezvous.ok_or(PostError::InvalidArgument)?;
+        let (local, remote) = scratch.stand_in(op.local.range.len);
+        let side = self.side;
+        let mut world = self.world();
+        let conn = world.conns[side].as_mut().ok_or(PostError::Disconnected)?;
+        if op.read {
+            conn.post_read(wr_id, local, remote)?;
+        } else {
+            conn.post_write(wr_id, local, remote)?;
+        }
+        drop(world);
+        self.rdma.insert(wr_id, op);
+        Ok(())
+    }
+
+    /// Performs the real RDMA requests whose stand-ins completed among `completions`.
+    fn complete_rdma(&mut self, completions: &mut [Completion]) {
+        for completion in completions {
+            if !matches!(
+                completion.kind,
+                CompletionKind::Read | CompletionKind::Write
+            ) {
+                continue;
+            }
+            let Some(op) = self.rdma.remove(&completion.wr_id) else {
+                continue;
+            };
+            let Some((registrations, _)) = self.rendezvous else {
+                continue;
+            };
+            if completion.status.is_ok() {
+                if let Err((status, what)) = rdma::perform(registrations, &op) {
+                    completion.status = Err(status);
+                    self.world().rdma_violations.push(what);
+                }
+            }
+        }
     }
 
     pub(crate) fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError> {
@@ -221,11 +283,14 @@ impl SimLink {
         local: LocalSegment,
         remote: RemoteDescriptor,
     ) -> Result<(), PostError> {
-        let side = self.side;
-        self.world().conns[side]
-            .as_mut()
-            .ok_or(PostError::Disconnected)?
-            .post_write(wr_id, local, remote)
+        self.post_rdma(
+            wr_id,
+            RealOp {
+                read: false,
+                local,
+                remote,
+            },
+        )
     }
 
     pub(crate) fn post_read(
@@ -234,32 +299,39 @@ impl SimLink {
         local: LocalSegment,
         remote: RemoteDescriptor,
     ) -> Result<(), PostError> {
-        let side = self.side;
-        self.world().conns[side]
-            .as_mut()
-            .ok_or(PostError::Disconnected)?
-            .post_read(wr_id, local, remote)
+        self.post_rdma(
+            wr_id,
+            RealOp {
+                read: true,
+                local,
+                remote,
+            },
+        )
     }
 
     pub(crate) fn poll_completions(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
         let side = self.side;
         let shared = self.world.clone();
-        let mut world = world(&shared);
-        world.run();
-        let Some(conn) = world.conns[side].as_mut() else {
-            return 0;
-        };
         let first = out.len();
-        let count = conn.poll_completions(out, max);
-        for completion in &out[first..] {
-            if let (CompletionKind::Recv { slot, len }, Ok(())) =
-                (completion.kind, completion.status)
-            {
-                if let Some(bytes) = self.slot_bytes.get_mut(usize::from(slot.0)) {
-                    *bytes = conn.recv_slot(slot, len).to_vec();
+        let count = {
+            let mut world = world(&shared);
+            world.run();
+            let Some(conn) = world.conns[side].as_mut() else {
+                return 0;
+            };
+            let count = conn.poll_completions(out, max);
+            for completion in &out[first..] {
+                if let (CompletionKind::Recv { slot, len }, Ok(())) =
+                    (completion.kind, completion.status)
+                {
+                    if let Some(bytes) = self.slot_bytes.get_mut(usize::from(slot.0)) {
+                        *bytes = conn.recv_slot(slot, len).to_vec();
+                    }
                 }
             }
-        }
+            count
+        };
+        self.complete_rdma(&mut out[first..]);
         count
     }
 }
@@ -283,6 +355,8 @@ struct Pair {
     acceptor: End,
     /// The acceptor's link until [`Pair::attach`] sets the acceptor up.
     acceptor_link: Mutex<Option<SimLink>>,
+    /// Rendezvous pairs: the registrations both ends register with.
+    registrations: Option<&'static SharedRegistrations>,
 }
 
 /// Faults the simulation injects in the seeded tests: nothing that breaks the connection.
@@ -298,6 +372,11 @@ fn benign_faults() -> FaultConfig {
 impl Pair {
     /// A connected TCP pair whose client is a pending SAN socket (nothing attached yet).
     fn pending(seed: u64, faults: FaultConfig) -> Pair {
+        Pair::pending_with(seed, faults, None)
+    }
+
+    /// As [`Pair::pending`]; with `rendezvous`, both ends offer it.
+    fn pending_with(seed: u64, faults: FaultConfig, rendezvous: Option<Rendezvous>) -> Pair {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let client =
             std::net::TcpStream::connect(listener.local_addr().expect("address")).expect("connect");
@@ -310,6 +389,7 @@ impl Pair {
 
         let fabric = SimFabric::new(seed, faults);
         let (a, b) = (fabric.add_endpoint(), fabric.add_endpoint());
+        let rendezvous = rendezvous.map(|mode| rdma::set_up(&fabric, [a, b], mode));
         let (conn_a, conn_b) = fabric.connect(a, b, SLOTS, SLOTS).expect("sim connect");
         let caps = [conn_a.capabilities(), conn_b.capabilities()];
         let shared = Arc::new(Mutex::new(SimWorld {
@@ -318,6 +398,7 @@ impl Pair {
             conns: [Some(conn_a), Some(conn_b)],
             receiving: [false; 2],
             outbox: [VecDeque::new(), VecDeque::new()],
+            rdma_violations: Vec::new(),
         }));
         let attached = Arc::new(AtomicBool::new(false));
         let link = |side: usize| SimLink {
@@ -327,6 +408,8 @@ impl Pair {
             slots: SLOTS,
             slot_bytes: vec![Vec::new(); usize::from(SLOTS.recv_slots)],
             attached: attached.clone(),
+            rendezvous: rendezvous.map(|(scratch, registrations)| (registrations, scratch[side])),
+            rdma: HashMap::new(),
         };
 
         let client = end(client.into_raw_fd(), local, peer);
@@ -343,12 +426,18 @@ impl Pair {
             client,
             acceptor_link: Mutex::new(Some(link(1))),
             acceptor,
+            registrations: rendezvous.map(|(_, registrations)| registrations),
         }
     }
 
     /// A pair whose acceptor attached and whose client switched.
     fn switched(seed: u64, faults: FaultConfig) -> Pair {
-        let pair = Pair::pending(seed, faults);
+        Pair::switched_with(seed, faults, None)
+    }
+
+    /// As [`Pair::switched`]; with `rendezvous`, both ends offer it.
+    fn switched_with(seed: u64, faults: FaultConfig, rendezvous: Option<Rendezvous>) -> Pair {
+        let pair = Pair::pending_with(seed, faults, rendezvous);
         pair.attach();
         switch_pending(pair.client.fd, pair.client.index);
         assert!(pair.is_switched(&pair.client), "the client switches");
@@ -551,6 +640,16 @@ impl Pair {
     fn counter(&self, end: &End, counter: Counter) -> u64 {
         end.record.counter(counter)
     }
+
+    /// The registrations of a rendezvous pair.
+    fn registrations(&self) -> &'static SharedRegistrations {
+        self.registrations.expect("a rendezvous pair")
+    }
+
+    /// RDMA requests on the application's memory that could not be performed.
+    fn rdma_violations(&self) -> Vec<String> {
+        world(&self.world).rdma_violations.clone()
+    }
 }
 
 impl Drop for Pair {
@@ -703,3 +802,8 @@ fn set_linger_zero(fd: c_int) {
 }
 
 mod cases;
+mod rdma;
+mod rendezvous;
+
+pub(crate) use rdma::TestDomain;
+use rdma::{RealOp, Rendezvous, Scratch};

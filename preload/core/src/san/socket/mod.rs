@@ -59,11 +59,13 @@ fn connection_config() -> ConnectionConfig {
     }
 }
 
-fn session_config() -> SessionConfig {
+/// The session configuration of an intra-host connection; `rendezvous`: whether this side
+/// offers rendezvous (see [`Link::offers_rendezvous`]).
+fn session_config(rendezvous: bool) -> SessionConfig {
     let defaults = SessionConfig::default();
     SessionConfig {
         // `u32::MAX` announces "never": the negotiated threshold is the larger of both sides'.
-        rendezvous_threshold: if rendezvous_enabled() {
+        rendezvous_threshold: if rendezvous {
             SHM_RENDEZVOUS_THRESHOLD
         } else {
             u32::MAX
@@ -323,7 +325,7 @@ impl SanSocket {
         let (conn, peer) = shm_connection(segment, registrations)?;
         let session = Session::new(
             Role::Passive,
-            session_config(),
+            session_config(rendezvous_enabled()),
             conn.capabilities(),
             SLOTS,
             0,
@@ -356,7 +358,7 @@ impl SanSocket {
         let (link, our_mirror, page) = offer_mirror(name)?;
         let session = Session::new(
             Role::Passive,
-            session_config(),
+            session_config(conn.offers_rendezvous()),
             conn.capabilities(),
             SLOTS,
             0,

@@ -55,7 +55,7 @@ impl SanSocket {
         let conn = self.conn.as_ref().ok_or(())?;
         let session = Session::new(
             Role::Active,
-            session_config(),
+            session_config(conn.offers_rendezvous()),
             conn.capabilities(),
             SLOTS,
             self.tcp_sent,
