@@ -449,8 +449,6 @@ fn abortive_peer_close_resets_reads_like_tcp() {
 /// After the reset was reported (by a read), kernel TCP refuses sends with `EPIPE` (the
 /// socket is closed; `ECONNRESET` is reported once).
 #[test]
-#[ignore = "bug: after a read reported ECONNRESET, SanSocket::send keeps answering ECONNRESET \
-            (send_reset_errno ignores reset_reported when no kernel error is set); TCP gives EPIPE"]
 fn send_after_a_reported_reset_fails_with_epipe() {
     let kernel = kernel_after_abortive_close();
     assert_eq!(kernel.2, Err(libc::EPIPE), "the kernel's answer");
