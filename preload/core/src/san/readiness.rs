@@ -127,6 +127,7 @@ fn correct_revents(entry: &mut libc::pollfd) {
     if readiness.read_hup && entry.events & libc::POLLRDHUP != 0 {
         entry.revents |= libc::POLLRDHUP;
     }
+    entry.revents = socket.correct_close_bits(entry.revents as u16 as u32) as u16 as i16;
 }
 
 /// After `epoll_wait` returned `events` for `epfd`: a SAN socket reported readable only
@@ -180,6 +181,7 @@ pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> us
                     if readiness.error {
                         event.events |= libc::EPOLLERR as u32;
                     }
+                    event.events = socket.correct_close_bits(event.events);
                 }
             }
         }
