@@ -82,6 +82,17 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
             return Some(partial(done, code));
         }
         if downgrade::settle(fd, index, &mut slot) {
+            if done > 0 && wait_all && done < total {
+                // The rest of the request comes from the stash and TCP, where the stream
+                // goes on after the downgrade.
+                drop(slot);
+                let flags = if nonblocking {
+                    recv_flags | libc::MSG_DONTWAIT
+                } else {
+                    recv_flags
+                };
+                done = downgrade::recv_stashed_after(fd, index, bufs, done, flags);
+            }
             return if done > 0 { Some(done as isize) } else { None };
         }
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {

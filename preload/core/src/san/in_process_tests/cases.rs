@@ -460,8 +460,6 @@ fn send_after_a_reported_reset_fails_with_epipe() {
 /// A blocking `MSG_WAITALL` read whose request spans the peer's downgrade (its session's
 /// last bytes, then its first TCP bytes) returns all of it, as kernel TCP would.
 #[test]
-#[ignore = "bug: recv_iov returns the SAN part alone (a short count) when downgrade::settle \
-            completes the downgrade mid-call, instead of reading the rest from TCP"]
 fn waitall_read_across_a_downgrade_returns_everything() {
     for_seeds("waitall across downgrade", |seed| {
         let pair = Pair::switched(seed, benign_faults());
