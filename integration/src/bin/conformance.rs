@@ -1418,6 +1418,268 @@ fn fork_and_close_range() -> CaseResult {
     Ok(format!("child wrote {got:?} and close_range(3,~0) closed it: {child_ok}; parent still writes: {parent:?}; CLOSE_RANGE_CLOEXEC={mark} cloexec={cloexec}; close_range(10,5)={bad}; vfork ok={vfork_ok}"))
 }
 
+// ---- close and exit -----------------------------------------------------------------------------
+
+/// `send` with `MSG_NOSIGNAL` (no SIGPIPE), as text.
+fn send_text(fd: c_int, bytes: &[u8]) -> String {
+    // SAFETY: valid buffer.
+    outcome(unsafe { libc::send(fd, bytes.as_ptr().cast(), bytes.len(), libc::MSG_NOSIGNAL) })
+}
+
+/// Sets `SO_LINGER` 0: the next close is abortive (RST).
+fn linger_zero(fd: c_int) -> Result<(), String> {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: live linger struct of the stated size.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            size_of::<libc::linger>() as u32,
+        )
+    };
+    check(rc as isize, "SO_LINGER").map(|_| ())
+}
+
+/// The peer closed gracefully: our first send is accepted (the peer's kernel answers it with
+/// a reset), the later ones fail with EPIPE; reads see end of stream.
+fn close_then_send() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(client.raw(), b"x")?;
+    read_text(server.raw())?;
+    drop(server);
+    wait_for(client.raw(), libc::POLLIN, 5000)?;
+    settle();
+    let first = send_text(client.raw(), b"hello");
+    settle();
+    let second = send_text(client.raw(), b"hello");
+    let third = send_text(client.raw(), b"hello");
+    let read = outcome(read_some(client.raw(), 16).0);
+    Ok(format!(
+        "send={first} then send={second} send={third} read={read}"
+    ))
+}
+
+/// The peer reset the connection (SO_LINGER 0): a read reports ECONNRESET once, then end of
+/// stream, and sends fail with EPIPE.
+fn close_reset_then_send() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(client.raw(), b"x")?;
+    read_text(server.raw())?;
+    linger_zero(server.raw())?;
+    drop(server);
+    wait_for(client.raw(), libc::POLLIN, 5000)?;
+    let first = outcome(read_some(client.raw(), 16).0);
+    let second = outcome(read_some(client.raw(), 16).0);
+    let send = send_text(client.raw(), b"x");
+    let again = send_text(client.raw(), b"x");
+    Ok(format!(
+        "read={first} read={second} send={send} send={again}"
+    ))
+}
+
+/// What poll, ppoll and epoll report on our end after the peer's plain close(): readable
+/// with RDHUP, writable, no error and no hang-up (our side has not shut down).
+fn close_readiness_after_peer_close() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(server.raw(), b"bye")?;
+    read_text(client.raw())?;
+    drop(server);
+    let wanted = libc::POLLIN | libc::POLLOUT | libc::POLLRDHUP;
+    wait_for(client.raw(), libc::POLLRDHUP, 5000)?;
+    settle();
+    let polled = revents_text(poll_one(client.raw(), wanted, 1000)?);
+    let mut pfd = libc::pollfd {
+        fd: client.raw(),
+        events: wanted,
+        revents: 0,
+    };
+    let zero = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: one live pollfd, a live timespec, no mask.
+    let rc = unsafe { libc::ppoll(&mut pfd, 1, &zero, null()) };
+    check(rc as isize, "ppoll")?;
+    let ppolled = revents_text(pfd.revents);
+    let epfd = epoll_new()?;
+    let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP) as u32;
+    check(
+        epoll_add(epfd.raw(), libc::EPOLL_CTL_ADD, client.raw(), events, 7),
+        "epoll_ctl",
+    )?;
+    let epolled = epoll_collect(epfd.raw(), 1000)?
+        .iter()
+        .map(|(data, events)| format!("{data}:{}", epoll_events_text(*events)))
+        .collect::<Vec<_>>()
+        .join(",");
+    let read = outcome(read_some(client.raw(), 16).0);
+    let polled_after_eof = revents_text(poll_one(client.raw(), wanted, 1000)?);
+    Ok(format!(
+        "poll={polled} ppoll={ppolled} epoll={epolled} read={read} poll={polled_after_eof}"
+    ))
+}
+
+/// Closing with unread bytes in our receive queue resets the peer: its read fails with
+/// ECONNRESET, then sees end of stream, and its sends fail with EPIPE.
+fn close_with_unread_data() -> CaseResult {
+    let (client, server) = pair()?;
+    write_all(client.raw(), b"never read")?;
+    wait_for(server.raw(), libc::POLLIN, 5000)?;
+    settle();
+    drop(server);
+    let revents = wait_for(client.raw(), libc::POLLIN, 5000)?;
+    let first = outcome(read_some(client.raw(), 16).0);
+    let second = outcome(read_some(client.raw(), 16).0);
+    let send = send_text(client.raw(), b"x");
+    Ok(format!(
+        "poll={} read={first} read={second} send={send}",
+        revents_text(revents & (libc::POLLIN | libc::POLLERR))
+    ))
+}
+
+// ---- in-process pair ----------------------------------------------------------------------------
+
+/// A connection whose client runs `client` in another thread of this process once the
+/// connection was accepted; the accepted socket is returned.
+fn threaded_pair(
+    client: impl FnOnce(Fd) -> Result<(), String> + Send + 'static,
+) -> Result<(Fd, std::thread::JoinHandle<Result<(), String>>), String> {
+    let (listener, port) = listener()?;
+    let (accepted_tx, accepted_rx) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let (fd, rc) = connect_to(Family::V4, port, libc::SOCK_CLOEXEC)?;
+        check(rc, "connect")?;
+        accepted_rx.recv().map_err(|_| "not accepted")?;
+        client(fd)
+    });
+    let server = accept_one(&listener)?;
+    accepted_tx.send(()).map_err(|_| "client thread gone")?;
+    Ok((server, thread))
+}
+
+fn join(thread: std::thread::JoinHandle<Result<(), String>>) -> Result<(), String> {
+    thread.join().map_err(|_| "client thread panicked")?
+}
+
+fn set_nonblocking(fd: c_int) -> Result<(), String> {
+    // SAFETY: plain fcntl calls.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    check(flags as isize, "F_GETFL")?;
+    // SAFETY: as above.
+    check(
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } as isize,
+        "F_SETFL",
+    )
+    .map(|_| ())
+}
+
+/// select() on one fd for reading, with a timeout in milliseconds: "readable" or "timeout".
+fn select_readable(fd: c_int, timeout_ms: i64) -> Result<String, String> {
+    // SAFETY: zeroed fd_set is valid; FD_ZERO/FD_SET on it.
+    let mut set: libc::fd_set = unsafe { zeroed() };
+    // SAFETY: `fd` < FD_SETSIZE in this program.
+    unsafe { libc::FD_SET(fd, &mut set) };
+    let mut timeout = libc::timeval {
+        tv_sec: timeout_ms / 1000,
+        tv_usec: (timeout_ms % 1000) * 1000,
+    };
+    // SAFETY: live set and timeval.
+    let rc = unsafe { libc::select(fd + 1, &mut set, null_mut(), null_mut(), &mut timeout) };
+    check(rc as isize, "select")?;
+    // SAFETY: a live set.
+    Ok(if rc > 0 && unsafe { libc::FD_ISSET(fd, &set) } {
+        "readable".into()
+    } else {
+        format!("{rc} ready")
+    })
+}
+
+/// The acceptor goes nonblocking and finds nothing to read; the client thread then sends,
+/// and a select() on the acceptor reports it readable and the data is there.
+fn in_process_select_after_eagain() -> CaseResult {
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let (server, thread) = threaded_pair(move |client| {
+        go_rx.recv().map_err(|_| "no go")?;
+        std::thread::sleep(Duration::from_millis(50));
+        write_all(client.raw(), b"hello")?;
+        go_rx.recv().map_err(|_| "no end")?;
+        Ok(())
+    })?;
+    set_nonblocking(server.raw())?;
+    let (first, _) = read_some(server.raw(), 16);
+    let first = outcome(first);
+    go_tx.send(()).map_err(|_| "client gone")?;
+    let selected = select_readable(server.raw(), 5000)?;
+    let (n, bytes) = read_some(server.raw(), 16);
+    let got = if n < 0 {
+        outcome(n)
+    } else {
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    go_tx.send(()).map_err(|_| "client gone")?;
+    join(thread)?;
+    Ok(format!("recv={first} select={selected} recv={got:?}"))
+}
+
+/// The client thread sends ten bytes; nonblocking reads of seven take them all: 7, then 3,
+/// then EAGAIN.
+fn in_process_partial_nonblocking_reads() -> CaseResult {
+    let (sent_tx, sent_rx) = std::sync::mpsc::channel::<()>();
+    let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+    let (server, thread) = threaded_pair(move |client| {
+        write_all(client.raw(), b"0123456789")?;
+        sent_tx.send(()).map_err(|_| "main gone")?;
+        end_rx.recv().map_err(|_| "no end")?;
+        Ok(())
+    })?;
+    sent_rx.recv().map_err(|_| "client gone")?;
+    settle();
+    set_nonblocking(server.raw())?;
+    let reads: Vec<String> = (0..3)
+        .map(|_| {
+            let (n, bytes) = read_some(server.raw(), 7);
+            if n < 0 {
+                outcome(n)
+            } else {
+                format!("{:?}", String::from_utf8_lossy(&bytes))
+            }
+        })
+        .collect();
+    end_tx.send(()).map_err(|_| "client gone")?;
+    join(thread)?;
+    Ok(format!("reads {}", reads.join(" ")))
+}
+
+/// The client thread writes a message in pieces (as a buffered text stream flushes) and
+/// closes at once; the reader reads until end of stream and gets all of it.
+fn in_process_write_and_close() -> CaseResult {
+    let (server, thread) = threaded_pair(move |client| {
+        write_all(client.raw(), b"hello ")?;
+        write_all(client.raw(), b"world\n")?;
+        drop(client);
+        Ok(())
+    })?;
+    join(thread)?;
+    let mut got = Vec::new();
+    let end = loop {
+        let (n, bytes) = read_some(server.raw(), 4);
+        if n <= 0 {
+            break if n == 0 { "EOF".to_owned() } else { outcome(n) };
+        }
+        got.extend_from_slice(&bytes);
+    };
+    Ok(format!(
+        "read {:?} then {end}",
+        String::from_utf8_lossy(&got)
+    ))
+}
+
 /// A named case.
 type Case = (&'static str, fn() -> CaseResult);
 
@@ -1448,6 +1710,22 @@ const CASES: &[Case] = &[
     ("sendfile-and-splice", sendfile_and_splice),
     ("mmsg", mmsg),
     ("fork-and-close-range", fork_and_close_range),
+    ("close-then-send", close_then_send),
+    ("close-reset-then-send", close_reset_then_send),
+    (
+        "close-readiness-after-peer-close",
+        close_readiness_after_peer_close,
+    ),
+    ("close-with-unread-data", close_with_unread_data),
+    (
+        "in-process-select-after-eagain",
+        in_process_select_after_eagain,
+    ),
+    (
+        "in-process-partial-nonblocking-reads",
+        in_process_partial_nonblocking_reads,
+    ),
+    ("in-process-write-and-close", in_process_write_and_close),
 ];
 
 fn main() {

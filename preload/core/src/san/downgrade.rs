@@ -11,7 +11,7 @@ use core::sync::atomic::Ordering;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use super::kernel::{file_inode, recv_tcp, scatter, socket_inode, RawBuf};
+use super::kernel::{file_inode, recv_tcp_rest, scatter, socket_inode, RawBuf};
 use super::outcome::SanError;
 use super::socket::Phase;
 use super::stash::Stash;
@@ -464,30 +464,54 @@ pub(super) fn recv_stashed(
     recv_flags: c_int,
 ) -> Option<isize> {
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
-    let peek = recv_flags & libc::MSG_PEEK != 0;
-    let mut slot = lock(index);
-    let Some(SanObject::Stashed(stashed)) = slot.as_mut() else {
-        return None;
-    };
-    let mut done = 0usize;
-    stashed.stash.read(total, peek, |bytes| {
-        scatter(bufs, done, bytes);
-        done += bytes.len();
-    });
-    if !peek && stashed.stash.remaining() == 0 {
-        release_stash(index, &mut slot);
-    }
-    drop(slot);
+    let done = recv_stashed_after(fd, index, bufs, 0, recv_flags);
     if done == 0 {
         return if total == 0 { Some(0) } else { None };
     }
-    if recv_flags & libc::MSG_WAITALL != 0 && !peek && done < total {
-        let n = recv_tcp(fd, bufs, done, u64::MAX, recv_flags);
-        if n > 0 {
-            done += n as usize;
+    Some(done as isize)
+}
+
+/// A read into `bufs` after `done` bytes the call already has: the stash (if the socket
+/// holds one), then, for `MSG_WAITALL`, TCP until the request is complete (blocking as the
+/// kernel socket does). Returns the new `done`.
+pub(super) fn recv_stashed_after(
+    fd: c_int,
+    index: u32,
+    bufs: &[RawBuf],
+    mut done: usize,
+    recv_flags: c_int,
+) -> usize {
+    let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+    let peek = recv_flags & libc::MSG_PEEK != 0;
+    let mut slot = lock(index);
+    if let Some(SanObject::Stashed(stashed)) = slot.as_mut() {
+        stashed.stash.read(total - done, peek, |bytes| {
+            scatter(bufs, done, bytes);
+            done += bytes.len();
+        });
+        if !peek && stashed.stash.remaining() == 0 {
+            release_stash(index, &mut slot);
         }
     }
-    Some(done as isize)
+    drop(slot);
+    if done == 0 {
+        return 0;
+    }
+    if recv_flags & libc::MSG_WAITALL != 0 && !peek {
+        // Each kernel call is one MSG_WAITALL read; it returns short only at end of stream,
+        // an error, a timeout or a signal, which end this call as they end the kernel's.
+        while done < total {
+            let n = recv_tcp_rest(fd, bufs, done, recv_flags);
+            if n == 0 {
+                break;
+            }
+            done += n;
+            if recv_flags & libc::MSG_DONTWAIT != 0 {
+                break;
+            }
+        }
+    }
+    done
 }
 
 /// The stash is empty (or its socket is gone): the socket is plain TCP.

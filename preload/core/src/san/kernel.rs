@@ -162,6 +162,23 @@ pub(super) fn recv_tcp(
     }
 }
 
+/// The rest of a `MSG_WAITALL` read after `done` bytes, from TCP with the caller's flags
+/// (so it blocks, times out or answers `EAGAIN` as the kernel socket does): the bytes read
+/// now, 0 when none could be (end of stream, error or signal: the caller returns `done`).
+pub(super) fn recv_tcp_rest(fd: c_int, bufs: &[RawBuf], done: usize, recv_flags: c_int) -> usize {
+    let mut iov = remaining_iov(bufs, done);
+    if iov.is_empty() {
+        return 0;
+    }
+    // SAFETY: plain data, zero is valid.
+    let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    // SAFETY: `msg` describes the caller's buffers.
+    let n = unsafe { real::recvmsg(fd, &mut msg, recv_flags) };
+    usize::try_from(n).unwrap_or(0)
+}
+
 /// Writes `bytes` on TCP (nonblocking, waiting for room up to a second at a time, at most ten
 /// times); returns how many went out.
 pub(super) fn send_all_on_tcp(fd: c_int, bytes: &[u8]) -> usize {

@@ -127,6 +127,7 @@ fn correct_revents(entry: &mut libc::pollfd) {
     if readiness.read_hup && entry.events & libc::POLLRDHUP != 0 {
         entry.revents |= libc::POLLRDHUP;
     }
+    entry.revents = socket.correct_close_bits(entry.revents as u16 as u32) as u16 as i16;
 }
 
 /// After `epoll_wait` returned `events` for `epfd`: a SAN socket reported readable only
@@ -180,6 +181,7 @@ pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> us
                     if readiness.error {
                         event.events |= libc::EPOLLERR as u32;
                     }
+                    event.events = socket.correct_close_bits(event.events);
                 }
             }
         }
@@ -281,21 +283,49 @@ pub unsafe fn select_via_poll(
             });
         }
     }
-    let saved = poll_fds(&mut pollfds, None);
-    // SAFETY: valid pollfds; timeout and sigmask per the contract.
-    let rc = unsafe {
-        real::ppoll(
-            pollfds.as_mut_ptr(),
-            pollfds.len() as libc::nfds_t,
-            timeout,
-            sigmask,
-        )
-    };
-    let error = errno::get();
-    poll_fds(&mut pollfds, Some(&saved));
-    if rc < 0 {
-        errno::set(error);
-        return Some(rc);
+    let deadline = (!timeout.is_null()).then(|| {
+        // SAFETY: a valid timespec per the contract.
+        let t = unsafe { timeout.read_unaligned() };
+        let wait = std::time::Duration::new(
+            u64::try_from(t.tv_sec).unwrap_or(0),
+            u32::try_from(t.tv_nsec).unwrap_or(0).min(999_999_999),
+        );
+        std::time::Instant::now() + wait
+    });
+    loop {
+        let left = deadline.map(|d| {
+            let left = d.saturating_duration_since(std::time::Instant::now());
+            libc::timespec {
+                tv_sec: left.as_secs() as libc::time_t,
+                tv_nsec: left.subsec_nanos() as libc::c_long,
+            }
+        });
+        let left_ptr = left
+            .as_ref()
+            .map_or(core::ptr::null(), |t| t as *const libc::timespec);
+        let saved = poll_fds(&mut pollfds, None);
+        // SAFETY: valid pollfds; our timespec; sigmask per the contract.
+        let rc = unsafe {
+            real::ppoll(
+                pollfds.as_mut_ptr(),
+                pollfds.len() as libc::nfds_t,
+                left_ptr,
+                sigmask,
+            )
+        };
+        let error = errno::get();
+        poll_fds(&mut pollfds, Some(&saved));
+        if rc < 0 {
+            errno::set(error);
+            return Some(rc);
+        }
+        // Reports that were only a mirror's handshake or credit token were dropped: with
+        // nothing else ready the wait goes on until the caller's timeout, as the kernel's
+        // select would not have returned.
+        let expired = deadline.is_some_and(|d| std::time::Instant::now() >= d);
+        if rc == 0 || expired || pollfds.iter().any(|p| p.revents != 0) {
+            break;
+        }
     }
     if pollfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
         errno::set(libc::EBADF);

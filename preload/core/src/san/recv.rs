@@ -15,7 +15,9 @@ use super::kernel::{fail, recv_tcp, remaining_pieces, scatter, RawBuf};
 use super::outcome::SanError;
 use super::socket::stream::SinkRefused;
 use super::socket::{Phase, SanSocket};
-use super::switchover::{downgrade_pending, epoll_back_to_tcp, switch_if_attached};
+use super::switchover::{
+    assist_in_process_peer, downgrade_pending, epoll_back_to_tcp, switch_if_attached,
+};
 use super::table::{lock, orphaned, record_flag, SanObject};
 use super::tunables::{HANDSHAKE_WAIT, MARKER_WAIT};
 use super::wait::{block, timeout_of};
@@ -73,12 +75,24 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
     // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
     let mut handshake_deadline: Option<Instant> = None;
+    let mut assisted = false;
     loop {
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
             return Some(partial(done, code));
         }
         if downgrade::settle(fd, index, &mut slot) {
+            if done > 0 && wait_all && done < total {
+                // The rest of the request comes from the stash and TCP, where the stream
+                // goes on after the downgrade.
+                drop(slot);
+                let flags = if nonblocking {
+                    recv_flags | libc::MSG_DONTWAIT
+                } else {
+                    recv_flags
+                };
+                done = downgrade::recv_stashed_after(fd, index, bufs, done, flags);
+            }
             return if done > 0 { Some(done as isize) } else { None };
         }
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
@@ -221,6 +235,18 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                             return Some(done as isize);
                         }
                         let in_handshake = handshake_deadline.is_some_and(|d| Instant::now() < d);
+                        if nonblocking && !in_handshake && !assisted && socket.peer_in_process() {
+                            // The other end lives in this process and may have bytes queued
+                            // that only a call of its own would move (its handshake's last
+                            // step): no other thread may ever drive it before this read
+                            // answers EAGAIN. Drive it (bounded: once per call), read again.
+                            assisted = true;
+                            drop(slot);
+                            for _ in 0..2 {
+                                assist_in_process_peer(index);
+                            }
+                            continue;
+                        }
                         if nonblocking && !in_handshake {
                             if socket.lower_readable() {
                                 return Some(partial(done, libc::EAGAIN));

@@ -449,8 +449,6 @@ fn abortive_peer_close_resets_reads_like_tcp() {
 /// After the reset was reported (by a read), kernel TCP refuses sends with `EPIPE` (the
 /// socket is closed; `ECONNRESET` is reported once).
 #[test]
-#[ignore = "bug: after a read reported ECONNRESET, SanSocket::send keeps answering ECONNRESET \
-            (send_reset_errno ignores reset_reported when no kernel error is set); TCP gives EPIPE"]
 fn send_after_a_reported_reset_fails_with_epipe() {
     let kernel = kernel_after_abortive_close();
     assert_eq!(kernel.2, Err(libc::EPIPE), "the kernel's answer");
@@ -462,8 +460,6 @@ fn send_after_a_reported_reset_fails_with_epipe() {
 /// A blocking `MSG_WAITALL` read whose request spans the peer's downgrade (its session's
 /// last bytes, then its first TCP bytes) returns all of it, as kernel TCP would.
 #[test]
-#[ignore = "bug: recv_iov returns the SAN part alone (a short count) when downgrade::settle \
-            completes the downgrade mid-call, instead of reading the rest from TCP"]
 fn waitall_read_across_a_downgrade_returns_everything() {
     for_seeds("waitall across downgrade", |seed| {
         let pair = Pair::switched(seed, benign_faults());

@@ -91,6 +91,7 @@ impl SanSocket {
                 }
                 Event::Reset(cause) => {
                     tracing::debug!(name = %self.name, ?cause, "SAN session reset");
+                    self.reset_cause = Some(cause);
                     if let Some(mirror) = self.mirror.as_mut() {
                         let _ = mirror.set_read_hup();
                     }

@@ -8,7 +8,7 @@ use super::{Phase, SanSocket};
 use crate::mirror::{self, ReadLowering, WriteLowering};
 use crate::san::link::Link;
 use crate::san::tunables::EARLY_LIMIT;
-use switch::session::{Session, SessionState};
+use switch::session::{ResetCause, Session, SessionState};
 
 impl SanSocket {
     /// The kernel reported hang-up on our mirror end: the peer's end was closed (its process
@@ -39,6 +39,32 @@ impl SanSocket {
             let _ = mirror::mirror_peer_fin(k);
             self.fin_mirrored = true;
         }
+    }
+
+    /// The peer closed gracefully (its FIN came, and nothing since was a reset for us: the
+    /// end of its connection afterwards is how a close looks on the link). TCP calls this
+    /// `CLOSE_WAIT` and reports IN, OUT and RDHUP: no error, and a hang-up only once we shut
+    /// down writing too. The watched end hangs up as soon as the peer's raising end closes,
+    /// and the session counts the link's end as an error; the readiness hooks correct both.
+    /// Our first send afterwards is answered by a reset, as over TCP.
+    pub(crate) fn peer_closed_gracefully(&self) -> bool {
+        self.peer_fin
+            && !self.sent_after_fin
+            && matches!(self.reset_cause, None | Some(ResetCause::Provider(_)))
+    }
+
+    /// Corrects what the kernel reported on the watched end (`POLLERR` and `POLLHUP` bits,
+    /// which have the same values for epoll) to what TCP reports after the peer's
+    /// graceful close (see [`SanSocket::peer_closed_gracefully`]).
+    pub(crate) fn correct_close_bits(&self, revents: u32) -> u32 {
+        if !self.peer_closed_gracefully() {
+            return revents;
+        }
+        let mut cleared = libc::POLLERR as u32;
+        if !self.write_shut {
+            cleared |= libc::POLLHUP as u32;
+        }
+        revents & !cleared
     }
 
     /// The session's readiness (all false before the switch).

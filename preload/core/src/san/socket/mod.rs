@@ -28,7 +28,9 @@ use std::time::Duration;
 use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
-use switch::session::{MrHandleId, Pump, RecvTicket, Role, SendTicket, Session, SessionConfig};
+use switch::session::{
+    MrHandleId, Pump, RecvTicket, ResetCause, Role, SendTicket, Session, SessionConfig,
+};
 
 use super::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
 use super::link::Link;
@@ -185,6 +187,11 @@ pub(crate) struct SanSocket {
     data_to_announce: bool,
     /// A reset was reported once (then reads see end-of-file, as after a kernel RST).
     reset_reported: bool,
+    /// The session reset with this cause.
+    reset_cause: Option<ResetCause>,
+    /// A send was accepted after the peer's FIN (TCP answers the first one after the peer's
+    /// close with a reset, so a later one fails).
+    sent_after_fin: bool,
     /// The error that ended the kernel TCP connection beside the session (a keepalive
     /// timeout; see [`SanSocket::kernel_connection_failed`]): reported once in place
     /// of `ECONNRESET`, as the kernel reports its `sk_err`.
@@ -271,6 +278,8 @@ impl SanSocket {
             fin_mirrored: false,
             data_to_announce: false,
             reset_reported: false,
+            reset_cause: None,
+            sent_after_fin: false,
             kernel_error: None,
             marker_owed: false,
             waiters: 0,

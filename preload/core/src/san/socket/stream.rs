@@ -6,7 +6,7 @@ use core::ffi::c_int;
 
 use san_api::Access;
 use switch::error::{RecvError, SendError};
-use switch::session::{RecvFlags, RecvTicket, SendFlags, SendTicket, SessionState};
+use switch::session::{RecvFlags, RecvTicket, ResetCause, SendFlags, SendTicket, SessionState};
 
 use super::{Phase, SanSocket, Side};
 use crate::record::Counter;
@@ -145,10 +145,11 @@ impl SanSocket {
         };
         match session.send(data, SendFlags { urgent }) {
             Ok(n) => {
+                self.sent_after_fin |= self.peer_fin;
                 self.record.count(Counter::SanInlineSent, n as u64);
                 Ok(n)
             }
-            Err(SendError::Reset) if self.peer_fin => Err(SanError::Errno(libc::EPIPE)),
+            Err(SendError::Reset) if self.peer_fin => self.send_after_peer_close(data.len()),
             Err(SendError::Reset) => Err(SanError::Errno(self.send_reset_errno())),
             Err(error) => Err(error.into()),
         }
@@ -364,18 +365,31 @@ impl SanSocket {
         }
     }
 
-    /// The errno of a send refused because the session was reset: `ECONNRESET`; after the
-    /// kernel connection beside it failed, that error once, then `EPIPE` (as the kernel
-    /// reports `sk_err` once and the closed socket then refuses sends).
-    fn send_reset_errno(&mut self) -> c_int {
-        match self.kernel_error {
-            None => libc::ECONNRESET,
-            Some(_) if self.reset_reported => libc::EPIPE,
-            Some(errno) => {
-                self.reset_reported = true;
-                errno
-            }
+    /// A send after the peer's FIN that the session refused because it reset since. A peer
+    /// that closed gracefully (its FIN, then its connection ended: not a `Rst`) is what TCP
+    /// calls `CLOSE_WAIT`: the first send is accepted (the peer's kernel answers it with a
+    /// reset, the bytes are lost) and later ones fail with `EPIPE`; reads see end of stream.
+    fn send_after_peer_close(&mut self, len: usize) -> Result<usize, SanError> {
+        let closed_gracefully = matches!(self.reset_cause, Some(ResetCause::Provider(_)));
+        if closed_gracefully && !self.sent_after_fin {
+            self.sent_after_fin = true;
+            self.reset_reported = true;
+            self.record.count(Counter::SanInlineSent, len as u64);
+            return Ok(len);
         }
+        Err(SanError::Errno(libc::EPIPE))
+    }
+
+    /// The errno of a send refused because the session was reset: the reset's error
+    /// (`ECONNRESET`, or the kernel connection's own error when it failed beside the
+    /// session) once, by a read or a send, then `EPIPE`: the kernel reports `sk_err` once
+    /// and the closed socket then refuses sends.
+    fn send_reset_errno(&mut self) -> c_int {
+        if self.reset_reported {
+            return libc::EPIPE;
+        }
+        self.reset_reported = true;
+        self.kernel_error.unwrap_or(libc::ECONNRESET)
     }
 
     /// The kernel TCP connection beside the session is over with `errno` (the service thread
