@@ -413,6 +413,31 @@ mod tests {
     }
 
     #[test]
+    fn v4_mapped_v6_networks_keep_their_prefix() {
+        // Written as IPv6, the prefix counts the 96 bits of the mapping prefix too.
+        let config = parse("use tcp any * [::ffff:10.1.2.3]/104:*", "f").unwrap();
+        let decide = |peer: &str| config.decide("p", Role::Client, ip(peer), 5);
+        assert_eq!(decide("10.9.8.7"), UseMode::Tcp);
+        assert_eq!(decide("::ffff:10.200.0.1"), UseMode::Tcp);
+        assert_eq!(decide("192.0.2.1"), UseMode::Both);
+        assert_eq!(decide("11.1.2.3"), UseMode::Both);
+        // The default prefix of an IPv6 address is 128: that one IPv4 address only.
+        let single = parse("use tcp any * [::ffff:10.1.2.3]:*", "f").unwrap();
+        let decide = |peer: &str| single.decide("p", Role::Client, ip(peer), 5);
+        assert_eq!(decide("10.1.2.3"), UseMode::Tcp);
+        assert_eq!(decide("192.0.2.1"), UseMode::Both);
+        assert_eq!(decide("10.1.2.4"), UseMode::Both);
+        // A prefix shorter than the mapping holds every IPv4 address (and IPv6 ones).
+        let wide = AddressPattern::Network(ip("::ffff:10.1.2.3"), 80);
+        assert!(wide.matches(ip("192.0.2.1")));
+        assert!(wide.matches(ip("::1")));
+        assert!(!wide.matches(ip("fe80::1")));
+        let narrow = AddressPattern::Network(ip("::ffff:10.1.2.3"), 96);
+        assert!(narrow.matches(ip("192.0.2.1")));
+        assert!(!narrow.matches(ip("::1")));
+    }
+
+    #[test]
     fn prefix_zero_and_full_length() {
         assert!(AddressPattern::Network(ip("1.2.3.4"), 0).matches(ip("200.1.1.1")));
         assert!(AddressPattern::Network(ip("1.2.3.4"), 32).matches(ip("1.2.3.4")));
