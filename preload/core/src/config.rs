@@ -66,19 +66,26 @@ pub enum AddressPattern {
 }
 
 impl AddressPattern {
-    /// True when `ip` is inside the pattern (v4-mapped v6 addresses count as v4).
+    /// True when `ip` is inside the pattern (v4-mapped v6 addresses count as v4). A network
+    /// written as a v4-mapped v6 address is compared in the v6 space, where its prefix counts
+    /// the 96 bits of the mapping too (`[::ffff:10.0.0.0]/104` is `10.0.0.0/8`).
     pub fn matches(&self, ip: IpAddr) -> bool {
         let (network, prefix) = match *self {
             Self::Any => return true,
-            Self::Network(network, prefix) => (network, prefix),
+            Self::Network(network, prefix) => (network, u32::from(prefix)),
         };
-        match (unmap_v4(network), unmap_v4(ip)) {
+        match (network, unmap_v4(ip)) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+                let mask = u32::MAX.checked_shl(32 - prefix.min(32)).unwrap_or(0);
                 u32::from(net) & mask == u32::from(ip) & mask
             }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+            (IpAddr::V6(net), ip) => {
+                let ip = match ip {
+                    IpAddr::V6(ip) => ip,
+                    IpAddr::V4(ip) if net.to_ipv4_mapped().is_some() => ip.to_ipv6_mapped(),
+                    IpAddr::V4(_) => return false,
+                };
+                let mask = u128::MAX.checked_shl(128 - prefix.min(128)).unwrap_or(0);
                 u128::from(net) & mask == u128::from(ip) & mask
             }
             _ => false,
