@@ -147,7 +147,8 @@ fn a_longjmp_out_of_a_blocking_recv_leaves_the_connection_usable() {
         eprintln!("skipped: no C compiler (cc)");
         return;
     };
-    let expected = "recv timed out\nrecv: 1 \"x\"\nsend: 5 \"hello\"\necho: 5 \"hello\"\npeer exit 0\n";
+    let expected =
+        "recv timed out\nrecv: 1 \"x\"\nsend: 5 \"hello\"\necho: 5 \"hello\"\npeer exit 0\n";
     assert_eq!(run(&exe, false, &dir), expected, "natively");
     assert_eq!(run(&exe, true, &dir), expected, "preloaded, over the SAN");
     let _ = std::fs::remove_dir_all(&dir);

@@ -79,6 +79,21 @@ impl Drop for ReentrancyGuard {
     }
 }
 
+/// Runs `sleep` (a blocking wait of a SAN call, no lock of ours held) with the guard released.
+///
+/// Signals arrive while a blocking call sleeps. A handler that leaves with `siglongjmp` (the
+/// classic alarm timeout) skips the frames below it, our guard's `Drop` among them: released
+/// here, the flag is clear after such a jump, and the thread's next SAN call works. A
+/// handler that returns finds the flag as the sleep left it, and may itself use the SAN
+/// path meanwhile (nothing of ours is locked while we sleep).
+#[inline]
+pub(crate) fn released_while<T>(sleep: impl FnOnce() -> T) -> T {
+    let held = INSIDE.with(|inside| inside.replace(false));
+    let result = sleep();
+    INSIDE.with(|inside| inside.set(held));
+    result
+}
+
 /// True when the current thread is inside the library's own code.
 #[inline(always)]
 pub fn is_inside() -> bool {
@@ -125,6 +140,13 @@ mod tests {
             assert!(is_inside(), "inner guard must not clear the outer one");
         }
         assert!(!is_inside());
+    }
+
+    #[test]
+    fn sleeping_releases_the_guard_and_takes_it_back() {
+        let _held = ReentrancyGuard::enter();
+        assert!(!released_while(is_inside));
+        assert!(is_inside(), "held again after the sleep");
     }
 
     #[test]
