@@ -166,6 +166,11 @@ pub const KNOBS: &[Knob] = &[
     },
 ];
 
+/// Whether the library reads variable `name` (today: every variable, in every process).
+pub fn honoured(_name: &str, _privileged: bool) -> bool {
+    true
+}
+
 /// `SANDIRECT_MODE`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 #[non_exhaustive]
@@ -499,6 +504,25 @@ mod tests {
             .unwrap_err()
             .contains("cannot read config"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// In a privileged process (`AT_SECURE`) only the variables that narrow what the library
+    /// does are read: none naming a path, choosing a provider or tuning it.
+    #[test]
+    fn privileged_processes_read_only_narrowing_variables() {
+        for knob in KNOBS {
+            assert!(honoured(knob.name, false), "{} unprivileged", knob.name);
+        }
+        let read: BTreeSet<&str> = KNOBS
+            .iter()
+            .map(|knob| knob.name)
+            .filter(|name| honoured(name, true))
+            .collect();
+        assert_eq!(read, BTreeSet::from([MODE, SAN, SAN_RENDEZVOUS]));
+        for name in [CONFIG, LOG, STAT_DIR, SHM_DIR, VERBS_LIBRARY, STASHES, SAN_PROVIDER] {
+            assert!(!honoured(name, true), "{name} must not be read when privileged");
+        }
+        assert!(!honoured("SANDIRECT_NOT_A_KNOB", true));
     }
 
     fn workspace() -> &'static Path {
