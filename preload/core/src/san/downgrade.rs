@@ -505,3 +505,76 @@ pub(super) fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32,
         stashed.epoll_ctl(epfd, op, events, data);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    fn owned(fd: c_int) -> OwnedFd {
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: a fresh descriptor of ours.
+        unsafe { OwnedFd::from_raw_fd(fd) }
+    }
+
+    /// What the process sees of descriptor `fd`: its flags and the file it names.
+    fn state(fd: c_int) -> Option<(c_int, u64, u64)> {
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        // SAFETY: plain fstat(2) into a zeroed struct.
+        let mut st: libc::stat = unsafe { core::mem::zeroed() };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return None;
+        }
+        Some((flags, st.st_dev, st.st_ino))
+    }
+
+    /// Hostile or stale `SANDIRECT_STASHES` values: nothing of the process is closed or
+    /// changed, and nothing is adopted.
+    #[test]
+    fn hostile_stash_entries_touch_no_descriptor() {
+        let mut ends = [0; 2];
+        // SAFETY: socketpair writes two descriptors into `ends`.
+        assert_eq!(
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, ends.as_mut_ptr()) },
+            0
+        );
+        let (socket, _peer) = (owned(ends[0]), owned(ends[1]));
+        let mut pipe = [0; 2];
+        // SAFETY: pipe writes two descriptors into `pipe` (no close-on-exec: inherited).
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        let (pipe_r, pipe_w) = (owned(pipe[0]), owned(pipe[1]));
+        // A memfd, but not a stash.
+        // SAFETY: plain memfd_create + ftruncate on a fresh descriptor.
+        let memfd = owned(unsafe { libc::memfd_create(c"not-a-stash".as_ptr(), 0) });
+        // SAFETY: as above.
+        unsafe { libc::ftruncate(memfd.as_raw_fd(), 4096) };
+        let inode = socket_inode(socket.as_raw_fd()).unwrap();
+        let (s, p, w, m) = (
+            socket.as_raw_fd(),
+            pipe_r.as_raw_fd(),
+            pipe_w.as_raw_fd(),
+            memfd.as_raw_fd(),
+        );
+        let watched = [s, p, w, m];
+        let before: Vec<_> = watched.iter().map(|&fd| state(fd)).collect();
+        let hostile = [
+            format!("{s}:{p}:{inode}"),
+            format!("{s}:{w}:{inode}"),
+            format!("{s}:{m}:{inode}"),
+            format!("{s}:{m}:{inode},{s}:{m}:{inode},{s}:{p}:{inode}"),
+            format!("{p}:{m}:{inode}"),
+            format!("{s}:{s}:{inode}"),
+            format!("{s}:{p}:{}", inode + 1),
+            format!("-1:{p}:{inode},{s}:-{p}:{inode},{s}:{p}:-1"),
+            format!("99999999999:{p}:{inode},{s}:4294967296:{inode},{s}:1048575:{inode}"),
+            format!("{s}:{p}:{inode}:7,{s}:{p},{s},,:::,{s}:{p}:x,garbage"),
+        ];
+        for value in &hostile {
+            adopt_stashes(value, |fd| panic!("adopted {fd} from {value:?}"));
+            let after: Vec<_> = watched.iter().map(|&fd| state(fd)).collect();
+            assert_eq!(after, before, "descriptors changed by {value:?}");
+        }
+    }
+}
