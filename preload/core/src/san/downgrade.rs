@@ -403,7 +403,11 @@ pub(crate) fn stash_of(fd: c_int) -> Option<(RawFd, u64)> {
 /// socket, or not trackable).
 pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
     tracing::debug!(value, "stashes handed over by exec");
-    let mut adopted: Vec<c_int> = Vec::new();
+    // Every check comes before any descriptor is touched: a stale or crafted entry may name
+    // any open descriptor of ours. A stash is read through a private copy of the memfd; the
+    // number handed over is closed only once its copy proved it a stash.
+    let mut sockets: Vec<c_int> = Vec::new();
+    let mut handed: Vec<c_int> = Vec::new();
     for entry in value.split(',').take(4096) {
         let mut fields = entry.split(':');
         let (Some(Ok(fd)), Some(Ok(memfd)), Some(Ok(inode)), None) = (
@@ -414,32 +418,33 @@ pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
         ) else {
             continue;
         };
-        if fd < 0 || memfd < 0 || fd == memfd || socket_inode(fd) != Some(inode) {
+        if fd < 0
+            || memfd < 0
+            || fd == memfd
+            || sockets.contains(&fd)
+            || socket_inode(fd) != Some(inode)
+        {
             continue;
         }
-        // SAFETY: fcntl(F_GETFD) only checks that the descriptor is open.
-        if unsafe { libc::fcntl(memfd, libc::F_GETFD) } < 0 {
+        // SAFETY: F_GET_SEALS only reads; it fails unless `memfd` is an open shared-memory
+        // file (a memfd), so pipes, sockets and regular files are refused here.
+        if unsafe { libc::fcntl(memfd, libc::F_GET_SEALS) } < 0 {
             continue;
         }
-        let owned = if adopted.contains(&memfd) {
-            // SAFETY: duplicating an open descriptor; the copy is ours alone.
-            let copy = unsafe { libc::fcntl(memfd, libc::F_DUPFD_CLOEXEC, 0) };
-            if copy < 0 {
-                continue;
-            }
-            copy
-        } else {
-            adopted.push(memfd);
-            // SAFETY: setting close-on-exec on the descriptor handed to us.
-            unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
-            memfd
-        };
-        // SAFETY: the exec'ing image handed this descriptor to us (or we just duplicated
-        // it); nobody else owns it.
-        let owned = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(owned) };
-        let Some(stash) = Stash::adopt(owned) else {
+        // SAFETY: duplicating an open descriptor; the copy is ours alone.
+        let copy = unsafe { libc::fcntl(memfd, libc::F_DUPFD_CLOEXEC, 0) };
+        if copy < 0 {
+            continue;
+        }
+        // SAFETY: `copy` was just returned by the kernel and is owned by nobody else.
+        let copy = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(copy) };
+        let Some(stash) = Stash::adopt(crate::mirror::relocate_internal_fd(copy)) else {
             continue;
         };
+        sockets.push(fd);
+        if !handed.contains(&memfd) {
+            handed.push(memfd);
+        }
         let Some(index) = track(fd) else {
             continue;
         };
@@ -452,6 +457,11 @@ pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
         if let Some(record) = registry().get(index) {
             record.set_flag(flags::SAN | flags::STASHED, true);
         }
+    }
+    for memfd in handed {
+        // SAFETY: a stash memfd the exec'ing image handed to us for its stashes (proved one
+        // above); our copies hold the stashes now.
+        unsafe { libc::close(memfd) };
     }
 }
 
@@ -536,10 +546,9 @@ mod tests {
     fn hostile_stash_entries_touch_no_descriptor() {
         let mut ends = [0; 2];
         // SAFETY: socketpair writes two descriptors into `ends`.
-        assert_eq!(
-            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, ends.as_mut_ptr()) },
-            0
-        );
+        let rc =
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, ends.as_mut_ptr()) };
+        assert_eq!(rc, 0);
         let (socket, _peer) = (owned(ends[0]), owned(ends[1]));
         let mut pipe = [0; 2];
         // SAFETY: pipe writes two descriptors into `pipe` (no close-on-exec: inherited).
