@@ -149,6 +149,8 @@ struct Draining {
 /// this process (the caller decides what the other process gets). `only` limits the work to
 /// these fds (exec: sockets that survive it).
 pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("downgrade_all");
     if LIVE.load(Ordering::Relaxed) == 0 {
         return;
     }

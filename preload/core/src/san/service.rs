@@ -347,6 +347,8 @@ impl ReadySignal {
 /// Services every switched SAN socket of this process once (`try_lock`: a socket in use by
 /// another thread is being serviced anyway). The safety net of the sliced waits.
 pub fn service_all() {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("service_all");
     if LIVE.load(Ordering::Relaxed) == 0 {
         return;
     }
