@@ -305,29 +305,35 @@ fn with_panic_at(site: &'static str, hook: impl FnOnce() -> c_int) -> c_int {
 fn a_panic_in_readiness_and_process_hooks_gives_the_real_result() {
     let mut ends = [0; 2];
     // SAFETY: pipe writes two descriptors into `ends`.
-    assert_eq!(unsafe { libc::pipe(ends.as_mut_ptr()) }, 0);
+    let rc = unsafe { libc::pipe(ends.as_mut_ptr()) };
+    assert_eq!(rc, 0);
     let [r, w] = ends;
     // SAFETY: writing one byte to our pipe.
-    assert_eq!(unsafe { libc::write(w, b"x".as_ptr().cast(), 1) }, 1);
+    let written = unsafe { libc::write(w, b"x".as_ptr().cast(), 1) };
+    assert_eq!(written, 1);
     let mut fds = [libc::pollfd {
         fd: r,
         events: libc::POLLIN,
         revents: 0,
     }];
-    // SAFETY (each hook below): our own arrays, sets and descriptors.
-    let rc = with_panic_at("poll_fds", || unsafe { poll(fds.as_mut_ptr(), 1, 0) });
+    let rc = with_panic_at("poll_fds", || {
+        // SAFETY: our own array (as for every hook below: our arrays, sets, descriptors).
+        unsafe { poll(fds.as_mut_ptr(), 1, 0) }
+    });
     assert_eq!((rc, fds[0].fd, fds[0].revents), (1, r, libc::POLLIN));
-    // SAFETY: as above.
-    let rc = with_panic_at("poll_fds", || unsafe {
-        ppoll(
-            fds.as_mut_ptr(),
-            1,
-            &libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            core::ptr::null(),
-        )
+    let rc = with_panic_at("poll_fds", || {
+        // SAFETY: as above.
+        unsafe {
+            ppoll(
+                fds.as_mut_ptr(),
+                1,
+                &libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                },
+                core::ptr::null(),
+            )
+        }
     });
     assert_eq!(rc, 1);
 
@@ -338,23 +344,21 @@ fn a_panic_in_readiness_and_process_hooks_gives_the_real_result() {
         u64: 7,
     };
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { epoll_ctl(epfd, libc::EPOLL_CTL_ADD, r, &mut event) },
-        0
-    );
+    let rc = unsafe { epoll_ctl(epfd, libc::EPOLL_CTL_ADD, r, &mut event) };
+    assert_eq!(rc, 0);
     let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
     for site in ["assist_all_in_process", "correct_epoll_events"] {
-        // SAFETY: as above.
-        let rc = with_panic_at(site, || unsafe {
-            epoll_wait(epfd, events.as_mut_ptr(), 4, 0)
+        let rc = with_panic_at(site, || {
+            // SAFETY: as above.
+            unsafe { epoll_wait(epfd, events.as_mut_ptr(), 4, 0) }
         });
         assert_eq!((rc, events[0].u64), (1, 7), "{site}");
     }
     // SAFETY: as above.
     let empty = unsafe { epoll_create1(libc::EPOLL_CLOEXEC) };
-    // SAFETY: as above.
-    let rc = with_panic_at("service_all", || unsafe {
-        epoll_wait(empty, events.as_mut_ptr(), 4, 0)
+    let rc = with_panic_at("service_all", || {
+        // SAFETY: as above.
+        unsafe { epoll_wait(empty, events.as_mut_ptr(), 4, 0) }
     });
     assert_eq!(rc, 0);
 
@@ -382,20 +386,24 @@ fn a_panic_in_readiness_and_process_hooks_gives_the_real_result() {
         }
     });
     // SAFETY: reading our own set.
-    assert_eq!((rc, unsafe { libc::FD_ISSET(r, &set) }), (1, true));
+    let readable = unsafe { libc::FD_ISSET(r, &set) };
+    assert_eq!((rc, readable), (1, true));
 
     // The child exits at once (it is a copy of this test process).
     let pid = with_panic_at("before_fork", || {
-        // SAFETY: as above; the child only calls _exit.
-        match unsafe { fork() } {
-            0 => unsafe { libc::_exit(0) },
-            pid => pid,
+        // SAFETY: as above.
+        let pid = unsafe { fork() };
+        if pid == 0 {
+            // SAFETY: the child leaves at once.
+            unsafe { libc::_exit(0) };
         }
+        pid
     });
     assert!(pid > 0);
     let mut status = 0;
     // SAFETY: reaping our own child.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    let reaped = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(reaped, pid);
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
 
     let argv = [c"true".as_ptr().cast_mut(), core::ptr::null_mut()];
@@ -415,7 +423,8 @@ fn a_panic_in_readiness_and_process_hooks_gives_the_real_result() {
     });
     assert_eq!(rc, 0);
     // SAFETY: reaping our own child.
-    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    let reaped = unsafe { libc::waitpid(child, &mut status, 0) };
+    assert_eq!(reaped, child);
     for fd in [r, w, epfd, empty] {
         // SAFETY: closing our own descriptors.
         unsafe { close(fd) };
