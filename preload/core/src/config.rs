@@ -66,19 +66,26 @@ pub enum AddressPattern {
 }
 
 impl AddressPattern {
-    /// True when `ip` is inside the pattern (v4-mapped v6 addresses count as v4).
+    /// True when `ip` is inside the pattern (v4-mapped v6 addresses count as v4). A network
+    /// written as a v4-mapped v6 address is compared in the v6 space, where its prefix counts
+    /// the 96 bits of the mapping too (`[::ffff:10.0.0.0]/104` is `10.0.0.0/8`).
     pub fn matches(&self, ip: IpAddr) -> bool {
         let (network, prefix) = match *self {
             Self::Any => return true,
-            Self::Network(network, prefix) => (network, prefix),
+            Self::Network(network, prefix) => (network, u32::from(prefix)),
         };
-        match (unmap_v4(network), unmap_v4(ip)) {
+        match (network, unmap_v4(ip)) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
+                let mask = u32::MAX.checked_shl(32 - prefix.min(32)).unwrap_or(0);
                 u32::from(net) & mask == u32::from(ip) & mask
             }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
+            (IpAddr::V6(net), ip) => {
+                let ip = match ip {
+                    IpAddr::V6(ip) => ip,
+                    IpAddr::V4(ip) if net.to_ipv4_mapped().is_some() => ip.to_ipv6_mapped(),
+                    IpAddr::V4(_) => return false,
+                };
+                let mask = u128::MAX.checked_shl(128 - prefix.min(128)).unwrap_or(0);
                 u128::from(net) & mask == u128::from(ip) & mask
             }
             _ => false,
@@ -410,6 +417,31 @@ mod tests {
             config.decide("p", Role::Client, ip("::1"), 5),
             UseMode::Both
         );
+    }
+
+    #[test]
+    fn v4_mapped_v6_networks_keep_their_prefix() {
+        // Written as IPv6, the prefix counts the 96 bits of the mapping prefix too.
+        let config = parse("use tcp any * [::ffff:10.1.2.3]/104:*", "f").unwrap();
+        let decide = |peer: &str| config.decide("p", Role::Client, ip(peer), 5);
+        assert_eq!(decide("10.9.8.7"), UseMode::Tcp);
+        assert_eq!(decide("::ffff:10.200.0.1"), UseMode::Tcp);
+        assert_eq!(decide("192.0.2.1"), UseMode::Both);
+        assert_eq!(decide("11.1.2.3"), UseMode::Both);
+        // The default prefix of an IPv6 address is 128: that one IPv4 address only.
+        let single = parse("use tcp any * [::ffff:10.1.2.3]:*", "f").unwrap();
+        let decide = |peer: &str| single.decide("p", Role::Client, ip(peer), 5);
+        assert_eq!(decide("10.1.2.3"), UseMode::Tcp);
+        assert_eq!(decide("192.0.2.1"), UseMode::Both);
+        assert_eq!(decide("10.1.2.4"), UseMode::Both);
+        // A prefix shorter than the mapping holds every IPv4 address (and IPv6 ones).
+        let wide = AddressPattern::Network(ip("::ffff:10.1.2.3"), 80);
+        assert!(wide.matches(ip("192.0.2.1")));
+        assert!(wide.matches(ip("::1")));
+        assert!(!wide.matches(ip("fe80::1")));
+        let narrow = AddressPattern::Network(ip("::ffff:10.1.2.3"), 96);
+        assert!(narrow.matches(ip("192.0.2.1")));
+        assert!(!narrow.matches(ip("::1")));
     }
 
     #[test]

@@ -79,6 +79,21 @@ impl Drop for ReentrancyGuard {
     }
 }
 
+/// Runs `sleep` (a blocking wait of a SAN call, no lock of ours held) with the guard released.
+///
+/// Signals arrive while a blocking call sleeps. A handler that leaves with `siglongjmp` (the
+/// classic alarm timeout) skips the frames below it, our guard's `Drop` among them: released
+/// here, the flag is clear after such a jump, and the thread's next SAN call works. A
+/// handler that returns finds the flag as the sleep left it, and may itself use the SAN
+/// path meanwhile (nothing of ours is locked while we sleep).
+#[inline]
+pub(crate) fn released_while<T>(sleep: impl FnOnce() -> T) -> T {
+    let held = INSIDE.with(|inside| inside.replace(false));
+    let result = sleep();
+    INSIDE.with(|inside| inside.set(held));
+    result
+}
+
 /// True when the current thread is inside the library's own code.
 #[inline(always)]
 pub fn is_inside() -> bool {
@@ -108,6 +123,61 @@ pub(crate) fn bookkeeping(work: impl FnOnce()) {
     }
 }
 
+/// Runs the library's own work inside a hook (readiness, process and epoll hooks), guard
+/// held: a panic is caught and counted and gives `None`, so the hook goes on with the real
+/// call's result instead of unwinding into C (which would abort the host program). errno is
+/// left to the caller (some of this work sets it on purpose).
+#[inline]
+pub(crate) fn contained<T>(work: impl FnOnce() -> T) -> Option<T> {
+    let _guard = ReentrancyGuard::enter();
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)) {
+        Ok(value) => Some(value),
+        Err(_) => {
+            note_internal_fault();
+            None
+        }
+    }
+}
+
+/// Test-only: makes the library's work at a given site panic once on this thread (a bug
+/// stand-in), and lets this thread's hooks act as if SAN sockets were alive.
+#[cfg(test)]
+pub(crate) mod seam {
+    use core::cell::Cell;
+
+    thread_local! {
+        static ARMED: Cell<Option<&'static str>> = const { Cell::new(None) };
+        static PRETEND_LIVE: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// The next [`panic_if_armed`] at `site` on this thread panics.
+    pub(crate) fn arm(site: &'static str) {
+        ARMED.with(|armed| armed.set(Some(site)));
+    }
+
+    /// Whether the armed panic has not fired yet.
+    pub(crate) fn armed() -> bool {
+        ARMED.with(|armed| armed.get().is_some())
+    }
+
+    /// Called first by the work of each site (test builds only).
+    pub(crate) fn panic_if_armed(site: &'static str) {
+        if ARMED.with(|armed| armed.get() == Some(site)) {
+            ARMED.with(|armed| armed.set(None));
+            panic!("injected panic at {site}");
+        }
+    }
+
+    /// This thread's hooks see at least one live SAN socket while `live` is set.
+    pub(crate) fn pretend_live(live: bool) {
+        PRETEND_LIVE.with(|pretend| pretend.set(live));
+    }
+
+    pub(crate) fn pretending_live() -> bool {
+        PRETEND_LIVE.with(Cell::get)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +195,13 @@ mod tests {
             assert!(is_inside(), "inner guard must not clear the outer one");
         }
         assert!(!is_inside());
+    }
+
+    #[test]
+    fn sleeping_releases_the_guard_and_takes_it_back() {
+        let _held = ReentrancyGuard::enter();
+        assert!(!released_while(is_inside));
+        assert!(is_inside(), "held again after the sleep");
     }
 
     #[test]

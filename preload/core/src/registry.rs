@@ -606,8 +606,13 @@ impl Default for PathBuf {
 /// Builds the directory path into `path` and makes sure it is a directory owned by us (0700).
 /// False when publication is off or the directory is unusable.
 pub fn stats_dir(path: &mut PathBuf) -> bool {
-    // SAFETY: getenv with a NUL-terminated name; the result is only read, right away.
-    let custom = unsafe { libc::getenv(crate::settings::STAT_DIR_C.as_ptr()) };
+    let custom =
+        if crate::settings::honoured(crate::settings::STAT_DIR, crate::settings::privileged()) {
+            // SAFETY: getenv with a NUL-terminated name; the result is only read, right away.
+            unsafe { libc::getenv(crate::settings::STAT_DIR_C.as_ptr()) }
+        } else {
+            core::ptr::null_mut()
+        };
     if custom.is_null() {
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };

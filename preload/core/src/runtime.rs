@@ -28,15 +28,22 @@ pub fn init(argv0: Option<&CStr>) {
 }
 
 fn init_guarded(argv0: Option<&CStr>) {
-    logging::install(std::env::var(settings::LOG).ok().as_deref());
+    logging::install(
+        settings::var_os(settings::LOG)
+            .and_then(|v| v.into_string().ok())
+            .as_deref(),
+    );
     settings::load(argv0);
     process::note_process_id();
     // SAFETY: registering a plain extern "C" handler.
     unsafe { libc::pthread_atfork(None, None, Some(crate::ops::after_fork_in_child)) };
     // Bytes a downgraded socket had received before the image that exec'd us: they come
-    // before anything on TCP, whatever our own settings (the variable is ours alone).
-    if let Some(stashes) = std::env::var_os(settings::STASHES) {
-        std::env::remove_var(settings::STASHES);
+    // before anything on TCP, whatever our own settings (the variable is ours alone). A
+    // privileged process does not take descriptors on its environment's word; the variable
+    // goes in any case, so that it reaches no further image.
+    let stashes = settings::var_os(settings::STASHES);
+    std::env::remove_var(settings::STASHES);
+    if let Some(stashes) = stashes {
         crate::san::adopt_stashes(
             &stashes.to_string_lossy(),
             crate::track::adopt_inherited_socket,

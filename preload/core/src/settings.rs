@@ -29,6 +29,11 @@ pub struct Knob {
     pub default: &'static str,
     /// What it does.
     pub effect: &'static str,
+    /// Read by the library in a privileged process too (set-uid, set-gid or gaining
+    /// capabilities at exec: `AT_SECURE`). Only variables that can only narrow what the
+    /// library does are; one that names a path, chooses or tunes a provider, or adds output is
+    /// not, whoever set the environment (the library keeps its default).
+    pub privileged: bool,
 }
 
 /// `SANDIRECT_MODE`.
@@ -73,98 +78,146 @@ pub const KNOBS: &[Knob] = &[
         values: "auto, tcp, off",
         default: "auto",
         effect: "off: track nothing, pure passthrough; tcp: track, never use the SAN; auto: the rules decide",
+        privileged: true,
     },
     Knob {
         name: CONFIG,
         values: "path",
         default: "none (every connection may use the SAN)",
-        effect: "the rules file; an invalid file keeps every connection on TCP",
+        effect: "the rules file; an invalid file keeps every connection on TCP; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: LOG,
         values: "error, warn, info, debug, trace",
         default: "off",
-        effect: "tracing output on stderr (free when off)",
+        effect: "tracing output on stderr (free when off); not read when privileged",
+        privileged: false,
     },
     Knob {
         name: STAT_DIR,
         values: "path, off",
         default: "/dev/shm/sandirect-$UID",
-        effect: "where live connections are published for `sandirect stat`",
+        effect: "where live connections are published for `sandirect stat`; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: SAN,
         values: "0, 1",
         default: "1",
         effect: "0 keeps every connection on kernel TCP (still tracked and counted)",
+        privileged: true,
     },
     Knob {
         name: SAN_PROVIDER,
         values: "shm, auto, verbs",
         default: "shm",
-        effect: "which SAN providers may be used: shm intra-host only; auto adds RDMA verbs across hosts; verbs only",
+        effect: "which SAN providers may be used: shm intra-host only; auto adds RDMA verbs across hosts; verbs only; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: SHM_DIR,
         values: "path",
         default: "/dev/shm/sandirect-$UID",
-        effect: "directory of the shared-memory segments and listener markers",
+        effect: "directory of the shared-memory segments and listener markers; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: SAN_RENDEZVOUS,
         values: "0, 1",
         default: "1",
         effect: "0 keeps large sends inline instead of the zero-copy rendezvous",
+        privileged: true,
     },
     Knob {
         name: SAN_RDMA_READ,
         values: "0, 1",
         default: "READ on RoCE/InfiniBand, WRITE on iWARP",
-        effect: "verbs rendezvous: 1 the receiver RDMA-READs the sender's buffer; 0 the sender RDMA-WRITEs into a sink the receiver advertises",
+        effect: "verbs rendezvous: 1 the receiver RDMA-READs the sender's buffer; 0 the sender RDMA-WRITEs into a sink the receiver advertises; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: VERBS_POLLS,
         values: "0..=1048576",
         default: "1024",
-        effect: "how many times a blocked reader of a verbs socket polls for the answer before it sleeps (adaptively; 0 sleeps at once)",
+        effect: "how many times a blocked reader of a verbs socket polls for the answer before it sleeps (adaptively; 0 sleeps at once); not read when privileged",
+        privileged: false,
     },
     Knob {
         name: VERBS_TIMEOUT_MS,
         values: "milliseconds",
         default: "3000",
-        effect: "bound on one RDMA connection set-up; past it the connection stays on TCP",
+        effect: "bound on one RDMA connection set-up; past it the connection stays on TCP; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: VERBS_LIBRARY,
         values: "path",
         default: "libsandirect_verbs.so on the library search path",
-        effect: "the verbs provider library",
+        effect: "the verbs provider library; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: WAIT_SLICE_MS,
         values: "1..=600000",
         default: "239",
-        effect: "longest kernel wait between two safety-net services of every SAN socket",
+        effect: "longest kernel wait between two safety-net services of every SAN socket; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: LIB,
         values: "path",
         default: "next to the `sandirect` binary",
         effect: "the preload library `sandirect run` injects",
+        privileged: false,
     },
     Knob {
         name: STASHES,
         values: "internal",
         default: "unset",
-        effect: "set by the library across exec: received bytes a downgraded socket still holds",
+        effect: "set by the library across exec: received bytes a downgraded socket still holds; not read when privileged",
+        privileged: false,
     },
     Knob {
         name: SAN_REFUSE_REGISTRATIONS,
         values: "count",
         default: "0",
-        effect: "testing: refuse this many memory registrations, as an exhausted RLIMIT_MEMLOCK would",
+        effect: "testing: refuse this many memory registrations, as an exhausted RLIMIT_MEMLOCK would; not read when privileged",
+        privileged: false,
     },
 ];
+
+/// True in a privileged process: set-uid, set-gid or gaining capabilities at exec
+/// (`AT_SECURE`, what `secure_getenv` asks). Its environment was set by a less privileged
+/// user, so only the variables [`Knob::privileged`] marks are read. (Allocation-free: the
+/// constructor's stats-directory lookup asks too.)
+pub fn privileged() -> bool {
+    // SAFETY: getauxval has no preconditions.
+    unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
+}
+
+/// Whether the library reads variable `name` in a process that is `privileged` (see
+/// [`Knob::privileged`]); an unknown name never is then. Allocation-free.
+pub fn honoured(name: &str, privileged: bool) -> bool {
+    !privileged
+        || KNOBS
+            .iter()
+            .any(|knob| knob.name == name && knob.privileged)
+}
+
+/// The library's read of variable `name`: its value, unless unset or not [`honoured`] here.
+pub fn var_os(name: &str) -> Option<std::ffi::OsString> {
+    if honoured(name, privileged()) {
+        std::env::var_os(name)
+    } else {
+        None
+    }
+}
+
+/// [`var_os`] as text (`None` also when not valid UTF-8).
+fn var(name: &str) -> Option<String> {
+    var_os(name)?.into_string().ok()
+}
 
 /// `SANDIRECT_MODE`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -230,9 +283,9 @@ pub fn san_enabled() -> bool {
 
 /// Reads the process-wide variables (mode, rules, SAN on/off, wait slice) once, at init.
 pub fn load(argv0: Option<&CStr>) {
-    let mode = match std::env::var(MODE) {
-        Err(_) => Mode::Auto,
-        Ok(value) => Mode::parse(&value).unwrap_or_else(|| {
+    let mode = match var(MODE) {
+        None => Mode::Auto,
+        Some(value) => Mode::parse(&value).unwrap_or_else(|| {
             eprintln!("sandirect: {MODE}={value:?} is not auto, tcp or off; using auto");
             Mode::Auto
         }),
@@ -241,7 +294,7 @@ pub fn load(argv0: Option<&CStr>) {
         disable_tracking();
     }
     let program = program_name(argv0);
-    let rules = match std::env::var_os(CONFIG) {
+    let rules = match var_os(CONFIG) {
         None => Some(Config::default()),
         Some(path) => match load_config(std::path::Path::new(&path)) {
             Ok(config) => Some(config.for_program(&program)),
@@ -254,8 +307,8 @@ pub fn load(argv0: Option<&CStr>) {
     tracing::debug!(?mode, program, rules = ?rules.as_ref().map(|r| r.rules.len()), "sandirect initialised");
     // On unless turned off: `SANDIRECT_SAN=0` keeps every connection on kernel TCP (the
     // interposer still tracks and counts them).
-    let san = std::env::var(SAN).map_or(true, |value| value != "0");
-    if let Ok(value) = std::env::var(WAIT_SLICE_MS) {
+    let san = var(SAN).is_none_or(|value| value != "0");
+    if let Some(value) = var(WAIT_SLICE_MS) {
         match value.parse::<c_int>() {
             Ok(ms) if (1..=600_000).contains(&ms) => WAIT_SLICE.store(ms, Ordering::Relaxed),
             _ => eprintln!(
@@ -370,11 +423,11 @@ pub enum ProviderChoice {
 /// `SANDIRECT_SAN_PROVIDER` (read once).
 pub fn provider_choice() -> ProviderChoice {
     static CHOICE: OnceLock<ProviderChoice> = OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var(SAN_PROVIDER).as_deref() {
-        Ok("auto") => ProviderChoice::Auto,
-        Ok("verbs") => ProviderChoice::Verbs,
-        Ok("shm") | Err(_) => ProviderChoice::Shm,
-        Ok(other) => {
+    *CHOICE.get_or_init(|| match var(SAN_PROVIDER).as_deref() {
+        Some("auto") => ProviderChoice::Auto,
+        Some("verbs") => ProviderChoice::Verbs,
+        Some("shm") | None => ProviderChoice::Shm,
+        Some(other) => {
             eprintln!("sandirect: {SAN_PROVIDER}={other:?} is not shm, auto or verbs; using shm");
             ProviderChoice::Shm
         }
@@ -383,18 +436,18 @@ pub fn provider_choice() -> ProviderChoice {
 
 /// `SANDIRECT_SHM_DIR`: the segment directory, `None` for the default.
 pub fn shm_dir() -> Option<PathBuf> {
-    std::env::var_os(SHM_DIR).map(PathBuf::from)
+    var_os(SHM_DIR).map(PathBuf::from)
 }
 
 /// `SANDIRECT_SAN_RENDEZVOUS`: false when set to `0`.
 pub fn rendezvous_allowed() -> bool {
-    std::env::var_os(SAN_RENDEZVOUS).is_none_or(|v| v != "0")
+    var_os(SAN_RENDEZVOUS).is_none_or(|v| v != "0")
 }
 
 /// `SANDIRECT_SAN_RDMA_READ`: `Some(false)` for `0`, `Some(true)` for `1`, `None` (the
 /// device's default) when unset or anything else.
 pub fn rdma_read() -> Option<bool> {
-    rdma_read_setting(std::env::var_os(SAN_RDMA_READ).as_deref())
+    rdma_read_setting(var_os(SAN_RDMA_READ).as_deref())
 }
 
 fn rdma_read_setting(value: Option<&std::ffi::OsStr>) -> Option<bool> {
@@ -420,8 +473,7 @@ const DEFAULT_VERBS_POLLS: u32 = 1024;
 pub fn verbs_polls() -> u32 {
     static POLLS: OnceLock<u32> = OnceLock::new();
     *POLLS.get_or_init(|| {
-        std::env::var(VERBS_POLLS)
-            .ok()
+        var(VERBS_POLLS)
             .and_then(|v| v.trim().parse::<u32>().ok())
             .map_or(DEFAULT_VERBS_POLLS, |polls| polls.min(1 << 20))
     })
@@ -431,8 +483,7 @@ pub fn verbs_polls() -> u32 {
 pub fn verbs_setup_timeout() -> Duration {
     static TIMEOUT: OnceLock<Duration> = OnceLock::new();
     *TIMEOUT.get_or_init(|| {
-        std::env::var(VERBS_TIMEOUT_MS)
-            .ok()
+        var(VERBS_TIMEOUT_MS)
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(Duration::from_millis(3000), Duration::from_millis)
     })
@@ -440,13 +491,12 @@ pub fn verbs_setup_timeout() -> Duration {
 
 /// `SANDIRECT_VERBS_LIBRARY`: the verbs provider library, `None` for the default name.
 pub fn verbs_library() -> Option<PathBuf> {
-    std::env::var_os(VERBS_LIBRARY).map(PathBuf::from)
+    var_os(VERBS_LIBRARY).map(PathBuf::from)
 }
 
 /// `SANDIRECT_SAN_REFUSE_REGISTRATIONS`: how many registrations to refuse (testing).
 pub fn refused_registrations() -> u64 {
-    std::env::var(SAN_REFUSE_REGISTRATIONS)
-        .ok()
+    var(SAN_REFUSE_REGISTRATIONS)
         .and_then(|value| value.trim().parse().ok())
         .unwrap_or(0)
 }
@@ -499,6 +549,39 @@ mod tests {
             .unwrap_err()
             .contains("cannot read config"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// In a privileged process (`AT_SECURE`) only the variables that narrow what the library
+    /// does are read: none naming a path, choosing a provider or tuning it.
+    #[test]
+    fn privileged_processes_read_only_narrowing_variables() {
+        for knob in KNOBS {
+            assert!(honoured(knob.name, false), "{} unprivileged", knob.name);
+        }
+        let read: BTreeSet<&str> = KNOBS
+            .iter()
+            .map(|knob| knob.name)
+            .filter(|name| honoured(name, true))
+            .collect();
+        assert_eq!(read, BTreeSet::from([MODE, SAN, SAN_RENDEZVOUS]));
+        for name in [
+            CONFIG,
+            LOG,
+            STAT_DIR,
+            SHM_DIR,
+            VERBS_LIBRARY,
+            STASHES,
+            SAN_PROVIDER,
+        ] {
+            assert!(
+                !honoured(name, true),
+                "{name} must not be read when privileged"
+            );
+        }
+        assert!(
+            !honoured(concat!("SANDIRECT_", "X"), true),
+            "an unknown name"
+        );
     }
 
     fn workspace() -> &'static Path {

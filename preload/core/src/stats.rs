@@ -155,7 +155,7 @@ pub fn process_start_time(pid: u32) -> Option<u64> {
 /// The directory this user's processes publish into (`SANDIRECT_STAT_DIR` or
 /// `/dev/shm/sandirect-$UID`); `None` when publication is off.
 pub fn default_dir() -> Option<PathBuf> {
-    match std::env::var_os(crate::settings::STAT_DIR) {
+    match crate::settings::var_os(crate::settings::STAT_DIR) {
         Some(dir) if dir == "off" || dir.is_empty() => None,
         Some(dir) => Some(PathBuf::from(dir)),
         // SAFETY: getuid has no preconditions.

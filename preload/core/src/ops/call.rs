@@ -46,8 +46,9 @@ pub(super) fn san_data_call<T>(entry: FdEntry, san: impl FnOnce(u32) -> Outcome<
         return Outcome::Bypass(Why::NotOnSan);
     };
     if guard::is_inside() {
-        // Only a signal handler that interrupted one of our own hooks on this thread gets
-        // here (our code never does data calls through the hooks). The SAN state may be
+        // Only a signal handler that interrupted one of our own hooks on this thread outside
+        // its blocking sleep gets here (our code never does data calls through the hooks, and
+        // the sleep releases the guard). The SAN state may be
         // mid-update under a lock this thread holds, and the kernel socket would put the bytes
         // out of order: the call is interrupted instead, which the handler can retry later.
         return Outcome::Failed(Errno(libc::EINTR));

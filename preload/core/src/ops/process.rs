@@ -7,7 +7,7 @@ use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 
 use crate::fdtable::table;
-use crate::guard::{self, bookkeeping, ReentrancyGuard};
+use crate::guard::{self, bookkeeping};
 use crate::registry::registry;
 use crate::{errno, real};
 
@@ -28,10 +28,10 @@ pub unsafe fn fork() -> libc::pid_t {
         // SAFETY: forwarded.
         return unsafe { real::fork() };
     }
-    let held = (crate::san::live_sockets() != 0).then(|| {
-        let _guard = ReentrancyGuard::enter();
-        crate::san::before_fork()
-    });
+    // (A panic of ours: a fork without the slot locks, as a process without SAN sockets.)
+    let held = (crate::san::live_sockets() != 0)
+        .then(|| guard::contained(crate::san::before_fork))
+        .flatten();
     let signal = published.then(ForkSignal::new).flatten();
     // SAFETY: forwarded.
     let pid = unsafe { real::fork() };
@@ -98,16 +98,19 @@ fn prepare_exec() -> Option<std::ffi::CString> {
         // never restore it.
         crate::san::stash_env()
     } else {
-        let _guard = ReentrancyGuard::enter();
-        let inherited = inherited_indices();
-        let survives = |fd: c_int| {
-            table()
-                .lookup(fd)
-                .socket_index()
-                .is_some_and(|index| inherited.contains(&index))
-        };
-        crate::san::downgrade_all(Some(&survives));
-        crate::san::stash_env()
+        // (A panic of ours: the exec goes ahead without stashes.)
+        guard::contained(|| {
+            let inherited = inherited_indices();
+            let survives = |fd: c_int| {
+                table()
+                    .lookup(fd)
+                    .socket_index()
+                    .is_some_and(|index| inherited.contains(&index))
+            };
+            crate::san::downgrade_all(Some(&survives));
+            crate::san::stash_env()
+        })
+        .flatten()
     }?;
     std::ffi::CString::new(format!("{}={stashes}", crate::settings::STASHES)).ok()
 }
@@ -196,9 +199,9 @@ unsafe fn spawn_with(
     if crate::san::live_sockets() == 0 || guard::is_inside() {
         return call(envp);
     }
-    let prepared = {
-        let _errno = errno::Preserved::save();
-        let _guard = ReentrancyGuard::enter();
+    let errno = errno::Preserved::save();
+    // (A panic of ours: the spawn goes ahead without stashes.)
+    let prepared = guard::contained(|| {
         // SAFETY: the caller's file actions.
         let inherits = unsafe { spawn_inherits(file_actions) };
         let mut passed = inherited_indices();
@@ -220,7 +223,9 @@ unsafe fn spawn_with(
         };
         crate::san::downgrade_all(Some(&survives));
         stash_environment(dup2s.unwrap_or_default())
-    };
+    })
+    .flatten();
+    drop(errno);
     let Some(stashes) = prepared else {
         return call(envp);
     };
@@ -297,9 +302,9 @@ fn around_shell<T>(call: impl FnOnce() -> T) -> T {
     if crate::san::live_sockets() == 0 || guard::is_inside() {
         return call();
     }
-    let prepared = {
-        let _errno = errno::Preserved::save();
-        let _guard = ReentrancyGuard::enter();
+    let errno = errno::Preserved::save();
+    // (A panic of ours: the call goes ahead without stashes.)
+    let prepared = guard::contained(|| {
         let inherited = inherited_indices();
         let survives = |fd: c_int| {
             table()
@@ -313,7 +318,9 @@ fn around_shell<T>(call: impl FnOnce() -> T) -> T {
             crate::san::downgrade_all(Some(&survives));
             stash_environment(&[])
         }
-    };
+    })
+    .flatten();
+    drop(errno);
     let Some(stashes) = prepared else {
         return call();
     };

@@ -6,7 +6,7 @@ use core::ffi::c_int;
 use libc::size_t;
 
 use super::outcome::{Outcome, Why};
-use crate::guard::{self, bookkeeping, ReentrancyGuard};
+use crate::guard::{self, bookkeeping};
 use crate::record::flags;
 use crate::track::{note_registration, record_of, track_epoll_instance, tracked};
 use crate::{errno, real};
@@ -28,17 +28,16 @@ unsafe fn with_mirrors(
     // SAFETY: the caller's array of `nfds` entries.
     let entries = unsafe { core::slice::from_raw_parts_mut(fds, nfds as usize) };
     loop {
-        let saved = {
-            let _guard = ReentrancyGuard::enter();
-            crate::san::poll_fds(entries, None)
-        };
+        // (A panic of ours: the call goes on with the array as it stands.)
+        let saved = guard::contained(|| crate::san::poll_fds(entries, None)).unwrap_or_default();
         let rc = call();
         if saved.is_empty() {
             return rc;
         }
         let _errno = errno::Preserved::save();
-        let _guard = ReentrancyGuard::enter();
-        crate::san::poll_fds(entries, Some(&saved));
+        if guard::contained(|| crate::san::poll_fds(entries, Some(&saved))).is_none() {
+            return rc;
+        }
         if rc <= 0 {
             return rc;
         }
@@ -72,8 +71,7 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
             return rc;
         }
         let _errno = errno::Preserved::save();
-        let _guard = ReentrancyGuard::enter();
-        crate::san::service_all();
+        let _ = guard::contained(crate::san::service_all);
     }
 }
 
@@ -122,9 +120,10 @@ unsafe fn epoll_wait_with_san(
     loop {
         {
             let _errno = errno::Preserved::save();
-            let _guard = ReentrancyGuard::enter();
-            crate::san::assist_all_in_process();
-            crate::san::settle_all_owed();
+            let _ = guard::contained(|| {
+                crate::san::assist_all_in_process();
+                crate::san::settle_all_owed();
+            });
         }
         let left = crate::settings::next_slice_ms(deadline);
         let n = call(left);
@@ -132,20 +131,21 @@ unsafe fn epoll_wait_with_san(
             return n;
         }
         let _errno = errno::Preserved::save();
-        let _guard = ReentrancyGuard::enter();
         if n > 0 {
             // SAFETY: the kernel just wrote `n` events there.
             let returned = unsafe { core::slice::from_raw_parts_mut(events, n as usize) };
-            let kept = crate::san::correct_epoll_events(epfd, returned);
+            // (A panic of ours: the kernel's events as they are.)
+            let kept = guard::contained(|| crate::san::correct_epoll_events(epfd, returned))
+                .unwrap_or(n as usize);
             if kept > 0 {
                 return kept as c_int;
             }
             if serviced.elapsed() >= slice {
-                crate::san::service_all();
+                let _ = guard::contained(crate::san::service_all);
                 serviced = std::time::Instant::now();
             }
         } else {
-            crate::san::service_all();
+            let _ = guard::contained(crate::san::service_all);
             serviced = std::time::Instant::now();
         }
         if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
@@ -239,7 +239,6 @@ pub unsafe fn select(
     timeout: *mut libc::timeval,
 ) -> c_int {
     if crate::san::live_sockets() != 0 && !guard::is_inside() {
-        let _guard = ReentrancyGuard::enter();
         let spec = (!timeout.is_null()).then(|| {
             // SAFETY: a valid timeval per the C contract.
             let tv = unsafe { timeout.read_unaligned() };
@@ -251,17 +250,21 @@ pub unsafe fn select(
         let spec_ptr = spec
             .as_ref()
             .map_or(core::ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: the caller's sets; our timespec.
-        let selected = unsafe {
-            crate::san::select_via_poll(
-                nfds,
-                readfds,
-                writefds,
-                exceptfds,
-                spec_ptr,
-                core::ptr::null(),
-            )
-        };
+        // (A panic of ours: the real call.)
+        let selected = guard::contained(|| {
+            // SAFETY: the caller's sets; our timespec.
+            unsafe {
+                crate::san::select_via_poll(
+                    nfds,
+                    readfds,
+                    writefds,
+                    exceptfds,
+                    spec_ptr,
+                    core::ptr::null(),
+                )
+            }
+        })
+        .flatten();
         if let Ok(rc) = Outcome::from_san(selected, Why::NotOnSan).returned() {
             return rc;
         }
@@ -284,11 +287,13 @@ pub unsafe fn pselect(
     sigmask: *const libc::sigset_t,
 ) -> c_int {
     if crate::san::live_sockets() != 0 && !guard::is_inside() {
-        let _guard = ReentrancyGuard::enter();
-        // SAFETY: the caller's arguments.
-        let selected = unsafe {
-            crate::san::select_via_poll(nfds, readfds, writefds, exceptfds, timeout, sigmask)
-        };
+        let selected = guard::contained(|| {
+            // SAFETY: the caller's arguments.
+            unsafe {
+                crate::san::select_via_poll(nfds, readfds, writefds, exceptfds, timeout, sigmask)
+            }
+        })
+        .flatten();
         if let Ok(rc) = Outcome::from_san(selected, Why::NotOnSan).returned() {
             return rc;
         }
@@ -376,10 +381,9 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
     let entry = tracked(fd);
     // A switched SAN socket is watched through its mirror (same events, same data).
     let target = match entry.and_then(crate::san::san_index) {
-        Some(index) => {
-            let _guard = ReentrancyGuard::enter();
-            crate::san::mirror_of(fd, index).unwrap_or(fd)
-        }
+        Some(index) => guard::contained(|| crate::san::mirror_of(fd, index))
+            .flatten()
+            .unwrap_or(fd),
         None => fd,
     };
     // SAFETY: forwarded.

@@ -279,3 +279,154 @@ fn errno_of_the_real_call_survives_bookkeeping() {
     // SAFETY: our fd.
     unsafe { close(fd) };
 }
+
+/// Runs `hook` with the library's work at `site` made to panic once (a bug stand-in): the
+/// hook must catch it (counted as an internal fault) and return; unwinding out of a hook into
+/// C would abort the host program.
+fn with_panic_at(site: &'static str, hook: impl FnOnce() -> c_int) -> c_int {
+    use crate::guard::{internal_faults, seam};
+    let faults = internal_faults();
+    seam::pretend_live(true);
+    seam::arm(site);
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(hook));
+    let fired = !seam::armed();
+    seam::arm("");
+    seam::pretend_live(false);
+    assert!(fired, "the work at {site} did not run");
+    let rc = result.unwrap_or_else(|_| panic!("a panic at {site} unwound out of the hook"));
+    assert!(
+        internal_faults() > faults,
+        "the panic at {site} was not counted"
+    );
+    rc
+}
+
+#[test]
+fn a_panic_in_readiness_and_process_hooks_gives_the_real_result() {
+    let mut ends = [0; 2];
+    // SAFETY: pipe writes two descriptors into `ends`.
+    let rc = unsafe { libc::pipe(ends.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    let [r, w] = ends;
+    // SAFETY: writing one byte to our pipe.
+    let written = unsafe { libc::write(w, b"x".as_ptr().cast(), 1) };
+    assert_eq!(written, 1);
+    let mut fds = [libc::pollfd {
+        fd: r,
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    let rc = with_panic_at("poll_fds", || {
+        // SAFETY: our own array (as for every hook below: our arrays, sets, descriptors).
+        unsafe { poll(fds.as_mut_ptr(), 1, 0) }
+    });
+    assert_eq!((rc, fds[0].fd, fds[0].revents), (1, r, libc::POLLIN));
+    let rc = with_panic_at("poll_fds", || {
+        // SAFETY: as above.
+        unsafe {
+            ppoll(
+                fds.as_mut_ptr(),
+                1,
+                &libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                },
+                core::ptr::null(),
+            )
+        }
+    });
+    assert_eq!(rc, 1);
+
+    // SAFETY: as above.
+    let epfd = unsafe { epoll_create1(libc::EPOLL_CLOEXEC) };
+    let mut event = libc::epoll_event {
+        events: libc::EPOLLIN as u32,
+        u64: 7,
+    };
+    // SAFETY: as above.
+    let rc = unsafe { epoll_ctl(epfd, libc::EPOLL_CTL_ADD, r, &mut event) };
+    assert_eq!(rc, 0);
+    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    for site in ["assist_all_in_process", "correct_epoll_events"] {
+        let rc = with_panic_at(site, || {
+            // SAFETY: as above.
+            unsafe { epoll_wait(epfd, events.as_mut_ptr(), 4, 0) }
+        });
+        assert_eq!((rc, events[0].u64), (1, 7), "{site}");
+    }
+    // SAFETY: as above.
+    let empty = unsafe { epoll_create1(libc::EPOLL_CLOEXEC) };
+    let rc = with_panic_at("service_all", || {
+        // SAFETY: as above.
+        unsafe { epoll_wait(empty, events.as_mut_ptr(), 4, 0) }
+    });
+    assert_eq!(rc, 0);
+
+    // SAFETY: plain data, zero is valid.
+    let mut set: libc::fd_set = unsafe { core::mem::zeroed() };
+    let rc = with_panic_at("select_via_poll", || {
+        // SAFETY: as above.
+        unsafe {
+            libc::FD_ZERO(&mut set);
+            libc::FD_SET(r, &mut set);
+        }
+        let mut zero = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        };
+        // SAFETY: as above.
+        unsafe {
+            select(
+                r + 1,
+                &mut set,
+                core::ptr::null_mut(),
+                core::ptr::null_mut(),
+                &mut zero,
+            )
+        }
+    });
+    // SAFETY: reading our own set.
+    let readable = unsafe { libc::FD_ISSET(r, &set) };
+    assert_eq!((rc, readable), (1, true));
+
+    // The child exits at once (it is a copy of this test process).
+    let pid = with_panic_at("before_fork", || {
+        // SAFETY: as above.
+        let pid = unsafe { fork() };
+        if pid == 0 {
+            // SAFETY: the child leaves at once.
+            unsafe { libc::_exit(0) };
+        }
+        pid
+    });
+    assert!(pid > 0);
+    let mut status = 0;
+    // SAFETY: reaping our own child.
+    let reaped = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(reaped, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+
+    let argv = [c"true".as_ptr().cast_mut(), core::ptr::null_mut()];
+    let mut child = 0;
+    let rc = with_panic_at("downgrade_all", || {
+        // SAFETY: as above; a NULL-terminated argv, no file actions or attributes.
+        unsafe {
+            posix_spawn(
+                &mut child,
+                c"/bin/true".as_ptr(),
+                core::ptr::null(),
+                core::ptr::null(),
+                argv.as_ptr(),
+                core::ptr::null(),
+            )
+        }
+    });
+    assert_eq!(rc, 0);
+    // SAFETY: reaping our own child.
+    let reaped = unsafe { libc::waitpid(child, &mut status, 0) };
+    assert_eq!(reaped, child);
+    for fd in [r, w, epfd, empty] {
+        // SAFETY: closing our own descriptors.
+        unsafe { close(fd) };
+    }
+}

@@ -149,6 +149,8 @@ struct Draining {
 /// this process (the caller decides what the other process gets). `only` limits the work to
 /// these fds (exec: sockets that survive it).
 pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("downgrade_all");
     if LIVE.load(Ordering::Relaxed) == 0 {
         return;
     }
@@ -403,7 +405,11 @@ pub(crate) fn stash_of(fd: c_int) -> Option<(RawFd, u64)> {
 /// socket, or not trackable).
 pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
     tracing::debug!(value, "stashes handed over by exec");
-    let mut adopted: Vec<c_int> = Vec::new();
+    // Every check comes before any descriptor is touched: a stale or crafted entry may name
+    // any open descriptor of ours. A stash is read through a private copy of the memfd; the
+    // number handed over is closed only once its copy proved it a stash.
+    let mut sockets: Vec<c_int> = Vec::new();
+    let mut handed: Vec<c_int> = Vec::new();
     for entry in value.split(',').take(4096) {
         let mut fields = entry.split(':');
         let (Some(Ok(fd)), Some(Ok(memfd)), Some(Ok(inode)), None) = (
@@ -414,32 +420,33 @@ pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
         ) else {
             continue;
         };
-        if fd < 0 || memfd < 0 || fd == memfd || socket_inode(fd) != Some(inode) {
+        if fd < 0
+            || memfd < 0
+            || fd == memfd
+            || sockets.contains(&fd)
+            || socket_inode(fd) != Some(inode)
+        {
             continue;
         }
-        // SAFETY: fcntl(F_GETFD) only checks that the descriptor is open.
-        if unsafe { libc::fcntl(memfd, libc::F_GETFD) } < 0 {
+        // SAFETY: F_GET_SEALS only reads; it fails unless `memfd` is an open shared-memory
+        // file (a memfd), so pipes, sockets and regular files are refused here.
+        if unsafe { libc::fcntl(memfd, libc::F_GET_SEALS) } < 0 {
             continue;
         }
-        let owned = if adopted.contains(&memfd) {
-            // SAFETY: duplicating an open descriptor; the copy is ours alone.
-            let copy = unsafe { libc::fcntl(memfd, libc::F_DUPFD_CLOEXEC, 0) };
-            if copy < 0 {
-                continue;
-            }
-            copy
-        } else {
-            adopted.push(memfd);
-            // SAFETY: setting close-on-exec on the descriptor handed to us.
-            unsafe { libc::fcntl(memfd, libc::F_SETFD, libc::FD_CLOEXEC) };
-            memfd
-        };
-        // SAFETY: the exec'ing image handed this descriptor to us (or we just duplicated
-        // it); nobody else owns it.
-        let owned = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(owned) };
-        let Some(stash) = Stash::adopt(owned) else {
+        // SAFETY: duplicating an open descriptor; the copy is ours alone.
+        let copy = unsafe { libc::fcntl(memfd, libc::F_DUPFD_CLOEXEC, 0) };
+        if copy < 0 {
+            continue;
+        }
+        // SAFETY: `copy` was just returned by the kernel and is owned by nobody else.
+        let copy = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(copy) };
+        let Some(stash) = Stash::adopt(crate::mirror::relocate_internal_fd(copy)) else {
             continue;
         };
+        sockets.push(fd);
+        if !handed.contains(&memfd) {
+            handed.push(memfd);
+        }
         let Some(index) = track(fd) else {
             continue;
         };
@@ -452,6 +459,11 @@ pub fn adopt_stashes(value: &str, track: impl Fn(c_int) -> Option<u32>) {
         if let Some(record) = registry().get(index) {
             record.set_flag(flags::SAN | flags::STASHED, true);
         }
+    }
+    for memfd in handed {
+        // SAFETY: a stash memfd the exec'ing image handed to us for its stashes (proved one
+        // above); our copies hold the stashes now.
+        unsafe { libc::close(memfd) };
     }
 }
 
@@ -527,5 +539,77 @@ pub(super) fn release_stash(index: u32, slot: &mut Option<SanObject>) {
 pub(super) fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: u64) {
     if let Some(SanObject::Stashed(stashed)) = lock(index).as_mut() {
         stashed.epoll_ctl(epfd, op, events, data);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    fn owned(fd: c_int) -> OwnedFd {
+        assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: a fresh descriptor of ours.
+        unsafe { OwnedFd::from_raw_fd(fd) }
+    }
+
+    /// What the process sees of descriptor `fd`: its flags and the file it names.
+    fn state(fd: c_int) -> Option<(c_int, u64, u64)> {
+        // SAFETY: F_GETFD only reads the descriptor's flags.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        // SAFETY: plain fstat(2) into a zeroed struct.
+        let mut st: libc::stat = unsafe { core::mem::zeroed() };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return None;
+        }
+        Some((flags, st.st_dev, st.st_ino))
+    }
+
+    /// Hostile or stale `SANDIRECT_STASHES` values: nothing of the process is closed or
+    /// changed, and nothing is adopted.
+    #[test]
+    fn hostile_stash_entries_touch_no_descriptor() {
+        let mut ends = [0; 2];
+        // SAFETY: socketpair writes two descriptors into `ends`.
+        let rc =
+            unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, ends.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        let (socket, _peer) = (owned(ends[0]), owned(ends[1]));
+        let mut pipe = [0; 2];
+        // SAFETY: pipe writes two descriptors into `pipe` (no close-on-exec: inherited).
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        let (pipe_r, pipe_w) = (owned(pipe[0]), owned(pipe[1]));
+        // A memfd, but not a stash.
+        // SAFETY: plain memfd_create + ftruncate on a fresh descriptor.
+        let memfd = owned(unsafe { libc::memfd_create(c"not-a-stash".as_ptr(), 0) });
+        // SAFETY: as above.
+        unsafe { libc::ftruncate(memfd.as_raw_fd(), 4096) };
+        let inode = socket_inode(socket.as_raw_fd()).unwrap();
+        let (s, p, w, m) = (
+            socket.as_raw_fd(),
+            pipe_r.as_raw_fd(),
+            pipe_w.as_raw_fd(),
+            memfd.as_raw_fd(),
+        );
+        let watched = [s, p, w, m];
+        let before: Vec<_> = watched.iter().map(|&fd| state(fd)).collect();
+        let hostile = [
+            format!("{s}:{p}:{inode}"),
+            format!("{s}:{w}:{inode}"),
+            format!("{s}:{m}:{inode}"),
+            format!("{s}:{m}:{inode},{s}:{m}:{inode},{s}:{p}:{inode}"),
+            format!("{p}:{m}:{inode}"),
+            format!("{s}:{s}:{inode}"),
+            format!("{s}:{p}:{}", inode + 1),
+            format!("-1:{p}:{inode},{s}:-{p}:{inode},{s}:{p}:-1"),
+            format!("99999999999:{p}:{inode},{s}:4294967296:{inode},{s}:1048575:{inode}"),
+            format!("{s}:{p}:{inode}:7,{s}:{p},{s},,:::,{s}:{p}:x,garbage"),
+        ];
+        for value in &hostile {
+            adopt_stashes(value, |fd| panic!("adopted {fd} from {value:?}"));
+            let after: Vec<_> = watched.iter().map(|&fd| state(fd)).collect();
+            assert_eq!(after, before, "descriptors changed by {value:?}");
+        }
     }
 }

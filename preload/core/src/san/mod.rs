@@ -430,6 +430,8 @@ pub struct ForkLocks(#[allow(dead_code)] Vec<MutexGuard<'static, Option<SanObjec
 /// `downgrade`), then locks every slot with a SAN object so no other thread is inside one
 /// while the child's copy of memory is taken (the child could never unlock it).
 pub fn before_fork() -> ForkLocks {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("before_fork");
     downgrade::downgrade_all(None);
     let mut indices = Vec::new();
     registry().for_each_live(|index, record| {
@@ -486,6 +488,8 @@ pub fn after_fork_in_child() {
 /// The watched end of a switched SAN socket (what epoll watches in its place); a pending
 /// client whose acceptor attached switches first.
 pub fn mirror_of(fd: c_int, index: u32) -> Option<c_int> {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("mirror_of");
     if orphaned(index) {
         return None;
     }

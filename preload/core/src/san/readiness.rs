@@ -26,6 +26,8 @@ pub fn poll_fds(
     fds: &mut [libc::pollfd],
     restore: Option<&[(usize, c_int)]>,
 ) -> Vec<(usize, c_int)> {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("poll_fds");
     if let Some(saved) = restore {
         for &(position, fd) in saved {
             if let Some(entry) = fds.get_mut(position) {
@@ -136,6 +138,8 @@ fn correct_revents(entry: &mut libc::pollfd) {
 /// Returns the new count. A level-triggered reader then never sees readiness without data
 /// (strict clients such as wrk treat that `EAGAIN` as an error).
 pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> usize {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("correct_epoll_events");
     if LIVE.load(Ordering::Relaxed) == 0 {
         return events.len();
     }
@@ -249,6 +253,8 @@ pub unsafe fn select_via_poll(
     timeout: *const libc::timespec,
     sigmask: *const libc::sigset_t,
 ) -> Option<c_int> {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("select_via_poll");
     if LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
         return None;
     }

@@ -79,20 +79,24 @@ fn service_loop() {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         }
-        if links_owed() {
-            settle_idle_owed();
-        }
-        if n == 0 {
-            sweep();
-            continue;
-        }
-        for event in &events[..n as usize] {
-            match watcher.dispatch(event.u64) {
-                Watched::Socket(index) => service_socket(index),
-                Watched::KernelSocket(index) => check_kernel_socket(index),
-                Watched::Handled => {}
+        // A panic of ours is counted and this round given up; the thread goes on serving
+        // (ended, it would leave every verbs socket of the process unserved).
+        let _ = crate::guard::contained(|| {
+            if links_owed() {
+                settle_idle_owed();
             }
-        }
+            if n == 0 {
+                sweep();
+                return;
+            }
+            for event in &events[..n as usize] {
+                match watcher.dispatch(event.u64) {
+                    Watched::Socket(index) => service_socket(index),
+                    Watched::KernelSocket(index) => check_kernel_socket(index),
+                    Watched::Handled => {}
+                }
+            }
+        });
     }
 }
 
@@ -298,7 +302,8 @@ fn respond(fd: c_int) {
             receive(fd, uid, libc::MSG_DONTWAIT),
             Received::Nudge | Received::Ignored
         ) {}
-        service_all();
+        // (A panic of ours is counted; the responder keeps answering.)
+        let _ = crate::guard::contained(service_all);
     }
 }
 
@@ -347,6 +352,8 @@ impl ReadySignal {
 /// Services every switched SAN socket of this process once (`try_lock`: a socket in use by
 /// another thread is being serviced anyway). The safety net of the sliced waits.
 pub fn service_all() {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("service_all");
     if LIVE.load(Ordering::Relaxed) == 0 {
         return;
     }

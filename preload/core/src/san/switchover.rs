@@ -209,6 +209,8 @@ pub(super) fn assist_in_process_peer(index: u32) -> bool {
 /// (the thread about to sleep may be the only one that would ever drive the other end).
 /// Costs nothing without in-process connections.
 pub fn assist_all_in_process() {
+    #[cfg(test)]
+    crate::guard::seam::panic_if_armed("assist_all_in_process");
     let indices: Vec<u32> = match in_process_indices() {
         Some(indices) => indices,
         None => return,

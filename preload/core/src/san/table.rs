@@ -198,6 +198,10 @@ pub(super) fn orphaned(index: u32) -> bool {
 
 /// Number of sockets currently with a SAN object.
 pub fn live_sockets() -> usize {
+    #[cfg(test)]
+    if crate::guard::seam::pretending_live() {
+        return LIVE.load(Ordering::Relaxed).max(1);
+    }
     LIVE.load(Ordering::Relaxed)
 }
 

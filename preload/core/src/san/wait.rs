@@ -9,7 +9,7 @@ use super::socket::wait::{AfterPolling, WaitFds};
 use super::switchover::assist_in_process_peer;
 use super::table::{lock, record_flag, SanObject};
 use super::tunables::{poll_budget, wait_slice};
-use crate::{errno, real};
+use crate::{errno, guard, real};
 
 /// The deadline `SO_RCVTIMEO`/`SO_SNDTIMEO` (`option`) sets for a blocking call that starts
 /// now; `None` without one. Asked of the kernel only when the record's flag for the option
@@ -111,7 +111,9 @@ pub(super) fn block(
                 .min(wait_slice())
         })
         .min(fds.cap.unwrap_or(wait_slice()));
-    let rc = match held_signals.as_ref() {
+    // The sleep is where signals come in: a handler may `siglongjmp` out of it, past our
+    // frames, so the reentrancy guard is not held across it (see `guard::released_while`).
+    let rc = guard::released_while(|| match held_signals.as_ref() {
         // SAFETY: `count` valid pollfds.
         None => unsafe {
             real::poll(
@@ -137,7 +139,7 @@ pub(super) fn block(
             errno::set(saved);
             rc
         }
-    };
+    });
     let interrupted = rc < 0 && errno::get() == libc::EINTR;
     // Verbs: the connection's own fd woke us (it is first in the set): collect its channel
     // and connection events, as the service thread does when it wakes on them.
