@@ -1573,7 +1573,7 @@ fn stdio_on_socket() -> CaseResult {
     let first = read_text(server.raw())?;
     write_all(server.raw(), b"hello\n")?;
     settle();
-    let open = |fd: c_int, mode: &std::ffi::CStr| -> Result<*mut libc::FILE, String> {
+    let open = |fd: c_int, mode: &std::ffi::CStr| -> Result<(*mut libc::FILE, c_int), String> {
         // SAFETY: dup of an open descriptor.
         let copy = check(unsafe { libc::dup(fd) } as isize, "dup")? as c_int;
         // SAFETY: an open descriptor and a valid mode.
@@ -1581,19 +1581,19 @@ fn stdio_on_socket() -> CaseResult {
         if stream.is_null() {
             return Err(format!("setup-failed fdopen {}", errno_name(errno())));
         }
-        Ok(stream)
+        Ok((stream, copy))
     };
-    let reader = open(client.raw(), c"r")?;
-    let writer = open(client.raw(), c"w")?;
+    let (reader, reader_fd) = open(client.raw(), c"r")?;
+    let (writer, _) = open(client.raw(), c"w")?;
     // SAFETY: a valid stream.
-    let numbered = unsafe { libc::fileno(reader) } >= 0;
+    let numbered = unsafe { libc::fileno(reader) } == reader_fd;
     let hello = stdio_line(reader);
     // SAFETY: a valid stream and format.
     let printed = unsafe { fprintf_str(writer, c"reply %d\n".as_ptr(), 42 as c_int) };
     // SAFETY: a valid stream.
     let flushed = unsafe { libc::fflush(writer) };
     let reply = read_text(server.raw())?;
-    let both = open(server.raw(), c"r+")?;
+    let (both, _) = open(server.raw(), c"r+")?;
     // SAFETY: a valid stream and format.
     unsafe { fprintf_str(both, c"%s\n".as_ptr(), c"ping".as_ptr()) };
     // SAFETY: a valid stream.

@@ -77,16 +77,16 @@ impl HookInfo {
 
 macro_rules! define_inventory {
     ($( $disp:ident $check:ident $export:ident $note:literal
-        fn $name:ident($($arg:ident: $ty:ty),* $(; $va:ident: $vty:ty)?) -> $ret:ty; )*) => {
+        fn $name:ident($($arg:ident: $ty:ty),* $(; $($va:ident: $vty:ty),+)?) -> $ret:ty; )*) => {
         /// Every exported symbol, in table order.
         pub static INVENTORY: &[HookInfo] = &[$(
             HookInfo {
                 name: stringify!($name),
                 disposition: Disposition::$disp,
                 checked_against_libc: matches!(stringify!($check).as_bytes(), b"libc"),
-                params: stringify!($($arg: $ty),* $(; $va: $vty)?),
+                params: stringify!($($arg: $ty),* $(; $($va: $vty),+)?),
                 ret: stringify!($ret),
-                variadic: false $(|| { let _ = stringify!($va); true })?,
+                variadic: false $(|| { let _ = stringify!($($va)+); true })?,
                 note: $note,
             },
         )*];
