@@ -3,10 +3,13 @@
 //!
 //! ```text
 //! handoff io-uring-setup        set up an io_uring through libc's syscall(); print the answer
-//! handoff master                master/worker server: print "port N", fork a worker, accept
+//! handoff master [greet]        master/worker server: print "port N", fork a worker, accept
 //!                               one connection, pass it to the worker with SCM_RIGHTS, close
-//!                               it here; the worker echoes until EOF
-//! handoff client PORT BYTES     send BYTES (a pattern) and check the echo; print the count
+//!                               it here; the worker echoes until EOF. With `greet` the master
+//!                               passes the connection at once and the worker speaks first
+//!                               (`hello\n`); without, it waits 200 ms (the request is there).
+//! handoff client PORT BYTES [greet]  (read the greeting,) send BYTES (a pattern) and check
+//!                               the echo; print the count
 //! ```
 
 use std::ffi::c_int;
@@ -91,7 +94,7 @@ fn receive_fd(channel: c_int) -> c_int {
     }
 }
 
-fn master() {
+fn master(greet: bool) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|_| fail("bind"));
     let mut ends = [0; 2];
     // SAFETY: an array of two ints.
@@ -117,6 +120,11 @@ fn master() {
         let fd = receive_fd(ends[1]);
         // SAFETY: the descriptor just received is ours alone.
         let mut stream = unsafe { TcpStream::from_raw_fd(fd) };
+        if greet {
+            stream
+                .write_all(b"hello\n")
+                .unwrap_or_else(|_| fail("greeting"));
+        }
         let mut buf = vec![0u8; 64 << 10];
         loop {
             match stream.read(&mut buf) {
@@ -133,8 +141,10 @@ fn master() {
     println!("port {}", listener.local_addr().unwrap().port());
     std::io::stdout().flush().unwrap();
     let (connection, _) = listener.accept().unwrap_or_else(|_| fail("accept"));
-    // The client's first bytes are in flight (or here) while the master decides.
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    if !greet {
+        // The client's first bytes are in flight (or here) while the master decides.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
     let fd = connection.into_raw_fd();
     send_fd(ends[0], fd);
     // SAFETY: our copy of the passed connection.
@@ -145,8 +155,17 @@ fn master() {
     println!("worker exit {}", libc::WEXITSTATUS(status));
 }
 
-fn client(port: u16, bytes: usize) {
+fn client(port: u16, bytes: usize, greet: bool) {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap_or_else(|_| fail("connect"));
+    if greet {
+        let mut greeting = [0u8; 6];
+        stream
+            .read_exact(&mut greeting)
+            .unwrap_or_else(|_| fail("greeting"));
+        if &greeting != b"hello\n" {
+            fail("wrong greeting");
+        }
+    }
     let pattern: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
     let mut writer = stream.try_clone().unwrap_or_else(|_| fail("clone"));
     let sent = pattern.clone();
@@ -172,7 +191,7 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
         Some("io-uring-setup") => io_uring_setup(),
-        Some("master") => master(),
+        Some("master") => master(args.get(2).is_some_and(|a| a == "greet")),
         Some("client") => {
             let port = args
                 .get(2)
@@ -182,10 +201,10 @@ fn main() {
                 .get(3)
                 .and_then(|b| b.parse().ok())
                 .unwrap_or_else(|| fail("bytes"));
-            client(port, bytes);
+            client(port, bytes, args.get(4).is_some_and(|a| a == "greet"));
         }
         _ => {
-            eprintln!("usage: handoff io-uring-setup | master | client PORT BYTES");
+            eprintln!("usage: handoff io-uring-setup | master [greet] | client PORT BYTES [greet]");
             std::process::exit(2);
         }
     }
