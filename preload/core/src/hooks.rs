@@ -90,9 +90,9 @@ macro_rules! sandirect_hook_table {
                 fn send(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
             Accelerate libc generated "as write; MSG_FASTOPEN connects like connect"
                 fn sendto(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int, addr: *const ::libc::sockaddr, addrlen: ::libc::socklen_t) -> ::libc::ssize_t;
-            Accelerate libc generated "as write"
+            Accelerate libc generated "as write; a SAN socket passed with SCM_RIGHTS is first downgraded to kernel TCP, exactly (the receiving process uses the kernel socket; bytes already received over the SAN stay in this process's stash)"
                 fn sendmsg(fd: ::libc::c_int, msg: *const ::libc::msghdr, flags: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "SAN sockets: one sendmsg per message; byte counters per path"
+            Accelerate libc generated "SAN sockets: one sendmsg per message; byte counters per path; SCM_RIGHTS as sendmsg"
                 fn sendmmsg(fd: ::libc::c_int, msgvec: *mut ::libc::mmsghdr, vlen: ::libc::c_uint, flags: ::libc::c_int) -> ::libc::c_int;
             Accelerate libc generated "as read"
                 fn recv(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
