@@ -34,11 +34,15 @@ pub unsafe fn syscall(
     // SAFETY: every arm passes the caller's arguments on as the system call takes them.
     unsafe {
         match number {
-            libc::SYS_read => super::read(fd, a2 as *mut c_void, a3 as size_t) as c_long,
-            libc::SYS_write => super::write(fd, a2 as *const c_void, a3 as size_t) as c_long,
-            libc::SYS_readv => super::readv(fd, a2 as *const libc::iovec, a3 as c_int) as c_long,
-            libc::SYS_writev => super::writev(fd, a2 as *const libc::iovec, a3 as c_int) as c_long,
-            libc::SYS_recvfrom => super::recvfrom(
+            libc::SYS_read => super::data::read(fd, a2 as *mut c_void, a3 as size_t) as c_long,
+            libc::SYS_write => super::data::write(fd, a2 as *const c_void, a3 as size_t) as c_long,
+            libc::SYS_readv => {
+                super::data::readv(fd, a2 as *const libc::iovec, a3 as c_int) as c_long
+            }
+            libc::SYS_writev => {
+                super::data::writev(fd, a2 as *const libc::iovec, a3 as c_int) as c_long
+            }
+            libc::SYS_recvfrom => super::data::recvfrom(
                 fd,
                 a2 as *mut c_void,
                 a3 as size_t,
@@ -46,7 +50,7 @@ pub unsafe fn syscall(
                 a5 as *mut libc::sockaddr,
                 a6 as *mut libc::socklen_t,
             ) as c_long,
-            libc::SYS_sendto => super::sendto(
+            libc::SYS_sendto => super::data::sendto(
                 fd,
                 a2 as *const c_void,
                 a3 as size_t,
@@ -54,29 +58,33 @@ pub unsafe fn syscall(
                 a5 as *const libc::sockaddr,
                 a6 as libc::socklen_t,
             ) as c_long,
-            libc::SYS_recvmsg => super::recvmsg(fd, a2 as *mut libc::msghdr, a3 as c_int) as c_long,
-            libc::SYS_sendmsg => {
-                super::sendmsg(fd, a2 as *const libc::msghdr, a3 as c_int) as c_long
+            libc::SYS_recvmsg => {
+                super::data::recvmsg(fd, a2 as *mut libc::msghdr, a3 as c_int) as c_long
             }
-            libc::SYS_recvmmsg => super::recvmmsg(
+            libc::SYS_sendmsg => {
+                super::data::sendmsg(fd, a2 as *const libc::msghdr, a3 as c_int) as c_long
+            }
+            libc::SYS_recvmmsg => super::data::recvmmsg(
                 fd,
                 a2 as *mut libc::mmsghdr,
                 a3 as libc::c_uint,
                 a4 as c_int,
                 a5 as *mut libc::timespec,
             ) as c_long,
-            libc::SYS_sendmmsg => super::sendmmsg(
+            libc::SYS_sendmmsg => super::data::sendmmsg(
                 fd,
                 a2 as *mut libc::mmsghdr,
                 a3 as libc::c_uint,
                 a4 as c_int,
             ) as c_long,
-            libc::SYS_close => super::close(fd) as c_long,
-            libc::SYS_shutdown => super::shutdown(fd, a2 as c_int) as c_long,
-            libc::SYS_epoll_ctl => {
-                super::epoll_ctl(fd, a2 as c_int, a3 as c_int, a4 as *mut libc::epoll_event)
-                    as c_long
-            }
+            libc::SYS_close => super::fd::close(fd) as c_long,
+            libc::SYS_shutdown => super::socket::shutdown(fd, a2 as c_int) as c_long,
+            libc::SYS_epoll_ctl => super::readiness::epoll_ctl(
+                fd,
+                a2 as c_int,
+                a3 as c_int,
+                a4 as *mut libc::epoll_event,
+            ) as c_long,
             libc::SYS_io_uring_setup if io_uring_refused() => {
                 errno::set(libc::ENOSYS);
                 -1
@@ -130,7 +138,7 @@ fn cookie_fd(cookie: *mut c_void) -> c_int {
 /// A stream's read: the `read` hook.
 unsafe extern "C" fn stream_read(cookie: *mut c_void, buf: *mut c_char, size: size_t) -> ssize_t {
     // SAFETY: glibc hands a buffer of `size` bytes.
-    unsafe { super::read(cookie_fd(cookie), buf.cast(), size) }
+    unsafe { super::data::read(cookie_fd(cookie), buf.cast(), size) }
 }
 
 /// A stream's write: the `write` hook until everything went, as glibc's own file streams
@@ -144,7 +152,7 @@ unsafe extern "C" fn stream_write(
     // Bounded: every turn writes at least one byte or ends.
     while done < size {
         // SAFETY: glibc hands `size` bytes; `done` stays below it.
-        let n = unsafe { super::write(cookie_fd(cookie), buf.add(done).cast(), size - done) };
+        let n = unsafe { super::data::write(cookie_fd(cookie), buf.add(done).cast(), size - done) };
         if n <= 0 {
             return if done > 0 { done as ssize_t } else { n };
         }
@@ -162,7 +170,7 @@ unsafe extern "C" fn stream_seek(_cookie: *mut c_void, _offset: *mut i64, _whenc
 /// `fclose`: the `close` hook on the stream's descriptor, as for a stream of `fdopen`.
 unsafe extern "C" fn stream_close(cookie: *mut c_void) -> c_int {
     // SAFETY: the stream owns its descriptor (fdopen's contract).
-    unsafe { super::close(cookie_fd(cookie)) }
+    unsafe { super::fd::close(cookie_fd(cookie)) }
 }
 
 /// `fdopen(3)`. On a SAN socket (pending, switched or holding a stash) glibc's stream would
