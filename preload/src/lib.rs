@@ -13,8 +13,8 @@ use core::ffi::{c_char, c_int, CStr};
 
 macro_rules! define_exports {
     ($( $disp:ident $check:ident $export:ident $note:literal
-        fn $name:ident($($arg:ident: $ty:ty),* $(; $va:ident: $vty:ty)?) -> $ret:ty; )*) => {
-        $( export_hook!($export $name ($($arg: $ty),* $(, $va: $vty)?) -> $ret); )*
+        fn $name:ident($($arg:ident: $ty:ty),* $(; $($va:ident: $vty:ty),+)?) -> $ret:ty; )*) => {
+        $( export_hook!($export $name ($($arg: $ty),* $($(, $va: $vty)+)?) -> $ret); )*
     };
 }
 

@@ -1680,6 +1680,207 @@ fn in_process_write_and_close() -> CaseResult {
     ))
 }
 
+/// A bound on every blocking read of `fds`: a read that gets nothing fails (`EAGAIN`) after
+/// 3 s instead of hanging.
+fn bound_reads(fds: &[c_int]) -> Result<(), String> {
+    let timeout = libc::timeval {
+        tv_sec: 3,
+        tv_usec: 0,
+    };
+    for &fd in fds {
+        // SAFETY: a valid timeval.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&raw const timeout).cast(),
+                size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        };
+        check(rc as isize, "SO_RCVTIMEO")?;
+    }
+    Ok(())
+}
+
+/// Reads through `reader` until `want` bytes came or a bounded wait ran out.
+fn read_exactly(
+    fd: c_int,
+    want: usize,
+    reader: impl Fn(c_int, &mut [u8]) -> isize,
+) -> Result<String, String> {
+    let mut got = Vec::new();
+    for _ in 0..50 {
+        if got.len() >= want {
+            break;
+        }
+        if poll_one(fd, libc::POLLIN, 100)? == 0 {
+            continue;
+        }
+        let mut buf = vec![0u8; want - got.len()];
+        let n = reader(fd, &mut buf);
+        if n <= 0 {
+            return Ok(format!(
+                "{:?} then {}",
+                String::from_utf8_lossy(&got),
+                outcome(n)
+            ));
+        }
+        got.extend_from_slice(&buf[..n as usize]);
+    }
+    Ok(String::from_utf8_lossy(&got).into_owned())
+}
+
+/// Socket I/O through libc's `syscall()` with the raw numbers, interleaved with the ordinary
+/// calls on a connection that has carried data already: the stream order is kept.
+fn raw_syscall_io() -> CaseResult {
+    let (client, server) = pair()?;
+    bound_reads(&[client.raw(), server.raw()])?;
+    write_all(client.raw(), b"a")?;
+    let first = read_text(server.raw())?;
+    let raw_write = |fd: c_int, bytes: &[u8]| -> isize {
+        // SAFETY: a valid buffer of `bytes.len()` bytes.
+        (unsafe { libc::syscall(libc::SYS_write, fd, bytes.as_ptr(), bytes.len()) }) as isize
+    };
+    let raw_read = |fd: c_int, buf: &mut [u8]| -> isize {
+        // SAFETY: a valid buffer of `buf.len()` bytes.
+        (unsafe { libc::syscall(libc::SYS_read, fd, buf.as_mut_ptr(), buf.len()) }) as isize
+    };
+    let wrote_b = raw_write(client.raw(), b"b");
+    write_all(client.raw(), b"c")?;
+    // SAFETY: a valid buffer; no address.
+    let sent_d = unsafe {
+        libc::syscall(
+            libc::SYS_sendto,
+            client.raw(),
+            b"d".as_ptr(),
+            1usize,
+            0,
+            null::<c_void>(),
+            0,
+        )
+    };
+    let iov = [libc::iovec {
+        iov_base: b"ef".as_ptr().cast_mut().cast(),
+        iov_len: 2,
+    }];
+    // SAFETY: one valid iovec.
+    let wrote_ef = unsafe { libc::syscall(libc::SYS_writev, client.raw(), iov.as_ptr(), 1) };
+    let forward = read_exactly(server.raw(), 5, raw_read)?;
+    // The other way: recvfrom and recvmsg by number.
+    let wrote_pong = raw_write(server.raw(), b"pong");
+    let back = read_exactly(client.raw(), 4, |fd, buf| {
+        // SAFETY: a valid buffer; no address.
+        (unsafe {
+            libc::syscall(
+                libc::SYS_recvfrom,
+                fd,
+                buf.as_mut_ptr(),
+                buf.len(),
+                0,
+                null_mut::<c_void>(),
+                null_mut::<c_void>(),
+            )
+        }) as isize
+    })?;
+    write_all(server.raw(), b"tail")?;
+    let tail = read_exactly(client.raw(), 4, |fd, buf| {
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: a zeroed msghdr with one valid iovec.
+        let mut msg: libc::msghdr = unsafe { zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        // SAFETY: as above.
+        (unsafe { libc::syscall(libc::SYS_recvmsg, fd, &mut msg, 0) }) as isize
+    })?;
+    // A number that is not socket I/O passes straight through.
+    // SAFETY: getpid has no arguments.
+    let pid_matches =
+        unsafe { libc::syscall(libc::SYS_getpid) } == i64::from(unsafe { libc::getpid() });
+    Ok(format!(
+        "{first:?}; raw write={wrote_b} sendto={sent_d} writev={wrote_ef} read {forward:?}; raw write={wrote_pong} recvfrom {back:?}; recvmsg {tail:?}; getpid passes: {pid_matches}"
+    ))
+}
+
+extern "C" {
+    /// The C stream `fprintf` (declared here with the one string argument used).
+    #[link_name = "fprintf"]
+    fn fprintf_str(stream: *mut libc::FILE, format: *const libc::c_char, ...) -> c_int;
+}
+
+/// A line read with `fgets`, or what went wrong.
+fn stdio_line(stream: *mut libc::FILE) -> String {
+    let mut line = [0 as libc::c_char; 128];
+    // SAFETY: a valid stream and a buffer of the stated length.
+    let got = unsafe { libc::fgets(line.as_mut_ptr(), line.len() as c_int, stream) };
+    if got.is_null() {
+        return format!("fgets failed {}", errno_name(errno()));
+    }
+    // SAFETY: fgets NUL-terminated the buffer.
+    unsafe { std::ffi::CStr::from_ptr(line.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// stdio on both ends of a connection that has carried data already (`fdopen` of copies of
+/// the socket, `fprintf` + `fflush`, `fgets`), with bytes waiting before the stream is opened;
+/// then the socket itself carries on.
+fn stdio_on_socket() -> CaseResult {
+    let (client, server) = pair()?;
+    bound_reads(&[client.raw(), server.raw()])?;
+    write_all(client.raw(), b"a")?;
+    let first = read_text(server.raw())?;
+    write_all(server.raw(), b"hello\n")?;
+    settle();
+    let open = |fd: c_int, mode: &std::ffi::CStr| -> Result<(*mut libc::FILE, c_int), String> {
+        // SAFETY: dup of an open descriptor.
+        let copy = check(unsafe { libc::dup(fd) } as isize, "dup")? as c_int;
+        // SAFETY: an open descriptor and a valid mode.
+        let stream = unsafe { libc::fdopen(copy, mode.as_ptr()) };
+        if stream.is_null() {
+            return Err(format!("setup-failed fdopen {}", errno_name(errno())));
+        }
+        Ok((stream, copy))
+    };
+    let (reader, reader_fd) = open(client.raw(), c"r")?;
+    let (writer, _) = open(client.raw(), c"w")?;
+    // SAFETY: a valid stream.
+    let numbered = unsafe { libc::fileno(reader) } == reader_fd;
+    let hello = stdio_line(reader);
+    // SAFETY: a valid stream and format.
+    let printed = unsafe { fprintf_str(writer, c"reply %d\n".as_ptr(), 42 as c_int) };
+    // SAFETY: a valid stream.
+    let flushed = unsafe { libc::fflush(writer) };
+    let reply = read_text(server.raw())?;
+    let (both, _) = open(server.raw(), c"r+")?;
+    // SAFETY: a valid stream and format.
+    unsafe { fprintf_str(both, c"%s\n".as_ptr(), c"ping".as_ptr()) };
+    // SAFETY: a valid stream.
+    unsafe { libc::fflush(both) };
+    let ping = stdio_line(reader);
+    // SAFETY: a valid stream and format.
+    unsafe { fprintf_str(writer, c"pong\n".as_ptr()) };
+    // SAFETY: a valid stream.
+    unsafe { libc::fflush(writer) };
+    let pong = stdio_line(both);
+    // SAFETY: streams opened above, each closed once (with its own descriptor).
+    let closed = unsafe {
+        [
+            libc::fclose(reader),
+            libc::fclose(writer),
+            libc::fclose(both),
+        ]
+    };
+    write_all(client.raw(), b"after")?;
+    let after = read_text(server.raw())?;
+    Ok(format!(
+        "{first:?}; fileno ok: {numbered}; fgets {hello:?}; fprintf={printed} fflush={flushed} -> {reply:?}; r+ {ping:?} {pong:?}; fclose {closed:?}; then {after:?}"
+    ))
+}
+
 /// A named case.
 type Case = (&'static str, fn() -> CaseResult);
 
@@ -1726,6 +1927,8 @@ const CASES: &[Case] = &[
         in_process_partial_nonblocking_reads,
     ),
     ("in-process-write-and-close", in_process_write_and_close),
+    ("raw-syscall-io", raw_syscall_io),
+    ("stdio-on-socket", stdio_on_socket),
 ];
 
 fn main() {

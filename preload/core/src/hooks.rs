@@ -23,11 +23,12 @@
 //!   signature is taken from glibc's headers and its `debug/` sources.
 //! * `EXPORT`: `generated` — the cdylib generates the export; `handwritten` — the cdylib
 //!   writes it by hand (`vfork`, which must not have a stack frame of its own).
-//! * `; vararg: Type` marks a C variadic function. Rust cannot *define* a C-variadic function
-//!   on stable, so the export takes the one optional argument as a pointer-sized integer, which
-//!   is exactly what glibc's own `fcntl`/`ioctl` do (`va_arg(ap, void *)`); on the SysV x86-64
-//!   and AAPCS64 ABIs the first variadic argument travels in the same register as a fixed one.
-//!   The real function is called through its variadic pointer type.
+//! * `; vararg: Type, …` marks a C variadic function. Rust cannot *define* a C-variadic
+//!   function on stable, so the export takes the optional arguments as pointer-sized integers,
+//!   which is exactly what glibc's own `fcntl`/`ioctl` (`va_arg(ap, void *)`) and `syscall`
+//!   (six argument registers) do; on the SysV x86-64 and Linux AAPCS64 ABIs variadic arguments
+//!   travel in the same registers (and stack slots) as fixed ones. The real function is called
+//!   through its variadic pointer type.
 
 /// Hands the hook table to `$callback!`. See the [module docs](crate::hooks) for the grammar.
 #[macro_export]
@@ -89,9 +90,9 @@ macro_rules! sandirect_hook_table {
                 fn send(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
             Accelerate libc generated "as write; MSG_FASTOPEN connects like connect"
                 fn sendto(fd: ::libc::c_int, buf: *const ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int, addr: *const ::libc::sockaddr, addrlen: ::libc::socklen_t) -> ::libc::ssize_t;
-            Accelerate libc generated "as write"
+            Accelerate libc generated "as write; a SAN socket passed with SCM_RIGHTS is first downgraded to kernel TCP, exactly (the receiving process uses the kernel socket; bytes already received over the SAN stay in this process's stash)"
                 fn sendmsg(fd: ::libc::c_int, msg: *const ::libc::msghdr, flags: ::libc::c_int) -> ::libc::ssize_t;
-            Accelerate libc generated "SAN sockets: one sendmsg per message; byte counters per path"
+            Accelerate libc generated "SAN sockets: one sendmsg per message; byte counters per path; SCM_RIGHTS as sendmsg"
                 fn sendmmsg(fd: ::libc::c_int, msgvec: *mut ::libc::mmsghdr, vlen: ::libc::c_uint, flags: ::libc::c_int) -> ::libc::c_int;
             Accelerate libc generated "as read"
                 fn recv(fd: ::libc::c_int, buf: *mut ::libc::c_void, len: ::libc::size_t, flags: ::libc::c_int) -> ::libc::ssize_t;
@@ -113,6 +114,11 @@ macro_rules! sandirect_hook_table {
                 fn sendfile64(out_fd: ::libc::c_int, in_fd: ::libc::c_int, offset: *mut ::libc::off64_t, count: ::libc::size_t) -> ::libc::ssize_t;
             Accelerate libc generated "a SAN socket on either end: copied through a 64 KiB buffer, consuming exactly what the target took; otherwise the kernel's splice"
                 fn splice(fd_in: ::libc::c_int, off_in: *mut ::libc::loff_t, fd_out: ::libc::c_int, off_out: *mut ::libc::loff_t, len: ::libc::size_t, flags: ::libc::c_uint) -> ::libc::ssize_t;
+            // ---- paths around the other hooks -----------------------------------------------------
+            Accelerate libc generated "socket I/O by number (read, write, readv, writev, recvfrom, sendto, recvmsg, sendmsg, recvmmsg, sendmmsg) and close, shutdown, epoll_ctl run as their hooks; io_uring_setup fails with ENOSYS while connections may switch to the SAN (a ring would move socket I/O and epoll_ctl past every hook; libuv, Envoy and others then use epoll); any other number is the real syscall"
+                fn syscall(number: ::libc::c_long; a1: ::libc::c_long, a2: ::libc::c_long, a3: ::libc::c_long, a4: ::libc::c_long, a5: ::libc::c_long, a6: ::libc::c_long) -> ::libc::c_long;
+            Accelerate libc generated "on a SAN socket the stream reads and writes through the hooks (fopencookie, fileno is the socket), since glibc's stdio calls its internal read/write; otherwise glibc's fdopen"
+                fn fdopen(fd: ::libc::c_int, mode: *const ::libc::c_char) -> *mut ::libc::FILE;
             // ---- readiness ------------------------------------------------------------------------
             Accelerate libc generated "SAN sockets are watched through their readiness mirrors; while any exist the wait is cut into slices that service them"
                 fn poll(fds: *mut ::libc::pollfd, nfds: ::libc::nfds_t, timeout: ::libc::c_int) -> ::libc::c_int;

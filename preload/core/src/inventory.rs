@@ -77,16 +77,16 @@ impl HookInfo {
 
 macro_rules! define_inventory {
     ($( $disp:ident $check:ident $export:ident $note:literal
-        fn $name:ident($($arg:ident: $ty:ty),* $(; $va:ident: $vty:ty)?) -> $ret:ty; )*) => {
+        fn $name:ident($($arg:ident: $ty:ty),* $(; $($va:ident: $vty:ty),+)?) -> $ret:ty; )*) => {
         /// Every exported symbol, in table order.
         pub static INVENTORY: &[HookInfo] = &[$(
             HookInfo {
                 name: stringify!($name),
                 disposition: Disposition::$disp,
                 checked_against_libc: matches!(stringify!($check).as_bytes(), b"libc"),
-                params: stringify!($($arg: $ty),* $(; $va: $vty)?),
+                params: stringify!($($arg: $ty),* $(; $($va: $vty),+)?),
                 ret: stringify!($ret),
-                variadic: false $(|| { let _ = stringify!($va); true })?,
+                variadic: false $(|| { let _ = stringify!($($va)+); true })?,
                 note: $note,
             },
         )*];
@@ -197,13 +197,15 @@ mod tests {
             "__recvfrom_chk",
             "__poll_chk",
             "__ppoll_chk",
+            "syscall",
+            "fdopen",
         ] {
             assert!(
                 names.contains(&required),
                 "{required} missing from the hook table"
             );
         }
-        assert_eq!(names.len(), 61);
+        assert_eq!(names.len(), 63);
     }
 
     #[test]
@@ -212,6 +214,10 @@ mod tests {
         assert_eq!(
             find("fcntl").signature(),
             "c_int fcntl(fd: c_int, cmd: c_int, ...)"
+        );
+        assert_eq!(
+            find("syscall").signature(),
+            "c_long syscall(number: c_long, ...)"
         );
         assert_eq!(find("close").signature(), "c_int close(fd: c_int)");
         assert_eq!(find("fork").signature(), "pid_t fork()");

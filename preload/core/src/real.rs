@@ -139,6 +139,10 @@ impl HookReturn for i32 {
 impl HookReturn for isize {
     const FAILED: Self = -1;
 }
+/// `syscall`'s `long`.
+impl HookReturn for i64 {
+    const FAILED: Self = -1;
+}
 /// `popen`: a null stream.
 impl HookReturn for *mut libc::FILE {
     const FAILED: Self = core::ptr::null_mut();
@@ -153,7 +157,7 @@ fn missing<R: HookReturn>() -> R {
 /// The function-pointer type of a table entry (variadic when the entry has a `; vararg`).
 macro_rules! fn_ptr_type {
     ($ret:ty; ($($ty:ty),*)) => { unsafe extern "C" fn($($ty),*) -> $ret };
-    ($ret:ty; ($($ty:ty),*); $vty:ty) => { unsafe extern "C" fn($($ty),*, ...) -> $ret };
+    ($ret:ty; ($($ty:ty),*); $($vty:ty),+) => { unsafe extern "C" fn($($ty),*, ...) -> $ret };
 }
 
 /// Compile-time proof that the table's signature is the `libc` crate's.
@@ -168,7 +172,7 @@ macro_rules! check_signature {
 
 macro_rules! define_real {
     ($( $disp:ident $check:ident $export:ident $note:literal
-        fn $name:ident($($arg:ident: $ty:ty),* $(; $va:ident: $vty:ty)?) -> $ret:ty; )*) => {
+        fn $name:ident($($arg:ident: $ty:ty),* $(; $($va:ident: $vty:ty),+)?) -> $ret:ty; )*) => {
         /// The slots, one per hooked symbol, named after it.
         #[allow(non_upper_case_globals)]
         pub mod slot {
@@ -179,22 +183,22 @@ macro_rules! define_real {
         static ALL_SLOTS: &[&RealFn] = &[$(&slot::$name),*];
 
         $(
-            check_signature!($check $name, fn_ptr_type!($ret; ($($ty),*) $(; $vty)?));
+            check_signature!($check $name, fn_ptr_type!($ret; ($($ty),*) $(; $($vty),+)?));
 
             #[doc = concat!("Calls the real `", stringify!($name), "` (`ENOSYS` if the C library lacks it).")]
             ///
             /// # Safety
             /// Exactly the C function's contract.
             #[inline(always)]
-            pub unsafe fn $name($($arg: $ty),* $(, $va: $vty)?) -> $ret {
+            pub unsafe fn $name($($arg: $ty),* $($(, $va: $vty)+)?) -> $ret {
                 let Some(ptr) = slot::$name.get() else { return missing() };
                 // SAFETY: the slot holds the address dlsym returned for this very symbol, whose
                 // C type the table states (checked against `libc` where it declares it).
                 let real = unsafe {
-                    core::mem::transmute::<*mut c_void, fn_ptr_type!($ret; ($($ty),*) $(; $vty)?)>(ptr)
+                    core::mem::transmute::<*mut c_void, fn_ptr_type!($ret; ($($ty),*) $(; $($vty),+)?)>(ptr)
                 };
                 // SAFETY: forwarded contract of the caller.
-                unsafe { real($($arg),* $(, $va)?) }
+                unsafe { real($($arg),* $($(, $va)+)?) }
             }
         )*
     };

@@ -71,6 +71,15 @@ fn passthrough_hooks_do_not_allocate() {
                 revents: 0,
             };
             assert_eq!(ops::poll(&mut pfd, 1, 0), 0);
+            // libc's syscall(): a socket I/O number on a descriptor not ours, and any other.
+            let (fd, data) = (libc::c_long::from(write_end), b"y".as_ptr() as libc::c_long);
+            assert_eq!(ops::syscall(libc::SYS_write, fd, data, 1, 0, 0, 0), 1);
+            let (fd, into) = (
+                libc::c_long::from(read_end),
+                buf.as_mut_ptr() as libc::c_long,
+            );
+            assert_eq!(ops::syscall(libc::SYS_read, fd, into, 16, 0, 0, 0), 1);
+            assert!(ops::syscall(libc::SYS_getppid, 0, 0, 0, 0, 0, 0) > 0);
         }
     }
     // SAFETY: our fds.

@@ -9,7 +9,7 @@ use super::call::{data_call, iov_bufs, one_buf, san_data_call, san_recv, san_sen
 use super::outcome::{Outcome, Why};
 use crate::errno::Errno;
 use crate::fdtable::table;
-use crate::guard::bookkeeping;
+use crate::guard::{self, bookkeeping};
 use crate::record::Counter;
 use crate::san::RawBuf;
 use crate::track::{count_bytes, decode_sockaddr, on_connect_started, tracked};
@@ -103,12 +103,6 @@ data_ops! {
         |index| san_send_iov(fd, index, iov_bufs(iov, iovcnt), 0);
     send(fd, buf: *const c_void, len: size_t, send_flags: c_int) => TcpSent,
         |index| san_send(fd, index, &one_buf(buf, len), send_flags);
-    sendmsg(fd, msg: *const libc::msghdr, send_flags: c_int) => TcpSent,
-        |index| if msg.is_null() {
-            Outcome::Failed(Errno(libc::EFAULT))
-        } else {
-            san_send_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), send_flags)
-        };
     recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived,
         |index| san_recv(fd, index, &one_buf(buf, len), recv_flags);
     recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
@@ -146,6 +140,83 @@ data_ops! {
             }
             result
         };
+}
+
+/// `sendmsg(2)`: counted; SAN sockets go through the session. Descriptors passed with
+/// `SCM_RIGHTS` that are SAN sockets are downgraded to kernel TCP first ([`downgrade_passed`]).
+///
+/// # Safety
+/// As the C function.
+#[inline(always)]
+pub unsafe fn sendmsg(fd: c_int, msg: *const libc::msghdr, send_flags: c_int) -> ssize_t {
+    // SAFETY: the caller's message.
+    unsafe { downgrade_passed(msg) };
+    data_call(
+        fd,
+        Counter::TcpSent,
+        // SAFETY: the caller's message, valid as for the C function.
+        |index| unsafe {
+            if msg.is_null() {
+                Outcome::Failed(Errno(libc::EFAULT))
+            } else {
+                san_send_iov(
+                    fd,
+                    index,
+                    iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int),
+                    send_flags,
+                )
+            }
+        },
+        // SAFETY: forwarded.
+        || unsafe { real::sendmsg(fd, msg, send_flags) },
+    )
+}
+
+/// Before a message leaves with `SCM_RIGHTS`: a SAN socket among the passed descriptors is
+/// downgraded to kernel TCP, live and exactly as before a fork, since the receiving process
+/// (a worker handed accepted connections) reads and writes the kernel socket. With no SAN
+/// socket alive, or no control data, this is two loads.
+///
+/// # Safety
+/// `msg` is null or a valid message (the caller's contract with `sendmsg`).
+unsafe fn downgrade_passed(msg: *const libc::msghdr) {
+    if crate::san::live_sockets() == 0 || msg.is_null() || guard::is_inside() {
+        return;
+    }
+    // SAFETY: a valid message.
+    let header = unsafe { &*msg };
+    if header.msg_control.is_null() || header.msg_controllen == 0 {
+        return;
+    }
+    let mut passed: Vec<u32> = Vec::new();
+    // SAFETY: walking the caller's control buffer with the libc macros, which stay inside
+    // `msg_controllen`.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let bytes = ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                let data = libc::CMSG_DATA(cmsg).cast::<c_int>();
+                for position in 0..bytes / core::mem::size_of::<c_int>() {
+                    let passed_fd = data.add(position).read_unaligned();
+                    if let Some(index) = crate::san::san_index(table().lookup(passed_fd)) {
+                        passed.push(index);
+                    }
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
+        }
+    }
+    if passed.is_empty() {
+        return;
+    }
+    bookkeeping(|| {
+        let handed = |candidate: c_int| {
+            crate::san::san_index(table().lookup(candidate))
+                .is_some_and(|index| passed.contains(&index))
+        };
+        crate::san::downgrade_all(Some(&handed));
+    });
 }
 
 /// `sendto(2)`: counted; with `MSG_FASTOPEN` it is also a connect (TCP Fast Open). On a SAN
@@ -191,6 +262,13 @@ pub unsafe fn sendmmsg(
     vlen: c_uint,
     send_flags: c_int,
 ) -> c_int {
+    if crate::san::live_sockets() != 0 && !msgvec.is_null() {
+        // Descriptors passed with SCM_RIGHTS in any of the messages.
+        for position in 0..vlen.min(libc::UIO_MAXIOV as c_uint) as usize {
+            // SAFETY: the caller's vector of `vlen` messages.
+            unsafe { downgrade_passed(&raw const (*msgvec.add(position)).msg_hdr) };
+        }
+    }
     let entry = table().lookup(fd);
     if !entry.is_none() && !msgvec.is_null() {
         // SAFETY: the caller's vector of `vlen` messages.

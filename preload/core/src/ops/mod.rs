@@ -21,12 +21,14 @@
 //!
 //! One module per family of the hook table ([`crate::hooks`]): [`socket`](mod@socket)
 //! (creation, addressing, options), [`fd`] (descriptor lifetime), [`data`] (data transfer),
-//! [`readiness`] (poll, select, epoll), [`process`] (fork, exec, spawn). The data hooks' call
+//! [`readiness`] (poll, select, epoll), [`process`] (fork, exec, spawn), [`around`] (`syscall`,
+//! `fdopen`: paths that would otherwise reach a socket around the other hooks). The data hooks' call
 //! machinery is in `call`; `outcome` is what a hook's SAN side decides (done, failed with an
 //! errno, or the real call after all) and its one conversion to the C return value. The
 //! bookkeeping of fds and records every family shares is in [`crate::track`]. Every hook is
 //! re-exported here as `ops::NAME`, the path the cdylib's generated exports call.
 
+pub mod around;
 mod call;
 pub mod data;
 pub mod fd;
@@ -37,6 +39,7 @@ pub mod socket;
 #[cfg(test)]
 mod tests;
 
+pub use around::*;
 pub use data::*;
 pub use fd::*;
 pub use process::*;
