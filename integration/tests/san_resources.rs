@@ -1,0 +1,165 @@
+//! Exhausted resources: a connection that cannot get what the SAN path needs stays on kernel
+//! TCP, with every byte intact; the program never crashes and the connection is never reset.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const SAN_MANY: &str = env!("CARGO_BIN_EXE_san_many");
+
+fn library() -> &'static Path {
+    &integration::apps::products().library
+}
+
+/// A private directory for one test (stats files, the mount point).
+fn test_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("sandirect-res-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("stat")).unwrap();
+    std::fs::create_dir_all(dir.join("shm")).unwrap();
+    for sub in ["", "stat", "shm"] {
+        std::fs::set_permissions(
+            dir.join(sub),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .unwrap();
+    }
+    dir
+}
+
+/// Mounts a small tmpfs needs a private mount namespace: unprivileged through a user
+/// namespace where those are allowed, else as root. The `unshare` arguments that give one
+/// (the probe mounts a tmpfs on `mount_point` inside it), or why none can be had.
+fn mount_namespace(mount_point: &Path) -> Result<Vec<&'static str>, String> {
+    let mut tried = Vec::new();
+    for args in [
+        vec!["--user", "--map-root-user", "--mount"],
+        vec!["--mount"],
+    ] {
+        let probe = Command::new("unshare")
+            .args(&args)
+            .args(["sh", "-c", "mount -t tmpfs -o size=64k tmpfs \"$0\""])
+            .arg(mount_point)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output();
+        match probe {
+            Ok(out) if out.status.success() => return Ok(args),
+            Ok(out) => tried.push(format!(
+                "unshare {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(error) => tried.push(format!("unshare: {error}")),
+        }
+    }
+    Err(tried.join("; "))
+}
+
+/// Runs a preloaded `san_many` server and client inside a mount namespace where the segment
+/// directory is a tmpfs of `size`; returns everything printed (the reports of both, then
+/// their exit statuses), or `None` when no mount namespace can be had here.
+fn pairs_on_a_small_tmpfs(name: &str, size: &str, count: usize, bytes: usize) -> Option<String> {
+    let dir = test_dir(name);
+    let shm = dir.join("shm");
+    let namespace = match mount_namespace(&shm) {
+        Ok(args) => args,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot mount a private tmpfs here ({why})");
+            return None;
+        }
+    };
+    // The server's output comes through a descriptor of the shell; the client runs once the
+    // server announced its port. Exit statuses are printed, not acted on: a signal (SIGBUS)
+    // shows as 128 + its number.
+    let script = r#"
+        set -u
+        mount -t tmpfs -o "size=$1,mode=0700" sandirect-test "$SANDIRECT_SHM_DIR" || exit 90
+        exec 3< <(LD_PRELOAD="$2" "$3" server "$4"; echo "server exit $?")
+        read -r first <&3
+        LD_PRELOAD="$2" "$3" client "${first#port }" "$4" "$5"
+        echo "client exit $?"
+        cat <&3
+    "#;
+    let child = Command::new("unshare")
+        .args(&namespace)
+        .args(["bash", "-c", script, "bash", size])
+        .arg(library())
+        .arg(SAN_MANY)
+        .arg(count.to_string())
+        .arg(bytes.to_string())
+        .env_remove("LD_PRELOAD")
+        .env_remove("SANDIRECT_CONFIG")
+        .env_remove("SANDIRECT_MODE")
+        .env_remove("SANDIRECT_SAN")
+        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+        .env("SANDIRECT_SHM_DIR", &shm)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = integration::finish_child(child, "pairs", Duration::from_secs(120));
+    let _ = std::fs::remove_dir_all(&dir);
+    Some(out)
+}
+
+/// The path of each connection `side` reported, in order; every one must have moved `bytes`
+/// exactly (the checksums of both sides are compared by the caller).
+fn reports<'a>(out: &'a str, side: &str, count: usize, bytes: usize) -> Vec<(&'a str, &'a str)> {
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with(&format!("{side} ")) && !l.contains(" exit "))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        count,
+        "{side}: one report per connection:\n{out}"
+    );
+    lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            let rest = line
+                .strip_prefix(&format!("{side} {i} ok bytes={bytes} checksum="))
+                .unwrap_or_else(|| panic!("{side} connection {i} not intact:\n{out}"));
+            let (checksum, path) = rest.split_once(" path=").expect("checksum and path");
+            (checksum, path)
+        })
+        .collect()
+}
+
+#[test]
+fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
+    // One connection's segment takes about 1.5 MiB; a 2 MiB tmpfs holds one. Every further
+    // connection, while the first is still open, finds the directory full: it must stay on
+    // TCP (no SIGBUS when a segment page cannot be allocated, no reset), all bytes exact.
+    let (count, bytes) = (4, 1 << 20);
+    let Some(out) = pairs_on_a_small_tmpfs("full-shm", "2m", count, bytes) else {
+        return;
+    };
+    assert!(
+        out.contains("client exit 0") && out.contains("server exit 0"),
+        "both ends must exit normally (135 is SIGBUS):\n{out}"
+    );
+    let client = reports(&out, "client", count, bytes);
+    let server = reports(&out, "server", count, bytes);
+    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
+        assert_eq!(
+            c, s,
+            "connection {i}: both ends agree on bytes and path:\n{out}"
+        );
+    }
+    let paths: Vec<&str> = client.iter().map(|(_, path)| *path).collect();
+    let on_san = paths.iter().take_while(|p| **p == "san-shm").count();
+    assert!(
+        on_san >= 1,
+        "the first connection fits the tmpfs and uses it: {paths:?}"
+    );
+    assert!(
+        on_san < count
+            && paths[on_san..]
+                .iter()
+                .all(|p| p.eq_ignore_ascii_case("tcp")),
+        "the connections that do not fit stay on TCP: {paths:?}"
+    );
+}
