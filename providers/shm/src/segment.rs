@@ -22,6 +22,7 @@
 
 use core::sync::atomic::Ordering;
 use std::fs::{self, File, OpenOptions, Permissions};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -312,8 +313,10 @@ impl ShmSegment {
             std::os::unix::fs::fchown(file, None, Some(gid))
                 .map_err(|e| ShmError::io("chown segment", &e))?;
         }
-        file.set_len(geometry.total_size as u64)
-            .map_err(|e| ShmError::io("size segment", &e))?;
+        // Every page is allocated before the first write through the mapping: a full
+        // directory must fail the set-up (the connection stays on TCP), not raise SIGBUS.
+        sys::allocate_file(file.as_fd(), geometry.total_size)
+            .map_err(|e| ShmError::io("allocate segment", &e))?;
         let map = Mapping::map_shared(file, geometry.total_size)
             .map_err(|e| ShmError::io("map segment", &e))?;
         let header: &SegmentHeader = map.get(0);

@@ -153,7 +153,8 @@ impl Drop for ShmRequest {
 fn setup_error(error: ShmError) -> SetupError {
     match error {
         ShmError::Io {
-            errno: libc::ENOMEM | libc::ENOSPC | libc::EMFILE | libc::ENFILE | libc::EDQUOT,
+            errno:
+                libc::ENOMEM | libc::ENOSPC | libc::EMFILE | libc::ENFILE | libc::EDQUOT | libc::EFBIG,
             ..
         } => SetupError::NoResources,
         _ => SetupError::Other,

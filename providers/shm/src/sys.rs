@@ -18,7 +18,7 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 /// Marker for types that may live in memory shared with another process.
@@ -335,6 +335,37 @@ pub(crate) fn plain_copy_granted(
                 core::ptr::copy(shared as *const u8, granted.addr as *mut u8, len)
             }
         }
+    }
+}
+
+/// Sizes the file behind `fd` to `len` bytes with every block allocated now (`fallocate`),
+/// for files that are then written through a shared mapping.
+///
+/// A sparse file (`ftruncate`) gets its pages at the first write through the mapping, and
+/// when the file system is full that write raises `SIGBUS`, which kills the process. With
+/// the space reserved here, a full file system is an error (`ENOSPC`, `EDQUOT`, `EFBIG`,
+/// `ENOMEM`) the caller can act on. On a file system without `fallocate` (`EOPNOTSUPP`) the
+/// file is only sized, as before it had to be.
+pub fn allocate_file(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    loop {
+        // SAFETY: plain fallocate(2) (mode 0: allocate and extend) on a descriptor we hold.
+        if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len) } == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        match error.raw_os_error() {
+            // tmpfs gives up an allocation for a pending signal.
+            Some(libc::EINTR) => continue,
+            Some(libc::EOPNOTSUPP) => break,
+            _ => return Err(error),
+        }
+    }
+    // SAFETY: plain ftruncate(2) on a descriptor we hold.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

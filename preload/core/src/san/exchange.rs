@@ -169,10 +169,9 @@ impl WordsPage {
         // SAFETY: NUL-terminated name; plain memfd_create(2).
         let fd =
             owned(unsafe { libc::memfd_create(c"sandirect-mirror".as_ptr(), libc::MFD_CLOEXEC) })?;
-        // SAFETY: plain ftruncate(2) on our memfd.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), PAGE as libc::off_t) } != 0 {
-            return None;
-        }
+        // Allocated, not only sized: the words are written through a shared mapping, where
+        // a page the kernel cannot supply would be SIGBUS instead of a failed set-up.
+        san_shm::allocate_file(fd.as_fd(), PAGE).ok()?;
         WordsPage::map(fd)
     }
 

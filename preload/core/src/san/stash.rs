@@ -13,7 +13,7 @@
 //! clears it.
 
 use core::sync::atomic::{AtomicU64, Ordering};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// `Header::magic`: "SDSTASH1".
 const MAGIC: u64 = u64::from_le_bytes(*b"SDSTASH1");
@@ -65,10 +65,9 @@ impl Stash {
             owned(unsafe { libc::memfd_create(c"sandirect-stash".as_ptr(), libc::MFD_CLOEXEC) })
                 .map(crate::mirror::relocate_internal_fd)?;
         let mapped = HEADER_BYTES + bytes.len();
-        // SAFETY: sizing our own fresh memfd.
-        if unsafe { libc::ftruncate(memfd.as_raw_fd(), mapped as libc::off_t) } != 0 {
-            return None;
-        }
+        // Allocated, not only sized: the bytes are copied in through a shared mapping, where
+        // memory the kernel cannot supply would be SIGBUS instead of a missing stash.
+        san_shm::allocate_file(memfd.as_fd(), mapped).ok()?;
         let stash = Stash::map(memfd, mapped)?;
         // SAFETY: the mapping is `mapped` bytes, fresh and private to us until returned; the
         // header is written before anyone can read it.
