@@ -132,6 +132,7 @@ int main(int argc, char **argv) {
                 off += w;
             }
         }
+        close(s);
         _exit(n == 0 ? 0 : 5);
     }
     pid_t squatter = fork();
@@ -193,7 +194,8 @@ int main(int argc, char **argv) {
     shutdown(c, SHUT_WR);
     char b;
     ssize_t end = recv(c, &b, 1, 0);
-    printf("end: %s\n", end == 0 ? "EOF" : "not EOF");
+    if (end == 0) printf("end: EOF\n");
+    else printf("end: %zd %s\n", end, end < 0 ? strerror(errno) : "");
     close(c);
     close(to_squatter[1]);
     int status;
