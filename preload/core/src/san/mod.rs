@@ -445,6 +445,35 @@ pub fn before_fork() -> ForkLocks {
     ForkLocks(indices.into_iter().map(lock).collect())
 }
 
+/// Whether this process ever started setting up the SAN path (another thread may then
+/// hold one of the locks [`with_library_locks`] takes).
+pub fn ever_used() -> bool {
+    provider::touched()
+}
+
+/// Runs `fork` (the real `fork()` and what the parent does before it lets go) with every
+/// process-wide lock of the library held, so that no other thread is inside one when the
+/// child's copy of memory is taken; both processes release them afterwards. Order: the slot
+/// locks ([`before_fork`], taken first by the caller), the provider's initialisation, the
+/// in-process name list, the shm registration cache, the shm domain, the verbs provider's
+/// load — the order every other path takes them in (a socket's lock before the cache's, the
+/// cache's before the domain's; nobody waits for another lock while making a provider).
+/// The verbs service's own locks are not taken: a fork child never uses verbs objects (they
+/// belong to the process that loaded the library).
+pub fn with_library_locks<R>(fork: impl FnOnce() -> R) -> R {
+    let _init = provider::hold_init();
+    let _names = table::by_name();
+    let registrations = provider::made().map(|provider| provider.registrations.lock());
+    let last = || {
+        let _verbs = verbs::hold_init();
+        fork()
+    };
+    match registrations.as_ref().and_then(|r| r.domain()) {
+        Some(domain) => domain.while_locked(last),
+        None => last(),
+    }
+}
+
 /// A stash holder in an epoll set (see `downgrade::stashed_epoll_ctl`).
 pub fn stashed_epoll_ctl(index: u32, epfd: c_int, op: c_int, events: u32, data: u64) {
     downgrade::stashed_epoll_ctl(index, epfd, op, events, data);
