@@ -242,3 +242,176 @@ fn another_users_squatter_on_the_exchange_breaks_nothing() {
 fn a_silent_squatter_of_our_own_user_breaks_nothing() {
     squat_the_exchange("same");
 }
+
+/// `server`: listens on loopback, prints `port N`, reads one connection to its end.
+/// `client PORT`: connects, prints `connected`, holds the connection until its stdin ends.
+const HOLD_A_CONNECTION: &str = r#"
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IONBF, 0);
+    struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+    socklen_t len = sizeof a;
+    char b[256];
+    if (argc > 1 && strcmp(argv[1], "server") == 0) {
+        int l = socket(AF_INET, SOCK_STREAM, 0);
+        if (l < 0 || bind(l, (struct sockaddr *)&a, len) || listen(l, 4)
+            || getsockname(l, (struct sockaddr *)&a, &len)) { perror("listen"); return 1; }
+        printf("port %u\n", ntohs(a.sin_port));
+        alarm(30);
+        int s = accept(l, NULL, NULL);
+        if (s < 0) { perror("accept"); return 1; }
+        while (read(s, b, sizeof b) > 0) {}
+        return 0;
+    }
+    if (argc < 3) return 2;
+    a.sin_port = htons(atoi(argv[2]));
+    int c = socket(AF_INET, SOCK_STREAM, 0);
+    if (c < 0 || connect(c, (struct sockaddr *)&a, len)) { perror("connect"); return 1; }
+    printf("connected\n");
+    while (read(0, b, sizeof b) > 0) {}
+    close(c);
+    return 0;
+}
+"#;
+
+/// A private directory tree owned by `uid` (stats and segments of a process of that user).
+fn private_dir_of(name: &str, uid: u32) -> PathBuf {
+    let dir = private_dir(name);
+    for sub in ["", "stat", "shm"] {
+        std::os::unix::fs::chown(dir.join(sub), Some(uid), Some(uid)).unwrap();
+    }
+    dir
+}
+
+/// Starts the program of [`HOLD_A_CONNECTION`] as a preloaded server (as `uid` through
+/// `setpriv` when given) and returns it with its port.
+fn start_server(exe: &Path, dir: &Path, uid: Option<u32>) -> (std::process::Child, u16) {
+    use std::io::BufRead;
+    let mut command = match uid {
+        Some(uid) => {
+            let mut command = Command::new("setpriv");
+            command
+                .arg(format!("--reuid={uid}"))
+                .arg(format!("--regid={uid}"))
+                .arg("--clear-groups")
+                .arg(exe);
+            command
+        }
+        None => Command::new(exe),
+    };
+    let mut child = command
+        .arg("server")
+        .env_remove("SANDIRECT_CONFIG")
+        .env_remove("SANDIRECT_MODE")
+        .env_remove("SANDIRECT_SAN")
+        .env_remove("SANDIRECT_SAN_PROVIDER")
+        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+        .env("SANDIRECT_SHM_DIR", dir.join("shm"))
+        .env("LD_PRELOAD", library())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let port = line
+        .trim()
+        .strip_prefix("port ")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("server said {line:?}"));
+    (child, port)
+}
+
+/// Connects a preloaded client (`env`: extra settings) to `port`, and returns what
+/// `sandirect stat` says of the client's connection while it is held.
+fn client_reason(exe: &Path, dir: &Path, port: u16, env: &[(&str, &str)]) -> String {
+    use std::io::BufRead;
+    let mut child = Command::new(exe)
+        .args(["client", &port.to_string()])
+        .env_remove("SANDIRECT_CONFIG")
+        .env_remove("SANDIRECT_MODE")
+        .env_remove("SANDIRECT_SAN")
+        .env_remove("SANDIRECT_SAN_PROVIDER")
+        .envs(env.iter().copied())
+        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+        .env("SANDIRECT_SHM_DIR", dir.join("shm"))
+        .env("LD_PRELOAD", library())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "connected\n");
+    let stat = Command::new(&integration::apps::products().cli)
+        .arg("stat")
+        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+        .output()
+        .unwrap();
+    drop(child.stdin.take());
+    integration::finish_child(child, "client", Duration::from_secs(10));
+    let stat = String::from_utf8_lossy(&stat.stdout).into_owned();
+    let row = stat
+        .lines()
+        .find(|row| row.contains(" client ") && row.contains(&format!(":{port} ")))
+        .unwrap_or_else(|| panic!("no client row in:\n{stat}"));
+    row.split_whitespace().last().unwrap().to_owned()
+}
+
+/// A preloaded server of another user: the SAN never joins two users, and the client's
+/// reason says so rather than calling the server incapable.
+#[test]
+fn a_preloaded_server_of_another_user_is_named_as_such() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run a server as another user");
+        return;
+    }
+    let dir = private_dir("other-user");
+    let Some(exe) = build(&dir, "hold", HOLD_A_CONNECTION) else {
+        eprintln!("skipped: no C compiler");
+        return;
+    };
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let theirs = private_dir_of("other-user-server", 65534);
+    std::fs::set_permissions(&theirs, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let (server, port) = start_server(&exe, &theirs, Some(65534));
+    let reason = client_reason(&exe, &dir, port, &[]);
+    integration::finish_child(server, "server", Duration::from_secs(10));
+    assert_eq!(reason, "peer-other-user");
+}
+
+/// A client that may only use verbs, whose verbs provider library cannot be loaded: the
+/// reason is the missing library, not the peer.
+#[test]
+fn a_missing_verbs_library_is_named_as_such() {
+    let dir = private_dir("no-verbs");
+    let Some(exe) = build(&dir, "hold", HOLD_A_CONNECTION) else {
+        eprintln!("skipped: no C compiler");
+        return;
+    };
+    let (server, port) = start_server(&exe, &dir, None);
+    let missing = dir.join("no-such-libibverbs.so");
+    let reason = client_reason(
+        &exe,
+        &dir,
+        port,
+        &[
+            ("SANDIRECT_SAN_PROVIDER", "verbs"),
+            ("SANDIRECT_VERBS_LIBRARY", missing.to_str().unwrap()),
+        ],
+    );
+    integration::finish_child(server, "server", Duration::from_secs(10));
+    assert_eq!(reason, "no-verbs-library");
+}
