@@ -200,6 +200,10 @@ pub enum ClientPlan {
     Skip,
     /// The server is not preloaded (probe or negative cache): plain TCP.
     PeerPlain,
+    /// The server is preloaded by another user: plain TCP.
+    PeerOtherUser,
+    /// Only verbs could carry the connection and its library is missing: plain TCP.
+    NoVerbsLibrary,
     /// A pending SAN socket was set up; it stays if the connect goes ahead.
     Pending,
     /// Setting up failed on a resource: plain TCP.
@@ -240,6 +244,12 @@ pub fn before_connect(
         COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
         if kind == PeerKind::PlainCached {
             COUNTERS.plain_cached.fetch_add(1, Ordering::Relaxed);
+        }
+        if kind == PeerKind::OtherUser {
+            return ClientPlan::PeerOtherUser;
+        }
+        if mode != ProviderChoice::Shm && !verbs::library_loaded() {
+            return ClientPlan::NoVerbsLibrary;
         }
         return ClientPlan::PeerPlain;
     }
@@ -324,6 +334,16 @@ pub fn after_connect(
             record
                 .bypass
                 .store(Bypass::PeerNotCapable as u32, Ordering::Release);
+        }
+        ClientPlan::PeerOtherUser if connecting => {
+            record
+                .bypass
+                .store(Bypass::PeerOtherUser as u32, Ordering::Release);
+        }
+        ClientPlan::NoVerbsLibrary if connecting => {
+            record
+                .bypass
+                .store(Bypass::NoVerbsLibrary as u32, Ordering::Release);
         }
         ClientPlan::Failed if connecting => {
             record

@@ -120,6 +120,11 @@ fn verbs() -> Option<&'static Verbs> {
     (verbs.pid == std::process::id()).then_some(verbs)
 }
 
+/// Whether an RDMA provider library is loaded (loads it on first use).
+pub(crate) fn library_loaded() -> bool {
+    verbs().is_some()
+}
+
 /// Locks `mutex` (a poisoned lock is taken over).
 pub(super) fn guard<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
