@@ -29,23 +29,6 @@ fn which_cc() -> Option<PathBuf> {
         .find(|path| path.is_file())
 }
 
-/// Builds the C program `source` in `dir`; `None` without a C compiler.
-fn build(dir: &Path, name: &str, source: &str) -> Option<PathBuf> {
-    let cc = which_cc()?;
-    let c = dir.join(format!("{name}.c"));
-    std::fs::write(&c, source).unwrap();
-    let exe = dir.join(name);
-    let built = Command::new(cc)
-        .arg("-O1")
-        .arg("-o")
-        .arg(&exe)
-        .arg(&c)
-        .status()
-        .unwrap();
-    assert!(built.success(), "cc {name}.c");
-    Some(exe)
-}
-
 /// Runs `exe args` natively or preloaded (the SAN path on, private directories); its stdout.
 fn run(exe: &Path, args: &[&str], preload: bool, dir: &Path) -> String {
     let mut command = Command::new(exe);
@@ -181,7 +164,7 @@ fn a_fork_while_other_threads_use_the_library_leaves_a_working_child() {
     assert_eq!(run(&exe, &[], true, &dir), expected, "preloaded");
 }
 
-/// [`build`] for a program with threads.
+/// Builds the C program `source` (with threads) in `dir`; `None` without a C compiler.
 fn build_threaded(dir: &Path, name: &str, source: &str) -> Option<PathBuf> {
     let cc = which_cc()?;
     let c = dir.join(format!("{name}.c"));
