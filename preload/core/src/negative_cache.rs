@@ -39,6 +39,9 @@ pub enum PeerKind {
     Plain,
     /// The cache said plain; no probe was made.
     PlainCached,
+    /// No marker of ours, but the listener on this host is preloaded by another user (not
+    /// cached: the answer must stay this precise).
+    OtherUser,
 }
 
 /// Ways per set.
@@ -165,6 +168,8 @@ impl NegativeCache {
         }
         if probe_listener(server) {
             PeerKind::Preloaded
+        } else if crate::discovery::preloaded_listener_of_another_user(server).is_some() {
+            PeerKind::OtherUser
         } else {
             self.mark_plain(server);
             PeerKind::Plain

@@ -75,6 +75,13 @@ pub enum Bypass {
     /// it pin, queue pairs, descriptors); the peer may well be capable (a client that
     /// declines the acceptor's connect for this reason knows it is).
     SanResources = 10,
+    /// The peer is a preloaded server of this host run by another user: the SAN never joins
+    /// two users (segments and descriptors are passed between processes of one user only).
+    PeerOtherUser = 11,
+    /// Only verbs could carry the connection (`SANDIRECT_SAN_PROVIDER=verbs`, or `auto` to
+    /// a peer that is not a preloaded server of this host), and no RDMA provider library
+    /// could be loaded.
+    NoVerbsLibrary = 12,
 }
 
 impl Bypass {
@@ -91,6 +98,8 @@ impl Bypass {
             8 => Self::KernelOnlyCall,
             9 => Self::Downgraded,
             10 => Self::SanResources,
+            11 => Self::PeerOtherUser,
+            12 => Self::NoVerbsLibrary,
             _ => Self::None,
         }
     }
@@ -109,6 +118,8 @@ impl Bypass {
             Self::KernelOnlyCall => "kernel-only-call",
             Self::Downgraded => "downgraded",
             Self::SanResources => "san-resources",
+            Self::PeerOtherUser => "peer-other-user",
+            Self::NoVerbsLibrary => "no-verbs-library",
         }
     }
 }

@@ -212,6 +212,13 @@ impl ShmDomain {
     fn state(&self) -> MutexGuard<'_, DomainState> {
         self.shared.lock()
     }
+
+    /// Runs `f` with the domain's lock held: a `fork()` made inside `f` leaves no other
+    /// thread inside the domain (the child could never take the lock).
+    pub fn while_locked<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _state = self.state();
+        f()
+    }
 }
 
 impl DomainShared {

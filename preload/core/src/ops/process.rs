@@ -24,7 +24,8 @@ use crate::{errno, real};
 #[inline(always)]
 pub unsafe fn fork() -> libc::pid_t {
     let published = crate::registry::registry().is_published();
-    if (crate::san::live_sockets() == 0 && !published) || guard::is_inside() {
+    let san = crate::san::ever_used();
+    if (!san && !published) || guard::is_inside() {
         // SAFETY: forwarded.
         return unsafe { real::fork() };
     }
@@ -33,14 +34,24 @@ pub unsafe fn fork() -> libc::pid_t {
         .then(|| guard::contained(crate::san::before_fork))
         .flatten();
     let signal = published.then(ForkSignal::new).flatten();
-    // SAFETY: forwarded.
-    let pid = unsafe { real::fork() };
-    let _errno = errno::Preserved::save();
-    if let Some(signal) = signal {
-        if pid > 0 {
-            signal.wait_for_child();
+    let forked = || {
+        // SAFETY: forwarded.
+        let pid = unsafe { real::fork() };
+        let errno = errno::Preserved::save();
+        if let Some(signal) = signal {
+            if pid > 0 {
+                signal.wait_for_child();
+            }
         }
-    }
+        (pid, errno)
+    };
+    // The library's process-wide locks too: another thread inside one at the fork would
+    // leave it locked for ever in the child.
+    let (pid, _errno) = if san {
+        crate::san::with_library_locks(forked)
+    } else {
+        forked()
+    };
     // Both processes release the slot locks held across the fork (no thread of the parent
     // can have been inside one in the child).
     drop(held);

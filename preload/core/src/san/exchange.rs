@@ -14,6 +14,13 @@
 //! **Who may connect.** The name lives in the abstract namespace, which anyone can reach; the
 //! acceptor checks the listener's credentials (`SO_PEERCRED`) and the client checks the
 //! acceptor's, so descriptors are only ever exchanged between processes of the same user.
+//! A squatter that connects to a client's name first (the name is visible in
+//! `/proc/net/unix` and follows from the 4-tuple) must not cost the connection: the client
+//! takes the first queued connection that is of our user *and* already carries the acceptor's
+//! mirror end and words page (the acceptor queues both before it attaches, and the client
+//! only looks once it sees the attach), and discards the others. A squatter that fills the
+//! backlog makes the acceptor's connect fail instead: the acceptor stays on TCP, and so does
+//! the client, which never sees an attach.
 
 use core::fmt::Write as _;
 use core::mem::size_of;
@@ -85,8 +92,15 @@ pub(crate) fn listen(name: &SegmentName) -> Option<OwnedFd> {
         )
     };
     // SAFETY: plain listen(2) on our socket.
-    (bound == 0 && unsafe { libc::listen(socket.as_raw_fd(), 1) } == 0).then_some(socket)
+    (bound == 0 && unsafe { libc::listen(socket.as_raw_fd(), BACKLOG) } == 0).then_some(socket)
 }
+
+/// The exchange listener's backlog: the acceptor needs one place; the others leave room for
+/// the odd squatter before the acceptor is refused (see "Who may connect").
+const BACKLOG: libc::c_int = 4;
+
+/// At most this many queued connections are looked at (the kernel queues up to `BACKLOG + 1`).
+const MOST_QUEUED: usize = BACKLOG as usize + 1;
 
 /// The acceptor's connection to the client's exchange listener: `None` when nobody listens
 /// (the client is not preloaded, or not upgrading) or the listener is another user's.
@@ -104,8 +118,42 @@ pub(crate) fn connect(name: &SegmentName) -> Option<OwnedFd> {
     (rc == 0 && peer_is_same_user(socket.as_fd())).then_some(socket)
 }
 
-/// Accepts the acceptor's connection, if it is there (nonblocking).
-pub(crate) fn accept(listener: BorrowedFd<'_>) -> Option<OwnedFd> {
+/// What the acceptor queued on its exchange connection before it attached.
+pub(crate) struct Offer {
+    /// The exchange connection (our mirror end goes back on it).
+    pub(crate) link: OwnedFd,
+    /// The raising end of the acceptor's mirror.
+    pub(crate) their_end: OwnedFd,
+    /// The words page's memfd.
+    pub(crate) page: OwnedFd,
+}
+
+/// Client, once the acceptor attached: the acceptor's connection among those queued on
+/// `listener` (nonblocking): the first of our user that carries a mirror end and then a words
+/// page. Every connection before it is closed unread (see "Who may connect").
+pub(crate) fn accept_offer(listener: BorrowedFd<'_>) -> Option<Offer> {
+    for _ in 0..MOST_QUEUED {
+        // Nothing (more) queued: no acceptor.
+        let Some(link) = accept(listener)? else {
+            continue;
+        };
+        let Some(their_end) = receive(link.as_fd(), MIRROR_END) else {
+            continue;
+        };
+        if let Some(page) = receive(link.as_fd(), WORDS_PAGE) {
+            return Some(Offer {
+                link,
+                their_end,
+                page,
+            });
+        }
+    }
+    None
+}
+
+/// Accepts one queued connection (nonblocking): `Some(None)` for one that is not of our user
+/// (closed), `None` when nothing is queued.
+fn accept(listener: BorrowedFd<'_>) -> Option<Option<OwnedFd>> {
     // SAFETY: plain accept4(2) on our listener; the peer address is not wanted.
     let fd = unsafe {
         libc::accept4(
@@ -115,7 +163,7 @@ pub(crate) fn accept(listener: BorrowedFd<'_>) -> Option<OwnedFd> {
             libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
         )
     };
-    owned(fd).filter(|socket| peer_is_same_user(socket.as_fd()))
+    owned(fd).map(|socket| Some(socket).filter(|socket| peer_is_same_user(socket.as_fd())))
 }
 
 /// `SO_PEERCRED` says the other end runs under our effective uid.

@@ -200,6 +200,10 @@ pub enum ClientPlan {
     Skip,
     /// The server is not preloaded (probe or negative cache): plain TCP.
     PeerPlain,
+    /// The server is preloaded by another user: plain TCP.
+    PeerOtherUser,
+    /// Only verbs could carry the connection and its library is missing: plain TCP.
+    NoVerbsLibrary,
     /// A pending SAN socket was set up; it stays if the connect goes ahead.
     Pending,
     /// Setting up failed on a resource: plain TCP.
@@ -240,6 +244,12 @@ pub fn before_connect(
         COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
         if kind == PeerKind::PlainCached {
             COUNTERS.plain_cached.fetch_add(1, Ordering::Relaxed);
+        }
+        if kind == PeerKind::OtherUser {
+            return ClientPlan::PeerOtherUser;
+        }
+        if mode != ProviderChoice::Shm && !verbs::library_loaded() {
+            return ClientPlan::NoVerbsLibrary;
         }
         return ClientPlan::PeerPlain;
     }
@@ -324,6 +334,16 @@ pub fn after_connect(
             record
                 .bypass
                 .store(Bypass::PeerNotCapable as u32, Ordering::Release);
+        }
+        ClientPlan::PeerOtherUser if connecting => {
+            record
+                .bypass
+                .store(Bypass::PeerOtherUser as u32, Ordering::Release);
+        }
+        ClientPlan::NoVerbsLibrary if connecting => {
+            record
+                .bypass
+                .store(Bypass::NoVerbsLibrary as u32, Ordering::Release);
         }
         ClientPlan::Failed if connecting => {
             record
@@ -443,6 +463,35 @@ pub fn before_fork() -> ForkLocks {
     indices.dedup();
     // Ascending index order: the only place that holds several slot locks at once.
     ForkLocks(indices.into_iter().map(lock).collect())
+}
+
+/// Whether this process ever started setting up the SAN path (another thread may then
+/// hold one of the locks [`with_library_locks`] takes).
+pub fn ever_used() -> bool {
+    provider::touched()
+}
+
+/// Runs `fork` (the real `fork()` and what the parent does before it lets go) with every
+/// process-wide lock of the library held, so that no other thread is inside one when the
+/// child's copy of memory is taken; both processes release them afterwards. Order: the slot
+/// locks ([`before_fork`], taken first by the caller), the provider's initialisation, the
+/// in-process name list, the shm registration cache, the shm domain, the verbs provider's
+/// load — the order every other path takes them in (a socket's lock before the cache's, the
+/// cache's before the domain's; nobody waits for another lock while making a provider).
+/// The verbs service's own locks are not taken: a fork child never uses verbs objects (they
+/// belong to the process that loaded the library).
+pub fn with_library_locks<R>(fork: impl FnOnce() -> R) -> R {
+    let _init = provider::hold_init();
+    let _names = table::by_name();
+    let registrations = provider::made().map(|provider| provider.registrations.lock());
+    let last = || {
+        let _verbs = verbs::hold_init();
+        fork()
+    };
+    match registrations.as_ref().and_then(|r| r.domain()) {
+        Some(domain) => domain.while_locked(last),
+        None => last(),
+    }
 }
 
 /// A stash holder in an epoll set (see `downgrade::stashed_epoll_ctl`).

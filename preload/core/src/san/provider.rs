@@ -2,8 +2,9 @@
 //! directory, the domain with its registration cache, the negative cache of plain servers,
 //! and the settings read with them.
 
+use core::sync::atomic::{AtomicBool, Ordering};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::registrations::SharedRegistrations;
 use crate::discovery::SegmentDir;
@@ -42,11 +43,21 @@ pub(super) fn rdma_read_offered(iwarp: bool) -> bool {
 
 static PROVIDER: OnceLock<Option<Provider>> = OnceLock::new();
 
+/// Held while [`PROVIDER`] is being made, and across `fork()`: a child must not inherit an
+/// initialisation in progress (its first SAN call would wait for it for ever). The
+/// initialisation takes no other lock of ours.
+static PROVIDER_INIT: Mutex<()> = Mutex::new(());
+
 /// The resources, `None` while the SAN path is off or the segment directory is unusable.
 pub(super) fn provider() -> Option<&'static Provider> {
     if !enabled() {
         return None;
     }
+    if let Some(made) = PROVIDER.get() {
+        return made.as_ref();
+    }
+    TOUCHED.store(true, Ordering::Release);
+    let _init = hold_init();
     PROVIDER
         .get_or_init(|| {
             let override_dir = crate::settings::shm_dir();
@@ -67,6 +78,26 @@ pub(super) fn provider() -> Option<&'static Provider> {
             }
         })
         .as_ref()
+}
+
+/// Set before the resources are first made.
+static TOUCHED: AtomicBool = AtomicBool::new(false);
+
+/// Whether making the resources ever started in this process.
+pub(super) fn touched() -> bool {
+    TOUCHED.load(Ordering::Acquire)
+}
+
+/// The resources if they were made (never makes them).
+pub(super) fn made() -> Option<&'static Provider> {
+    PROVIDER.get().and_then(Option::as_ref)
+}
+
+/// The initialisation lock (see [`PROVIDER_INIT`]).
+pub(super) fn hold_init() -> MutexGuard<'static, ()> {
+    PROVIDER_INIT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).

@@ -114,7 +114,8 @@ pub fn san_index(entry: FdEntry) -> Option<u32> {
 /// Sockets by segment name, for connections whose two ends are both in this process.
 static BY_NAME: Mutex<Vec<(String, u32)>> = Mutex::new(Vec::new());
 
-fn by_name() -> MutexGuard<'static, Vec<(String, u32)>> {
+/// The name list's lock (also held across `fork()`, see `super::with_library_locks`).
+pub(super) fn by_name() -> MutexGuard<'static, Vec<(String, u32)>> {
     BY_NAME
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

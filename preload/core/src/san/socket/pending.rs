@@ -13,7 +13,7 @@ use super::{session_config, SanSocket, Side, ACCEPTOR_WORDS, CLIENT_WORDS, SWITC
 use crate::mirror::Mirror;
 use crate::real;
 use crate::record::{flags, DataPath, SocketState};
-use crate::san::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
+use crate::san::exchange::{self, SideWords, WordsPage, MIRROR_END};
 use crate::san::link::Link;
 use crate::san::tunables::SLOTS;
 
@@ -36,13 +36,13 @@ impl SanSocket {
     /// The shm part of [`SanSocket::switch`].
     fn switch_shm(&mut self) -> Result<(), ()> {
         let listener = self.exchange.take().ok_or(())?;
-        let link = exchange::accept(listener.as_fd()).ok_or(())?;
+        let exchange::Offer {
+            link,
+            their_end,
+            page,
+        } = exchange::accept_offer(listener.as_fd()).ok_or(())?;
         drop(listener);
-        let their_end = exchange::receive(link.as_fd(), MIRROR_END).ok_or(())?;
-        let page = exchange::receive(link.as_fd(), WORDS_PAGE)
-            .and_then(WordsPage::map)
-            .map(Arc::new)
-            .ok_or(())?;
+        let page = WordsPage::map(page).map(Arc::new).ok_or(())?;
         let (our_mirror, our_end) =
             Mirror::new(SideWords::new(page.clone(), CLIENT_WORDS)).map_err(|_| ())?;
         // If the acceptor is already gone the send fails; the session reports the reset.

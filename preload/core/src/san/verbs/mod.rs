@@ -81,12 +81,22 @@ struct Verbs {
 
 static VERBS: OnceLock<Option<Verbs>> = OnceLock::new();
 
+/// Held while [`VERBS`] is being made (the provider library loads), and across `fork()`: a
+/// child must not inherit a load in progress. The load takes no other lock of ours.
+static VERBS_INIT: Mutex<()> = Mutex::new(());
+
+/// The load lock (see [`VERBS_INIT`]).
+pub(super) fn hold_init() -> MutexGuard<'static, ()> {
+    guard(&VERBS_INIT)
+}
+
 fn verbs() -> Option<&'static Verbs> {
     if crate::settings::provider_choice() == crate::settings::ProviderChoice::Shm
         || !crate::settings::san_enabled()
     {
         return None;
     }
+    let _init = VERBS.get().is_none().then(hold_init);
     let verbs = VERBS
         .get_or_init(
             || match VerbsLibrary::load(crate::settings::verbs_library().as_deref()) {
@@ -108,6 +118,11 @@ fn verbs() -> Option<&'static Verbs> {
         )
         .as_ref()?;
     (verbs.pid == std::process::id()).then_some(verbs)
+}
+
+/// Whether an RDMA provider library is loaded (loads it on first use).
+pub(crate) fn library_loaded() -> bool {
+    verbs().is_some()
 }
 
 /// Locks `mutex` (a poisoned lock is taken over).
