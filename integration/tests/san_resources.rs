@@ -163,3 +163,153 @@ fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
         "the connections that do not fit stay on TCP: {paths:?}"
     );
 }
+
+const SAN_FDLIMIT: &str = env!("CARGO_BIN_EXE_san_fdlimit");
+
+/// Runs a preloaded `san_fdlimit` server and client for `count` connections in turn (1 MiB
+/// each way on each), the side `limited` lowering its descriptor limit before each one;
+/// returns (server output, client output).
+fn connections_under_a_descriptor_limit(name: &str, limited: &str, count: usize) -> String {
+    use std::io::BufRead;
+    let dir = test_dir(name);
+    let flag = |side: &str| if side == limited { "1" } else { "0" };
+    let preloaded = |command: &mut Command| {
+        command
+            .env("LD_PRELOAD", library())
+            .env_remove("SANDIRECT_CONFIG")
+            .env_remove("SANDIRECT_MODE")
+            .env_remove("SANDIRECT_SAN")
+            .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+            .env("SANDIRECT_SHM_DIR", dir.join("shm"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+    };
+    let mut server = Command::new(SAN_FDLIMIT);
+    server.args(["server", &count.to_string(), flag("server")]);
+    preloaded(&mut server);
+    let mut server = server.spawn().unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("the server's port").unwrap();
+    let port = first.strip_prefix("port ").expect("port line").to_owned();
+    let mut client = Command::new(SAN_FDLIMIT);
+    client.args([
+        "client",
+        &port,
+        &count.to_string(),
+        "1048576",
+        flag("client"),
+    ]);
+    preloaded(&mut client);
+    let client =
+        integration::wait_child(client.spawn().unwrap(), "client", Duration::from_secs(120));
+    let server_out = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let server_status = integration::wait_child(server, "server", Duration::from_secs(30));
+    let server_lines = server_out.join().unwrap().join("\n");
+    let _ = std::fs::remove_dir_all(&dir);
+    let client = client.unwrap_or_else(|failure| panic!("{failure}\nserver:\n{server_lines}"));
+    if let Err(failure) = server_status {
+        panic!("{failure}\nserver:\n{server_lines}\nclient:\n{client}");
+    }
+    format!("{client}\n{server_lines}")
+}
+
+/// Checks the reports of [`connections_under_a_descriptor_limit`]: every connection moved
+/// its bytes exactly on both ends, both ends agree on the path, a connection on TCP names a
+/// reason on the limited side, and the SAN was used once the limit left room for it.
+fn check_descriptor_limit_reports(out: &str, limited: &str, count: usize) {
+    let client = reports_with_reason(out, "client", count);
+    let server = reports_with_reason(out, "server", count);
+    let expected = format!(
+        "{:016x}",
+        integration::pattern::fnv1a(
+            &integration::pattern::XorShift64::new(0x9e37_79b9_7f4a_7c15).low_bytes(1 << 20)
+        )
+    );
+    let mut paths = Vec::new();
+    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
+        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
+        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
+        assert_eq!(
+            c.1, s.1,
+            "connection {i}: both ends agree on the path:\n{out}"
+        );
+        if c.1.eq_ignore_ascii_case("tcp") {
+            // The limited side says why; a client whose acceptor declined says that, and is
+            // not made to take the server for a plain one.
+            let (limited_reason, other_reason) = if limited == "client" {
+                (c.2, None)
+            } else {
+                (s.2, Some(c.2))
+            };
+            assert_eq!(
+                limited_reason, "san-resources",
+                "connection {i}: the limited side's reason:\n{out}"
+            );
+            if let Some(reason) = other_reason {
+                assert_eq!(
+                    reason, "peer-resources",
+                    "connection {i}: the client's reason:\n{out}"
+                );
+            }
+        }
+        paths.push(c.1);
+    }
+    assert!(
+        paths.iter().any(|p| p.eq_ignore_ascii_case("tcp")) && paths.last() == Some(&"san-shm"),
+        "the first connections cannot get their descriptors, the last has room: {paths:?}\n{out}"
+    );
+}
+
+/// (checksum, path, reason) of each connection `side` reported, in order, each 1 MiB exact.
+fn reports_with_reason<'a>(
+    out: &'a str,
+    side: &str,
+    count: usize,
+) -> Vec<(&'a str, &'a str, &'a str)> {
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with(&format!("{side} ")))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        count,
+        "{side}: one report per connection:\n{out}"
+    );
+    lines
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            let rest = line
+                .strip_prefix(&format!("{side} {i} ok bytes=1048576 checksum="))
+                .unwrap_or_else(|| panic!("{side} connection {i} not intact:\n{out}"));
+            let mut fields = rest.split(' ');
+            let checksum = fields.next().unwrap_or("");
+            let path = fields
+                .next()
+                .and_then(|f| f.strip_prefix("path="))
+                .unwrap_or("");
+            let reason = fields
+                .next()
+                .and_then(|f| f.strip_prefix("reason="))
+                .unwrap_or("");
+            (checksum, path, reason)
+        })
+        .collect()
+}
+
+#[test]
+fn a_client_out_of_descriptors_stays_on_tcp_at_every_step() {
+    // Connection i leaves the client room for its socket and i more descriptors: the set-up
+    // runs out at each of its steps in turn (before and after the client announced itself),
+    // and each time the connection must go on over TCP, exact, never reset.
+    let count = 16;
+    let out = connections_under_a_descriptor_limit("nofile-client", "client", count);
+    check_descriptor_limit_reports(&out, "client", count);
+}
+
+#[test]
+fn an_acceptor_out_of_descriptors_stays_on_tcp_at_every_step() {
+    let count = 16;
+    let out = connections_under_a_descriptor_limit("nofile-acceptor", "server", count);
+    check_descriptor_limit_reports(&out, "server", count);
+}

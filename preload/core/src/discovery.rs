@@ -491,15 +491,19 @@ fn is_local_address(ip: IpAddr) -> bool {
 /// Any failure (no marker, out of fds, …) answers `false`: the connection stays plain TCP,
 /// which is always correct.
 pub fn probe_listener(peer: SocketAddr) -> bool {
+    probe_listener_checked(peer) == Some(true)
+}
+
+/// [`probe_listener`], `None` when the question could not be asked (no descriptor for the
+/// probe): that says nothing about the server.
+pub fn probe_listener_checked(peer: SocketAddr) -> Option<bool> {
     probe_listener_of(effective_uid(), peer)
 }
 
 /// [`probe_listener`] for the markers of user `uid`.
-fn probe_listener_of(uid: u32, peer: SocketAddr) -> bool {
+fn probe_listener_of(uid: u32, peer: SocketAddr) -> Option<bool> {
     let peer = canonical_addr(peer);
-    let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
-        return false;
-    };
+    let socket = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe").ok()?;
     let connects = |name: SocketAddr| {
         let (sun, len) = marker_address(uid, name);
         // SAFETY: `sun` is a valid sockaddr_un of length `len`.
@@ -513,15 +517,17 @@ fn probe_listener_of(uid: u32, peer: SocketAddr) -> bool {
         rc == 0
     };
     if connects(peer) {
-        return true;
+        return Some(true);
     }
     let wildcard = match peer.ip() {
         IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
         IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
     };
-    peer.ip() != wildcard
-        && connects(SocketAddr::new(wildcard, peer.port()))
-        && is_local_address(peer.ip())
+    Some(
+        peer.ip() != wildcard
+            && connects(SocketAddr::new(wildcard, peer.port()))
+            && is_local_address(peer.ip()),
+    )
 }
 
 /// When [`probe_listener`] said no: the user of the listener on `peer` if it is a preloaded
@@ -534,7 +540,7 @@ pub fn preloaded_listener_of_another_user(peer: SocketAddr) -> Option<u32> {
         return None;
     }
     let uid = listener_owner(peer)?;
-    (uid != effective_uid() && probe_listener_of(uid, peer)).then_some(uid)
+    (uid != effective_uid() && probe_listener_of(uid, peer) == Some(true)).then_some(uid)
 }
 
 /// `struct inet_diag_sockid` (`linux/inet_diag.h`): ports and addresses in network order.

@@ -362,6 +362,41 @@ pub struct Mirror<W: Deref<Target = MirrorWords>> {
     claimed_unread: u32,
 }
 
+/// The two ends of a mirror's socketpair, both at or above the internal descriptor floor
+/// (see [`move_internal_fd`]), before they become a [`Mirror`].
+#[derive(Debug)]
+pub struct MirrorEnds {
+    m: OwnedFd,
+    k: OwnedFd,
+}
+
+impl MirrorEnds {
+    /// Creates the socketpair (both ends nonblocking, close-on-exec).
+    ///
+    /// # Errors
+    /// The `socketpair` failure, or `EMFILE` when no number above the application's is free.
+    pub fn new() -> Result<MirrorEnds, MirrorError> {
+        let mut fds = [0 as libc::c_int; 2];
+        let kind = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+        // SAFETY: `fds` has room for the two descriptors.
+        if unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) } != 0 {
+            return Err(MirrorError::last_os("socketpair"));
+        }
+        // SAFETY: socketpair returned two fresh descriptors owned by nobody else.
+        let (m, k) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let moved = |fd| {
+            move_internal_fd(fd).map_err(|_| MirrorError::Os {
+                op: "move the mirror above the application's descriptors",
+                errno: libc::EMFILE,
+            })
+        };
+        Ok(MirrorEnds {
+            m: moved(m)?,
+            k: moved(k)?,
+        })
+    }
+}
+
 impl<W: Deref<Target = MirrorWords>> Mirror<W> {
     /// Creates the socketpair (both ends nonblocking, close-on-exec) and returns the mirror and
     /// the raising end, to be passed with [`send_fd`] and then dropped.
@@ -372,15 +407,16 @@ impl<W: Deref<Target = MirrorWords>> Mirror<W> {
     /// System-call failures, and [`MirrorError::SendBufferLimit`] when the host forbids the
     /// send-buffer sizes the OUT protocol needs.
     pub fn new(words: W) -> Result<(Mirror<W>, OwnedFd), MirrorError> {
-        let mut fds = [0 as libc::c_int; 2];
-        let kind = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
-        // SAFETY: `fds` has room for the two descriptors.
-        if unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) } != 0 {
-            return Err(MirrorError::last_os("socketpair"));
-        }
-        // SAFETY: socketpair returned two fresh descriptors owned by nobody else.
-        let (m, k) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let (m, k) = (relocate_internal_fd(m), relocate_internal_fd(k));
+        Self::with_ends(words, MirrorEnds::new()?)
+    }
+
+    /// As [`Mirror::new`], over a socketpair made beforehand (a connection that must not
+    /// need a new descriptor at the moment its mirror is set up).
+    ///
+    /// # Errors
+    /// As [`Mirror::new`].
+    pub fn with_ends(words: W, ends: MirrorEnds) -> Result<(Mirror<W>, OwnedFd), MirrorError> {
+        let MirrorEnds { m, k } = ends;
         let large = set_sndbuf(m.as_fd(), LARGE_SNDBUF_REQUEST)?;
         let small = set_sndbuf(m.as_fd(), SMALL_SNDBUF_REQUEST)?;
         // A fill stops once the queued bytes reach `small`, overshooting by at most one
@@ -814,7 +850,7 @@ pub fn recv_fd(
                     // Every descriptor received is ours to own (and close if surplus).
                     let owned = OwnedFd::from_raw_fd(raw);
                     if received.is_none() {
-                        received = Some(relocate_internal_fd(owned));
+                        received = Some(owned);
                     }
                 }
             }
@@ -824,12 +860,24 @@ pub fn recv_fd(
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
         return Err(MirrorError::AncillaryTruncated);
     }
+    // A descriptor that cannot leave the application's numbers is refused (closed).
+    let received = received
+        .map(move_internal_fd)
+        .transpose()
+        .map_err(|_| MirrorError::Os {
+            op: "move a received descriptor above the application's",
+            errno: libc::EMFILE,
+        })?;
     Ok((n as usize, received))
 }
 
 /// Moves a descriptor the library keeps for itself above the numbers the application uses
 /// (see [`san_shm::relocate_internal_fd`], shared with the provider's own descriptors).
 pub use san_shm::relocate_internal_fd;
+
+/// As [`relocate_internal_fd`], failing (`EMFILE`) when the descriptor cannot be moved: for
+/// the descriptors a SAN connection is set up with (see [`san_shm::move_internal_fd`]).
+pub use san_shm::move_internal_fd;
 
 #[cfg(test)]
 mod relocation_tests {

@@ -7,7 +7,7 @@ use core::sync::atomic::{AtomicU64, Ordering};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use crate::discovery::{canonical_addr, probe_listener};
+use crate::discovery::{canonical_addr, probe_listener_checked};
 
 /// Configuration of a [`NegativeCache`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +42,8 @@ pub enum PeerKind {
     /// No marker of ours, but the listener on this host is preloaded by another user (not
     /// cached: the answer must stay this precise).
     OtherUser,
+    /// The probe could not be made (no descriptor for it): nothing is known or cached.
+    Unknown,
 }
 
 /// Ways per set.
@@ -160,13 +162,16 @@ impl NegativeCache {
         }
     }
 
-    /// The client's whole discovery step: the cache, else [`probe_listener`] (caching a
+    /// The client's whole discovery step: the cache, else [`probe_listener_checked`] (caching a
     /// negative answer).
     pub fn probe(&self, server: SocketAddr) -> PeerKind {
         if self.is_plain(server) {
             return PeerKind::PlainCached;
         }
-        if probe_listener(server) {
+        let Some(preloaded) = probe_listener_checked(server) else {
+            return PeerKind::Unknown;
+        };
+        if preloaded {
             PeerKind::Preloaded
         } else if crate::discovery::preloaded_listener_of_another_user(server).is_some() {
             PeerKind::OtherUser

@@ -82,6 +82,10 @@ pub enum Bypass {
     /// a peer that is not a preloaded server of this host), and no RDMA provider library
     /// could be loaded.
     NoVerbsLibrary = 12,
+    /// The peer is a preloaded process of this host that could not set its side of the SAN
+    /// connection up (its descriptors, or its SAN memory budget): it declined before it
+    /// committed, and both ends stay on TCP. The peer is not remembered as plain.
+    PeerResources = 13,
 }
 
 impl Bypass {
@@ -100,6 +104,7 @@ impl Bypass {
             10 => Self::SanResources,
             11 => Self::PeerOtherUser,
             12 => Self::NoVerbsLibrary,
+            13 => Self::PeerResources,
             _ => Self::None,
         }
     }
@@ -120,6 +125,7 @@ impl Bypass {
             Self::SanResources => "san-resources",
             Self::PeerOtherUser => "peer-other-user",
             Self::NoVerbsLibrary => "no-verbs-library",
+            Self::PeerResources => "peer-resources",
         }
     }
 }

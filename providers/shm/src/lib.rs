@@ -61,5 +61,6 @@ pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_SETUP_DATA};
 pub use segment::{ensure_private_dir, AccessPolicy, SegmentConfig, ShmSegment, Side};
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{
-    allocate_file, futex_wake, internal_fd_floor, process_cpu_time, relocate_internal_fd, ShmSafe,
+    allocate_file, futex_wake, internal_fd_floor, move_internal_fd, process_cpu_time,
+    relocate_internal_fd, ShmSafe,
 };

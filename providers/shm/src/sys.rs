@@ -376,7 +376,9 @@ pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     let fd = i32::try_from(fd).ok().filter(|fd| *fd >= 0)?;
     // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
     let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
-    Some(relocate_internal_fd(pidfd))
+    // Without a free number above the application's, no pidfd: liveness is then checked
+    // with `kill(pid, 0)`, as on kernels without pidfds.
+    move_internal_fd(pidfd).ok()
 }
 
 /// Highest floor for [`relocate_internal_fd`]: high enough to stay clear of the numbers
@@ -409,18 +411,37 @@ pub fn internal_fd_floor() -> libc::c_int {
 /// connection whose fd does not fit) would break. When no higher number is free (or the
 /// limit is tiny) the descriptor stays where it is.
 pub fn relocate_internal_fd(fd: OwnedFd) -> OwnedFd {
+    let raw = fd.as_raw_fd();
+    match move_up(raw) {
+        Some(moved) => {
+            drop(fd);
+            moved
+        }
+        None => fd,
+    }
+}
+
+/// As [`relocate_internal_fd`] for the descriptors a SAN connection is set up with: when no
+/// number at or above the floor is free, the descriptor is closed and the set-up fails
+/// (`EMFILE`), so that a connection never takes a number from the application's half (the
+/// connection then stays on TCP).
+pub fn move_internal_fd(fd: OwnedFd) -> io::Result<OwnedFd> {
+    if fd.as_raw_fd() >= internal_fd_floor() {
+        return Ok(fd);
+    }
+    move_up(fd.as_raw_fd()).ok_or_else(|| io::Error::from_raw_os_error(libc::EMFILE))
+}
+
+/// A copy of `fd` at or above the floor (close-on-exec), when one is needed and can be had.
+fn move_up(fd: libc::c_int) -> Option<OwnedFd> {
     let floor = internal_fd_floor();
-    if fd.as_raw_fd() >= floor {
-        return fd;
+    if fd >= floor {
+        return None;
     }
     // SAFETY: plain fcntl(2) on a descriptor we own; the result is a new descriptor.
-    let moved = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, floor) };
-    if moved < 0 {
-        return fd;
-    }
-    // SAFETY: `moved` was just returned by the kernel and is owned by nobody else; dropping
-    // `fd` closes the low number.
-    unsafe { OwnedFd::from_raw_fd(moved) }
+    let moved = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor) };
+    // SAFETY: `moved` was just returned by the kernel and is owned by nobody else.
+    (moved >= 0).then(|| unsafe { OwnedFd::from_raw_fd(moved) })
 }
 
 /// True when the process behind `pidfd` has exited (a pidfd polls readable from then on,

@@ -45,10 +45,11 @@ fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-/// A descriptor the kernel just returned, moved above the application's numbers.
+/// A descriptor the kernel just returned, moved above the application's numbers (`None`,
+/// and closed, when it cannot be: the set-up fails rather than take one of the application's).
 fn owned(fd: libc::c_int) -> Option<OwnedFd> {
     // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
-    (fd >= 0).then(|| crate::mirror::relocate_internal_fd(unsafe { OwnedFd::from_raw_fd(fd) }))
+    (fd >= 0).then(|| crate::mirror::move_internal_fd(unsafe { OwnedFd::from_raw_fd(fd) }).ok())?
 }
 
 /// `\0sandirect/<euid>/X/<segment name>`.
@@ -102,11 +103,20 @@ const BACKLOG: libc::c_int = 4;
 /// At most this many queued connections are looked at (the kernel queues up to `BACKLOG + 1`).
 const MOST_QUEUED: usize = BACKLOG as usize + 1;
 
-/// The acceptor's connection to the client's exchange listener: `None` when nobody listens
-/// (the client is not preloaded, or not upgrading) or the listener is another user's.
-pub(crate) fn connect(name: &SegmentName) -> Option<OwnedFd> {
-    let (sun, len) = exchange_address(name)?;
-    let socket = unix_stream()?;
+/// Why the acceptor has no exchange connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ConnectError {
+    /// Nobody listens (the client is not preloaded, or not upgrading), the listener is
+    /// another user's, or its backlog is full.
+    NoListener,
+    /// This process could not make the socket (descriptors).
+    Resource,
+}
+
+/// The acceptor's connection to the client's exchange listener.
+pub(crate) fn connect(name: &SegmentName) -> Result<OwnedFd, ConnectError> {
+    let (sun, len) = exchange_address(name).ok_or(ConnectError::NoListener)?;
+    let socket = unix_stream().ok_or(ConnectError::Resource)?;
     // SAFETY: `sun` is a valid sockaddr_un of length `len`.
     let rc = unsafe {
         libc::connect(
@@ -115,7 +125,11 @@ pub(crate) fn connect(name: &SegmentName) -> Option<OwnedFd> {
             len,
         )
     };
-    (rc == 0 && peer_is_same_user(socket.as_fd())).then_some(socket)
+    if rc == 0 && peer_is_same_user(socket.as_fd()) {
+        Ok(socket)
+    } else {
+        Err(ConnectError::NoListener)
+    }
 }
 
 /// What the acceptor queued on its exchange connection before it attached.

@@ -206,8 +206,10 @@ pub enum ClientPlan {
     NoVerbsLibrary,
     /// A pending SAN socket was set up; it stays if the connect goes ahead.
     Pending,
-    /// Setting up failed on a resource: plain TCP.
+    /// Setting up failed: plain TCP.
     Failed,
+    /// This process had not the descriptors (or the SAN memory) the set-up needs: plain TCP.
+    Resources,
 }
 
 /// Before a TCP client's `connect()` to `peer`: if the server is a preloaded local listener,
@@ -240,6 +242,10 @@ pub fn before_connect(
     let via_verbs = kind != PeerKind::Preloaded
         && mode != ProviderChoice::Shm
         && route_source(peer).and_then(verbs::domain_for).is_some();
+    if kind == PeerKind::Unknown {
+        COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+        return ClientPlan::Resources;
+    }
     if kind != PeerKind::Preloaded && !via_verbs {
         COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
         if kind == PeerKind::PlainCached {
@@ -305,9 +311,13 @@ pub fn before_connect(
                 .store(DataPath::SanShm as u32, Ordering::Release);
             ClientPlan::Pending
         }
-        Err(_) => {
+        Err(error) => {
             COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
-            ClientPlan::Failed
+            if error == SocketSetupError::Resource {
+                ClientPlan::Resources
+            } else {
+                ClientPlan::Failed
+            }
         }
     }
 }
@@ -349,6 +359,11 @@ pub fn after_connect(
             record
                 .bypass
                 .store(Bypass::NoProvider as u32, Ordering::Release);
+        }
+        ClientPlan::Resources if connecting => {
+            record
+                .bypass
+                .store(Bypass::SanResources as u32, Ordering::Release);
         }
         _ => {}
     }
@@ -407,8 +422,19 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
             record
                 .bypass
                 .store(Bypass::SanResources as u32, Ordering::Release);
+            if mode != ProviderChoice::Verbs {
+                decline(&provider.dir, &name);
+            }
         }
     }
+}
+
+/// The acceptor gives up before it attached: it removes the client's segment name (a path
+/// operation, no descriptor needed), so that the pending client, when TCP data finds the
+/// segment unattached, knows a capable peer declined (`peer-resources`) rather than a plain
+/// one answered; the client stays on TCP either way (the exact rule).
+fn decline(dir: &std::path::Path, name: &crate::discovery::SegmentName) {
+    let _ = std::fs::remove_file(dir.join(name.as_str()));
 }
 
 /// The last fd of socket `index` is gone: tear down its SAN object (graceful close bounded by

@@ -64,7 +64,19 @@ pub(super) fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     // (We declined the acceptor's connect ourselves: the peer is capable, and is not to be
     // remembered as plain.)
     let declined = matches!(slot, Some(SanObject::Socket(socket)) if socket.declined_locally());
-    if declined {
+    // A shm acceptor that gave up before attaching removed our segment's name (a plain
+    // server never touches it).
+    let peer_declined = !declined
+        && matches!(slot, Some(SanObject::Socket(socket))
+        if !socket.is_verbs() && provider().is_some_and(|provider| {
+            std::fs::symlink_metadata(provider.dir.join(socket.name.as_str())).is_err()
+        }));
+    if peer_declined {
+        tracing::debug!(
+            index,
+            "pending SAN client: the acceptor declined, staying on TCP"
+        );
+    } else if declined {
         tracing::debug!(
             index,
             "pending SAN client: no resources for the SAN, staying on TCP"
@@ -82,17 +94,19 @@ pub(super) fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
         record.path.store(DataPath::Tcp as u32, Ordering::Release);
         let reason = if declined {
             Bypass::SanResources
+        } else if peer_declined {
+            Bypass::PeerResources
         } else {
             Bypass::PeerNotCapable
         };
         record.bypass.store(reason as u32, Ordering::Release);
-        if let (false, (_, Some(peer))) = (declined, record.addresses()) {
+        if let (false, (_, Some(peer))) = (declined || peer_declined, record.addresses()) {
             if let Some(provider) = provider() {
                 provider.negative.mark_plain(canonical_addr(peer));
             }
         }
     }
-    if !declined {
+    if !declined && !peer_declined {
         COUNTERS.peer_plain.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -20,7 +20,7 @@ pub(crate) mod stream;
 pub(crate) mod wait;
 
 use core::ffi::c_int;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -41,7 +41,7 @@ use super::tunables::{
 };
 use super::verbs::link::VerbsLink;
 use crate::discovery::SegmentName;
-use crate::mirror::Mirror;
+use crate::mirror::{Mirror, MirrorEnds};
 use crate::record::SocketRecord;
 
 /// The one byte the acceptor writes on TCP after attaching: "switch now".
@@ -162,6 +162,8 @@ pub(crate) struct SanSocket {
     /// Client: the exchange listener while pending. Acceptor: the exchange connection until
     /// the client's raising end arrived.
     exchange: Option<OwnedFd>,
+    /// Client, shm, pending: what the switch needs, made before the client announced itself.
+    reserve: Option<SwitchReserve>,
     /// Client: stream bytes written on TCP while pending.
     tcp_sent: u64,
     /// Acceptor: stream bytes read from TCP since the switch (exactly the client's count).
@@ -266,6 +268,7 @@ impl SanSocket {
             peer,
             page: None,
             exchange: None,
+            reserve: None,
             tcp_sent: 0,
             tcp_received: 0,
             tcp_eof: false,
@@ -307,11 +310,13 @@ impl SanSocket {
         registrations: &super::registrations::SharedRegistrations,
     ) -> Result<SanSocket, SocketSetupError> {
         let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
+        let reserve = SwitchReserve::new(listener.as_fd())?;
         let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
             .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer);
         socket.exchange = Some(listener);
+        socket.reserve = Some(reserve);
         Ok(socket)
     }
 
@@ -328,8 +333,13 @@ impl SanSocket {
         let (link, our_mirror, page) = offer_mirror(name)?;
         // Attach last: the client switches when it sees the attach, and by then everything
         // it needs is queued on the exchange.
-        let segment =
-            ShmSegment::attach(dir, name.as_str()).map_err(|_| SocketSetupError::PeerPlain)?;
+        let segment = ShmSegment::attach(dir, name.as_str()).map_err(|error| match error {
+            san_shm::ShmError::Io {
+                errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
+                ..
+            } => SocketSetupError::Resource,
+            _ => SocketSetupError::PeerPlain,
+        })?;
         let _ = segment.unlink();
         let (conn, peer) = shm_connection(segment, registrations)?;
         let session = Session::new(
@@ -360,8 +370,10 @@ impl SanSocket {
         let peer = Arc::new(PeerMirror::default());
         if side == Side::Client {
             let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
+            let reserve = SwitchReserve::new(listener.as_fd())?;
             let mut socket = Self::fresh(record, Side::Client, name, conn, peer);
             socket.exchange = Some(listener);
+            socket.reserve = Some(reserve);
             return Ok(socket);
         }
         let (link, our_mirror, page) = offer_mirror(name)?;
@@ -544,13 +556,51 @@ impl Drop for SanSocket {
     }
 }
 
+/// What a pending shm client's switch needs, made before it announces itself (the exchange
+/// listener and the segment): once the acceptor has attached, the switch must not fail for
+/// want of a descriptor, since the acceptor talks SAN only from then on.
+#[derive(Debug)]
+pub(super) struct SwitchReserve {
+    /// The client's mirror socketpair.
+    pub(super) ends: MirrorEnds,
+    /// Numbers held above the application's for the descriptors the switch receives (the
+    /// exchange connection, the acceptor's raising end, the words page): closed right before
+    /// they are received.
+    pub(super) spare: [OwnedFd; SWITCH_RECEIVES],
+}
+
+/// Descriptors a pending shm client receives at its switch (see [`SwitchReserve`]).
+const SWITCH_RECEIVES: usize = 3;
+
+impl SwitchReserve {
+    fn new(like: BorrowedFd<'_>) -> Result<SwitchReserve, SocketSetupError> {
+        let ends = MirrorEnds::new().map_err(|_| SocketSetupError::Resource)?;
+        let spare = |_| {
+            let floor = san_shm::internal_fd_floor();
+            // SAFETY: plain fcntl(2) on a descriptor we hold; the result is a new descriptor.
+            let fd = unsafe { libc::fcntl(like.as_raw_fd(), libc::F_DUPFD_CLOEXEC, floor) };
+            // SAFETY: `fd` was just returned by the kernel and is owned by nobody else.
+            (fd >= 0)
+                .then(|| unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+                .ok_or(SocketSetupError::Resource)
+        };
+        Ok(SwitchReserve {
+            ends,
+            spare: [spare(0)?, spare(1)?, spare(2)?],
+        })
+    }
+}
+
 /// The accepting side's half of the exchange: connects to the client's exchange listener
 /// and passes the client its end of our mirror and the words page. Returns the exchange
 /// connection, our mirror end and the page.
 fn offer_mirror(
     name: &SegmentName,
 ) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SocketSetupError> {
-    let link = exchange::connect(name).ok_or(SocketSetupError::PeerPlain)?;
+    let link = exchange::connect(name).map_err(|error| match error {
+        exchange::ConnectError::NoListener => SocketSetupError::PeerPlain,
+        exchange::ConnectError::Resource => SocketSetupError::Resource,
+    })?;
     let page = Arc::new(WordsPage::create().ok_or(SocketSetupError::Resource)?);
     let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
         .map_err(|_| SocketSetupError::Resource)?;

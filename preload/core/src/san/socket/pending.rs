@@ -36,6 +36,9 @@ impl SanSocket {
     /// The shm part of [`SanSocket::switch`].
     fn switch_shm(&mut self) -> Result<(), ()> {
         let listener = self.exchange.take().ok_or(())?;
+        let reserve = self.reserve.take().ok_or(())?;
+        // The numbers held for what arrives now become free for it.
+        drop(reserve.spare);
         let exchange::Offer {
             link,
             their_end,
@@ -44,7 +47,8 @@ impl SanSocket {
         drop(listener);
         let page = WordsPage::map(page).map(Arc::new).ok_or(())?;
         let (our_mirror, our_end) =
-            Mirror::new(SideWords::new(page.clone(), CLIENT_WORDS)).map_err(|_| ())?;
+            Mirror::with_ends(SideWords::new(page.clone(), CLIENT_WORDS), reserve.ends)
+                .map_err(|_| ())?;
         // If the acceptor is already gone the send fails; the session reports the reset.
         let _ = exchange::send(link.as_fd(), our_end.as_fd(), MIRROR_END);
         drop(our_end);
