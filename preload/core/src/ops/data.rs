@@ -143,7 +143,7 @@ data_ops! {
 }
 
 /// `sendmsg(2)`: counted; SAN sockets go through the session. Descriptors passed with
-/// `SCM_RIGHTS` that are SAN sockets are downgraded to kernel TCP first ([`downgrade_passed`]).
+/// `SCM_RIGHTS` that are SAN sockets are downgraded to kernel TCP first (`downgrade_passed`).
 ///
 /// # Safety
 /// As the C function.
