@@ -122,7 +122,8 @@ fn reports<'a>(out: &'a str, side: &str, count: usize, bytes: usize) -> Vec<(&'a
             let rest = line
                 .strip_prefix(&format!("{side} {i} ok bytes={bytes} checksum="))
                 .unwrap_or_else(|| panic!("{side} connection {i} not intact:\n{out}"));
-            let (checksum, path) = rest.split_once(" path=").expect("checksum and path");
+            let (checksum, rest) = rest.split_once(" path=").expect("checksum and path");
+            let path = rest.split(' ').next().unwrap_or_default();
             (checksum, path)
         })
         .collect()
@@ -312,4 +313,121 @@ fn an_acceptor_out_of_descriptors_stays_on_tcp_at_every_step() {
     let count = 16;
     let out = connections_under_a_descriptor_limit("nofile-acceptor", "server", count);
     check_descriptor_limit_reports(&out, "server", count);
+}
+
+/// Runs a preloaded `san_many` server and client: `count` connections open at once, 1 MiB
+/// each way on each in turn, then the first closed and one more made; the side `limited`
+/// runs with a SAN memory budget of `budget_mb` MiB. Returns both sides' reports.
+fn connections_under_a_memory_budget(
+    name: &str,
+    limited: &str,
+    budget_mb: u64,
+    count: usize,
+) -> String {
+    use std::io::BufRead;
+    let dir = test_dir(name);
+    let preloaded = |command: &mut Command, side: &str| {
+        command
+            .env("LD_PRELOAD", library())
+            .env_remove("SANDIRECT_CONFIG")
+            .env_remove("SANDIRECT_MODE")
+            .env_remove("SANDIRECT_SAN")
+            .env_remove("SANDIRECT_SAN_MEMORY_MB")
+            .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+            .env("SANDIRECT_SHM_DIR", dir.join("shm"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if side == limited {
+            command.env("SANDIRECT_SAN_MEMORY_MB", budget_mb.to_string());
+        }
+    };
+    let mut server = Command::new(SAN_MANY);
+    server.args(["server", &(count + 1).to_string()]);
+    preloaded(&mut server, "server");
+    let mut server = server.spawn().unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("the server's port").unwrap();
+    let port = first.strip_prefix("port ").expect("port line").to_owned();
+    let mut client = Command::new(SAN_MANY);
+    client.args(["client", &port, &count.to_string(), "1048576", "reopen"]);
+    preloaded(&mut client, "client");
+    let client =
+        integration::wait_child(client.spawn().unwrap(), "client", Duration::from_secs(120));
+    let server_out = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let server_status = integration::wait_child(server, "server", Duration::from_secs(30));
+    let server_lines = server_out.join().unwrap().join("\n");
+    let _ = std::fs::remove_dir_all(&dir);
+    let client = client.unwrap_or_else(|failure| panic!("{failure}\nserver:\n{server_lines}"));
+    if let Err(failure) = server_status {
+        panic!("{failure}\nserver:\n{server_lines}\nclient:\n{client}");
+    }
+    format!("{client}\n{server_lines}")
+}
+
+/// Checks the reports of [`connections_under_a_memory_budget`] for a budget that fits two
+/// connections: every connection exact on both ends; the first two on the SAN; the rest of
+/// those open at once on TCP, the limited side saying `san-resources` and the other the
+/// reason it can know (`other_reason`); the one made after the first closed on the SAN.
+fn check_memory_budget_reports(out: &str, limited: &str, count: usize, other_reason: &str) {
+    let expected = format!(
+        "{:016x}",
+        integration::pattern::fnv1a(
+            &integration::pattern::XorShift64::new(0x2545_f491_4f6c_dd1d).low_bytes(1 << 20)
+        )
+    );
+    let client = reports_with_reason(out, "client", count + 1);
+    let server = reports_with_reason(out, "server", count + 1);
+    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
+        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
+        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
+        assert_eq!(
+            c.1, s.1,
+            "connection {i}: both ends agree on the path:\n{out}"
+        );
+        let (limited_reason, other) = if limited == "client" {
+            (c.2, s.2)
+        } else {
+            (s.2, c.2)
+        };
+        if i < 2 || i == count {
+            assert_eq!(c.1, "san-shm", "connection {i} fits the budget:\n{out}");
+        } else {
+            assert!(
+                c.1.eq_ignore_ascii_case("tcp"),
+                "connection {i} is past the budget:\n{out}"
+            );
+            assert_eq!(
+                limited_reason, "san-resources",
+                "connection {i}: the limited side's reason:\n{out}"
+            );
+            assert_eq!(
+                other, other_reason,
+                "connection {i}: the other side's reason:\n{out}"
+            );
+        }
+    }
+}
+
+/// A SAN connection is charged about 5.5 MiB (its 1.5 MiB segment and its 4 MiB send
+/// buffer): 12 MiB fits two.
+const TWO_CONNECTIONS_MB: u64 = 12;
+
+#[test]
+fn a_client_past_its_san_memory_budget_keeps_new_connections_on_tcp() {
+    // Five connections at once: two fit the client's budget, the other three stay on TCP
+    // (the server, finding no segment, takes the client for a plain one); once the first
+    // is closed, a new connection fits again.
+    let count = 5;
+    let out = connections_under_a_memory_budget("mem-client", "client", TWO_CONNECTIONS_MB, count);
+    check_memory_budget_reports(&out, "client", count, "peer-not-capable");
+}
+
+#[test]
+fn an_acceptor_past_its_san_memory_budget_declines_and_both_ends_stay_on_tcp() {
+    // The server's budget fits two: it declines the others before attaching, and their
+    // clients learn that a capable peer declined (`peer-resources`).
+    let count = 5;
+    let out =
+        connections_under_a_memory_budget("mem-acceptor", "server", TWO_CONNECTIONS_MB, count);
+    check_memory_budget_reports(&out, "server", count, "peer-resources");
 }

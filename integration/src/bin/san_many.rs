@@ -3,17 +3,19 @@
 //! It knows nothing of sandirect: run it natively and under the preload.
 //!
 //! ```text
-//! san_many server N              # prints "port P", echoes N connections, prints N reports
-//! san_many client PORT N BYTES   # opens N connections, then streams BYTES on each in turn
+//! san_many server N                     # prints "port P", echoes N connections, prints N reports
+//! san_many client PORT N BYTES [reopen]  # opens N connections, then streams BYTES on each in turn
 //! ```
 //!
 //! The client connects all N first and keeps every one open until the last is done, so
 //! whatever a connection holds is held by all at once. On each in turn it streams BYTES of a
 //! seeded pattern (a writer thread), shuts down writing and checks the echo it reads back.
+//! With `reopen`, it then closes the first connection and makes one more (connection N; the
+//! server must then be told N + 1): whatever the first held is free again by then.
 //! Each side prints one line per connection, in connection order:
-//! `<side> <i> ok bytes=N checksum=X path=P` (P: the data path the interposer published for
-//! the connection, `tcp` natively), or `<side> <i> failed: <error>`; it exits non-zero if a
-//! connection failed.
+//! `<side> <i> ok bytes=N checksum=X path=P reason=R` (P and R: the data path and fallback
+//! reason the interposer published for the connection, `tcp` and `-` natively), or
+//! `<side> <i> failed: <error>`; it exits non-zero if a connection failed.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -21,6 +23,19 @@ use std::os::fd::AsRawFd;
 
 use integration::pattern::{fnv1a, XorShift64};
 use integration::published_path_of_fd;
+
+/// The fallback reason the interposer published for `fd` (`-` when none is published).
+fn published_reason_of_fd(fd: i32) -> String {
+    use preload_core::record::SocketState;
+    integration::own_published_connections()
+        .and_then(|connections| {
+            connections
+                .into_iter()
+                .filter(|c| c.state == SocketState::San || c.state == SocketState::ConnectedTcp)
+                .find(|c| c.fd == fd)
+        })
+        .map_or_else(|| "-".to_owned(), |c| c.bypass.label().to_owned())
+}
 
 fn pattern(len: usize) -> Vec<u8> {
     XorShift64::new(0x2545_f491_4f6c_dd1d).low_bytes(len)
@@ -39,9 +54,10 @@ fn echo(mut stream: TcpStream) -> std::io::Result<String> {
         stream.write_all(&buf[..n])?;
     }
     let path = published_path_of_fd(stream.as_raw_fd());
+    let reason = published_reason_of_fd(stream.as_raw_fd());
     stream.shutdown(Shutdown::Write)?;
     Ok(format!(
-        "bytes={} checksum={:016x} path={path}",
+        "bytes={} checksum={:016x} path={path} reason={reason}",
         received.len(),
         fnv1a(&received)
     ))
@@ -94,23 +110,35 @@ fn stream_and_check(stream: &TcpStream, data: &[u8]) -> std::io::Result<String> 
         )));
     }
     Ok(format!(
-        "bytes={} checksum={:016x} path={}",
+        "bytes={} checksum={:016x} path={} reason={}",
         echo.len(),
         fnv1a(&echo),
-        published_path_of_fd(stream.as_raw_fd())
+        published_path_of_fd(stream.as_raw_fd()),
+        published_reason_of_fd(stream.as_raw_fd())
     ))
 }
 
-fn client(port: u16, count: usize, bytes: usize) -> std::io::Result<Vec<std::io::Result<String>>> {
-    let streams = (0..count)
+fn client(
+    port: u16,
+    count: usize,
+    bytes: usize,
+    reopen: bool,
+) -> std::io::Result<Vec<std::io::Result<String>>> {
+    let mut streams = (0..count)
         .map(|_| TcpStream::connect(("127.0.0.1", port)))
         .collect::<std::io::Result<Vec<_>>>()?;
     let data = pattern(bytes);
     // Every connection stays open until the loop is done.
-    Ok(streams
+    let mut reports: Vec<_> = streams
         .iter()
         .map(|stream| stream_and_check(stream, &data))
-        .collect())
+        .collect();
+    if reopen && !streams.is_empty() {
+        drop(streams.remove(0));
+        let again = TcpStream::connect(("127.0.0.1", port))?;
+        reports.push(stream_and_check(&again, &data));
+    }
+    Ok(reports)
 }
 
 fn main() -> std::io::Result<()> {
@@ -122,9 +150,17 @@ fn main() -> std::io::Result<()> {
     };
     let (side, results) = match args.get(1).map(String::as_str) {
         Some("server") => ("server", serve(number(2))?),
-        Some("client") => ("client", client(number(2) as u16, number(3), number(4))?),
+        Some("client") => {
+            let reopen = match args.get(5).map(String::as_str) {
+                None => false,
+                Some("reopen") => true,
+                Some(other) => panic!("argument 5 must be `reopen`, not {other:?}"),
+            };
+            let port = number(2) as u16;
+            ("client", client(port, number(3), number(4), reopen)?)
+        }
         _ => {
-            eprintln!("usage: san_many server N | san_many client PORT N BYTES");
+            eprintln!("usage: san_many server N | san_many client PORT N BYTES [reopen]");
             std::process::exit(2);
         }
     };
