@@ -408,7 +408,7 @@ fn check_memory_budget_reports(out: &str, limited: &str, count: usize, other_rea
     }
 }
 
-/// A SAN connection is charged about 5.5 MiB (its 1.5 MiB segment and its 4 MiB send
+/// A SAN connection is charged about 5.6 MiB (its 1.6 MiB segment and its 4 MiB send
 /// buffer): 12 MiB fits two.
 const TWO_CONNECTIONS_MB: u64 = 12;
 

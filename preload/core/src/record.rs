@@ -72,7 +72,8 @@ pub enum Bypass {
     /// the peer did).
     Downgraded = 9,
     /// This side could not set the SAN connection up (memory `RLIMIT_MEMLOCK` does not let
-    /// it pin, queue pairs, descriptors); the peer may well be capable (a client that
+    /// it pin, queue pairs, descriptors, the process's SAN memory budget); the peer may well
+    /// be capable (a client that
     /// declines the acceptor's connect for this reason knows it is).
     SanResources = 10,
     /// The peer is a preloaded server of this host run by another user: the SAN never joins

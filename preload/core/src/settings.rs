@@ -58,6 +58,8 @@ pub const SAN_RENDEZVOUS: &str = "SANDIRECT_SAN_RENDEZVOUS";
 pub const SAN_RDMA_READ: &str = "SANDIRECT_SAN_RDMA_READ";
 /// `SANDIRECT_SAN_PROVIDER`.
 pub const SAN_PROVIDER: &str = "SANDIRECT_SAN_PROVIDER";
+/// `SANDIRECT_SAN_MEMORY_MB`.
+pub const SAN_MEMORY_MB: &str = "SANDIRECT_SAN_MEMORY_MB";
 /// `SANDIRECT_VERBS_TIMEOUT_MS`.
 pub const VERBS_TIMEOUT_MS: &str = "SANDIRECT_VERBS_TIMEOUT_MS";
 /// `SANDIRECT_VERBS_POLLS`.
@@ -134,6 +136,13 @@ pub const KNOBS: &[Knob] = &[
         values: "0, 1",
         default: "READ on RoCE/InfiniBand, WRITE on iWARP",
         effect: "verbs rendezvous: 1 the receiver RDMA-READs the sender's buffer; 0 the sender RDMA-WRITEs into a sink the receiver advertises; not read when privileged",
+        privileged: false,
+    },
+    Knob {
+        name: SAN_MEMORY_MB,
+        values: "MiB",
+        default: "the larger of 1024 and a quarter of RAM",
+        effect: "bound on the memory this process holds for SAN connections (each is charged its segment and send buffer, about 5.6 MiB over shm); past it new connections stay on TCP (san-resources); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -458,6 +467,47 @@ fn rdma_read_setting(value: Option<&std::ffi::OsStr>) -> Option<bool> {
     }
 }
 
+/// `SANDIRECT_SAN_MEMORY_MB` (read once), in bytes: the most memory this process holds for
+/// SAN connections at once (see `san::budget`). By default the larger of 1 GiB and a quarter
+/// of the host's RAM: with ≈5.6 MiB charged per shm connection, at least ≈180 connections,
+/// and on a host of 16 GiB ≈730; the connections past it stay on TCP.
+pub fn san_memory_budget() -> u64 {
+    static BUDGET: OnceLock<u64> = OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let set = var(SAN_MEMORY_MB).and_then(|v| match v.trim().parse::<u64>() {
+            Ok(mb) => Some(mb),
+            Err(_) => {
+                eprintln!(
+                    "sandirect: {SAN_MEMORY_MB}={v:?} is not a number of MiB; using the default"
+                );
+                None
+            }
+        });
+        memory_budget(set, physical_memory())
+    })
+}
+
+/// The budget in bytes for a setting of `set` MiB (`None`: the default) on a host of
+/// `ram` bytes (`None`: unknown).
+fn memory_budget(set: Option<u64>, ram: Option<u64>) -> u64 {
+    set.map_or_else(
+        || (1 << 30).max(ram.unwrap_or(0) / 4),
+        |mb| mb.saturating_mul(1 << 20),
+    )
+}
+
+/// The host's RAM in bytes, when the system says.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf(3) only reads system values.
+    let (pages, page_size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages > 0 && page_size > 0).then(|| (pages as u64).saturating_mul(page_size as u64))
+}
+
 /// The default poll budget of a blocked verbs reader. One poll round (the socket's lock, the
 /// provider's completion-queue poll, the session's readability) is ~500 instructions: 1024
 /// rounds are ~150 µs on current hardware, a few times the cost of waking an idle vCPU there
@@ -522,6 +572,17 @@ mod tests {
         assert_eq!(rdma_read_setting(Some(OsStr::new(" 1 "))), Some(true));
         assert_eq!(rdma_read_setting(Some(OsStr::new("yes"))), None);
         assert_eq!(rdma_read_setting(None), None);
+    }
+
+    #[test]
+    fn memory_budget_is_the_setting_or_the_larger_of_1_gib_and_a_quarter_of_ram() {
+        assert_eq!(memory_budget(Some(12), Some(64 << 30)), 12 << 20);
+        assert_eq!(memory_budget(Some(0), None), 0);
+        assert_eq!(memory_budget(Some(u64::MAX), None), u64::MAX);
+        assert_eq!(memory_budget(None, Some(2 << 30)), 1 << 30);
+        assert_eq!(memory_budget(None, Some(64 << 30)), 16 << 30);
+        assert_eq!(memory_budget(None, None), 1 << 30);
+        assert!(physical_memory().is_some_and(|ram| ram > 0));
     }
 
     #[test]

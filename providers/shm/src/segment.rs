@@ -95,6 +95,18 @@ impl SegmentConfig {
             access: AccessPolicy::default(),
         }
     }
+
+    /// The segment's layout, or `None` when a size is outside the provider's limits.
+    fn geometry(&self) -> Option<Geometry> {
+        let ring_entries = u32::from(self.slots.recv_slots).saturating_add(self.ring_extra.max(1));
+        Geometry::compute(self.slots, ring_entries, self.window_size).ok()
+    }
+
+    /// Bytes of a segment file of this configuration (all allocated at creation), or `None`
+    /// when a size is outside the provider's limits.
+    pub fn file_size(&self) -> Option<usize> {
+        self.geometry().map(|geometry| geometry.total_size)
+    }
 }
 
 /// The attacher's answer to a setup request, as the creator reads it.
@@ -266,12 +278,9 @@ impl ShmSegment {
                 "setup blob longer than MAX_SETUP_DATA",
             ));
         }
-        let ring_entries =
-            u32::from(config.slots.recv_slots).saturating_add(config.ring_extra.max(1));
-        let geometry =
-            Geometry::compute(config.slots, ring_entries, config.window_size).map_err(|_| {
-                ShmError::InvalidConfig("slot pools, ring or window outside the provider's limits")
-            })?;
+        let geometry = config.geometry().ok_or(ShmError::InvalidConfig(
+            "slot pools, ring or window outside the provider's limits",
+        ))?;
         static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
         let pid = std::process::id();
         let temp = dir.join(format!(

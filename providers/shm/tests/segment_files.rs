@@ -268,3 +268,25 @@ fn invalid_configurations_are_refused() {
         ));
     }
 }
+
+#[test]
+fn file_size_is_the_size_of_the_file_created() {
+    let dir = TestDir::new("file-size");
+    for config in [
+        segment_config(512, 8),
+        SegmentConfig::new(san_api::SlotConfig {
+            send_slots: 32,
+            recv_slots: 32,
+            slot_size: 16 << 10,
+        }),
+    ] {
+        let segment = ShmSegment::create(dir.path(), "sized", &config).unwrap();
+        let on_disk = fs::metadata(segment.path()).unwrap().len();
+        assert_eq!(config.file_size(), Some(on_disk as usize));
+        drop(segment);
+        let _ = fs::remove_file(dir.path().join("sized"));
+    }
+    let mut too_big = segment_config(512, 8);
+    too_big.window_size = u32::MAX;
+    assert_eq!(too_big.file_size(), None);
+}

@@ -96,8 +96,9 @@
 //!   first drives the other end, since it may be the only thread that ever would.
 
 // The files, bottom-up: each imports only from the groups above its own.
-// The ground: kernel calls, tunables, the exchange, registrations, stashes, nudges, the
-// stream operations' typed result.
+// The ground: kernel calls, tunables, the memory budget, the exchange, registrations,
+// stashes, nudges, the stream operations' typed result.
+mod budget;
 mod exchange;
 mod kernel;
 mod nudge;
@@ -259,6 +260,16 @@ pub fn before_connect(
         }
         return ClientPlan::PeerPlain;
     }
+    // The process's SAN memory budget: past it the connection stays on TCP.
+    let charge = if via_verbs {
+        budget::charge_verbs()
+    } else {
+        budget::charge_shm()
+    };
+    let Some(charge) = charge else {
+        COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+        return ClientPlan::Resources;
+    };
     let Some(mut local) = socket_name(fd) else {
         return ClientPlan::Failed;
     };
@@ -288,7 +299,11 @@ pub fn before_connect(
         return match verbs::connect::client(fd, local, peer, service::start) {
             Some(link) => {
                 tracing::debug!(fd, %local, %peer, "pending verbs SAN client");
-                install(index, record, SanSocket::verbs_client(record, &name, link));
+                install(
+                    index,
+                    record,
+                    SanSocket::verbs_client(record, &name, link, charge),
+                );
                 record
                     .path
                     .store(DataPath::SanVerbs as u32, Ordering::Release);
@@ -300,7 +315,13 @@ pub fn before_connect(
             }
         };
     }
-    match SanSocket::client(record, &provider.dir, &name, &provider.registrations) {
+    match SanSocket::client(
+        record,
+        &provider.dir,
+        &name,
+        &provider.registrations,
+        charge,
+    ) {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
             install(index, record, socket);
@@ -386,15 +407,33 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
     let shm = if mode == ProviderChoice::Verbs {
         Err(SocketSetupError::PeerPlain)
     } else {
-        SanSocket::acceptor(record, &provider.dir, &name, &provider.registrations)
+        match budget::charge_shm() {
+            Some(charge) => SanSocket::acceptor(
+                record,
+                &provider.dir,
+                &name,
+                &provider.registrations,
+                charge,
+            ),
+            // Past the process's SAN memory budget: decline a client that made a segment
+            // (it stays on TCP, `peer-resources`); one that made none is plain.
+            None if segment_exists(&provider.dir, &name) => Err(SocketSetupError::Resource),
+            None => Err(SocketSetupError::PeerPlain),
+        }
     };
     let accepted = match shm {
         // Not a same-host client: a cross-host one, if a device serves this address.
         Err(SocketSetupError::PeerPlain) if mode != ProviderChoice::Shm => {
-            match verbs::connect::acceptor(local, peer, service::start) {
-                Ok(link) => SanSocket::verbs_acceptor(record, &name, link),
-                Err(verbs::connect::AcceptorError::PeerPlain) => Err(SocketSetupError::PeerPlain),
-                Err(verbs::connect::AcceptorError::Resource) => Err(SocketSetupError::Resource),
+            match budget::charge_verbs() {
+                Some(charge) => match verbs::connect::acceptor(local, peer, service::start) {
+                    Ok(link) => SanSocket::verbs_acceptor(record, &name, link, charge),
+                    Err(verbs::connect::AcceptorError::PeerPlain) => {
+                        Err(SocketSetupError::PeerPlain)
+                    }
+                    Err(verbs::connect::AcceptorError::Resource) => Err(SocketSetupError::Resource),
+                },
+                // Not tried: whether the client is capable is not known.
+                None => Err(SocketSetupError::Resource),
             }
         }
         other => other,
@@ -427,6 +466,12 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
             }
         }
     }
+}
+
+/// Whether the client of a connection named `name` created its segment (a path operation,
+/// no descriptor needed).
+fn segment_exists(dir: &std::path::Path, name: &crate::discovery::SegmentName) -> bool {
+    std::fs::symlink_metadata(dir.join(name.as_str())).is_ok()
 }
 
 /// The acceptor gives up before it attached: it removes the client's segment name (a path

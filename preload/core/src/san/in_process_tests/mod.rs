@@ -801,6 +801,7 @@ fn set_linger_zero(fd: c_int) {
     assert_eq!(rc, 0);
 }
 
+mod budget;
 mod cases;
 mod rdma;
 mod rendezvous;

@@ -32,6 +32,7 @@ use switch::session::{
     MrHandleId, Pump, RecvTicket, ResetCause, Role, SendTicket, Session, SessionConfig,
 };
 
+use super::budget::Charge;
 use super::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
 use super::link::Link;
 use super::provider::{rdma_read_offered, rendezvous_enabled};
@@ -234,6 +235,9 @@ pub(crate) struct SanSocket {
     restored: Vec<u8>,
     /// After a downgrade the application's epoll sets watch the TCP socket again.
     pub epoll_on_tcp: bool,
+    /// This socket's share of the process's SAN memory budget (see `budget`): given back
+    /// when the socket is dropped, however it ends (held for its `Drop` alone).
+    _charge: Option<Charge>,
 }
 
 impl core::fmt::Debug for SanSocket {
@@ -257,6 +261,7 @@ impl SanSocket {
         name: &SegmentName,
         conn: Link,
         peer: Arc<PeerMirror>,
+        charge: Option<Charge>,
     ) -> SanSocket {
         SanSocket {
             side,
@@ -298,23 +303,26 @@ impl SanSocket {
             downgrade_sent: false,
             restored: Vec::new(),
             epoll_on_tcp: false,
+            _charge: charge,
         }
     }
 
     /// The connecting side after its TCP connect succeeded and the listener probe said
-    /// "preloaded": creates the exchange listener and the segment; the socket is pending.
+    /// "preloaded": creates the exchange listener and the segment; the socket is pending and
+    /// holds `charge`.
     pub(crate) fn client(
         record: &'static SocketRecord,
         dir: &std::path::Path,
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
     ) -> Result<SanSocket, SocketSetupError> {
         let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
         let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
             .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations)?;
-        let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer);
+        let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
         socket.exchange = Some(listener);
         socket.reserve = Some(reserve);
         Ok(socket)
@@ -323,12 +331,13 @@ impl SanSocket {
     /// The accepting side, inside `accept()`: connects to the client's exchange, passes its
     /// mirror end and the words page, attaches the segment and starts the session (it has
     /// sent nothing on TCP). The caller then writes the switch marker
-    /// ([`SanSocket::wake_pending_client`]).
+    /// ([`SanSocket::wake_pending_client`]). The socket holds `charge`.
     pub(crate) fn acceptor(
         record: &'static SocketRecord,
         dir: &std::path::Path,
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
     ) -> Result<SanSocket, SocketSetupError> {
         let (link, our_mirror, page) = offer_mirror(name)?;
         // Attach last: the client switches when it sees the attach, and by then everything
@@ -349,7 +358,14 @@ impl SanSocket {
             SLOTS,
             0,
         );
-        let mut socket = Self::fresh(record, Side::Acceptor, name, conn.into(), peer);
+        let mut socket = Self::fresh(
+            record,
+            Side::Acceptor,
+            name,
+            conn.into(),
+            peer,
+            Some(charge),
+        );
         socket.exchange = Some(link);
         socket.start_session(session, our_mirror, page);
         Ok(socket.accepted())
@@ -371,7 +387,7 @@ impl SanSocket {
         if side == Side::Client {
             let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
             let reserve = SwitchReserve::new(listener.as_fd())?;
-            let mut socket = Self::fresh(record, Side::Client, name, conn, peer);
+            let mut socket = Self::fresh(record, Side::Client, name, conn, peer, None);
             socket.exchange = Some(listener);
             socket.reserve = Some(reserve);
             return Ok(socket);
@@ -384,7 +400,7 @@ impl SanSocket {
             SLOTS,
             0,
         );
-        let mut socket = Self::fresh(record, Side::Acceptor, name, conn, peer);
+        let mut socket = Self::fresh(record, Side::Acceptor, name, conn, peer, None);
         socket.exchange = Some(link);
         socket.start_session(session, our_mirror, page);
         Ok(socket.accepted())
@@ -395,6 +411,7 @@ impl SanSocket {
         side: Side,
         name: &SegmentName,
         link: VerbsLink,
+        charge: Charge,
     ) -> SanSocket {
         Self::fresh(
             record,
@@ -402,26 +419,31 @@ impl SanSocket {
             name,
             Link::Verbs(link),
             Arc::new(PeerMirror::default()),
+            Some(charge),
         )
     }
 
-    /// A pending verbs client (its CM listener is up; see `super::verbs::connect::client`).
+    /// A pending verbs client (its CM listener is up; see `super::verbs::connect::client`),
+    /// holding `charge`.
     pub(crate) fn verbs_client(
         record: &'static SocketRecord,
         name: &SegmentName,
         link: VerbsLink,
+        charge: Charge,
     ) -> SanSocket {
-        Self::with_link(record, Side::Client, name, link)
+        Self::with_link(record, Side::Client, name, link, charge)
     }
 
     /// The accepting side after its CM connect to the client was established: the session
-    /// starts with `tcp_bytes_sent = 0`; the caller writes the switch marker.
+    /// starts with `tcp_bytes_sent = 0`; the caller writes the switch marker. The socket
+    /// holds `charge`.
     pub(crate) fn verbs_acceptor(
         record: &'static SocketRecord,
         name: &SegmentName,
         link: VerbsLink,
+        charge: Charge,
     ) -> Result<SanSocket, SocketSetupError> {
-        let mut socket = Self::with_link(record, Side::Acceptor, name, link);
+        let mut socket = Self::with_link(record, Side::Acceptor, name, link, charge);
         socket.start_verbs_session(Role::Passive)?;
         Ok(socket.accepted())
     }
@@ -536,6 +558,12 @@ impl SanSocket {
     /// The verbs link (to register with the service thread; the spin policy of waits).
     pub(crate) fn verbs_link_mut(&mut self) -> Option<&mut VerbsLink> {
         self.conn.as_mut().and_then(Link::verbs_mut)
+    }
+
+    /// Unit tests: this socket holds `charge` (of a budget of the test's own) from now on.
+    #[cfg(test)]
+    pub(crate) fn hold(&mut self, charge: Charge) {
+        self._charge = Some(charge);
     }
 
     /// The registrations (domain and cache) this socket's memory is registered with: its
