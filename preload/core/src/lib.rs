@@ -26,6 +26,7 @@ pub mod guard;
 #[macro_use]
 pub mod hooks;
 pub mod inventory;
+pub mod listener_owner;
 pub mod logging;
 pub mod mirror;
 pub mod negative_cache;
