@@ -31,8 +31,9 @@ trap 'rm -rf "$extra"' EXIT
 host_ca=/etc/ssl/certs/ca-certificates.crt
 extra_files=()
 if [ -s "$host_ca" ]; then
-  cp "$host_ca" "$extra/.build-host-ca.crt"
-  extra_files=(-C "$extra" .build-host-ca.crt)
+  mkdir -p "$extra/scripts/container/build-ca"
+  cp "$host_ca" "$extra/scripts/container/build-ca/host-ca.crt"
+  extra_files=(-C "$extra" scripts/container/build-ca/host-ca.crt)
 fi
 
 # Tracked and untracked-but-not-ignored files that exist (a deleted tracked file is skipped),
