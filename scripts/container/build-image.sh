@@ -23,6 +23,9 @@ while [ $# -gt 0 ]; do
 done
 
 base="$(bash scripts/container/base-image.sh)"
+# The image the tag names now: once the tag moves to the new build, it is removed (with the
+# untagged layers only it used), so rebuilds do not pile up old images.
+previous="$(docker image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)"
 
 # The builder downloads crates over HTTPS: it trusts what this host trusts, so builds behind a
 # TLS-inspecting proxy work (only the builder stage sees this file; the image does not).
@@ -44,4 +47,8 @@ git ls-files -z --cached --others --exclude-standard --deduplicate |
   tar --null -T - "${extra_files[@]}" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -c |
   docker build -f scripts/container/Dockerfile --build-arg "BASE_IMAGE=$base" \
     "${target[@]}" -t "$tag" - >&2
+if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect --format '{{.Id}}' "$tag")" ]; then
+  # Refused (and left alone) while a container or another tag still uses it.
+  docker image rm "$previous" >/dev/null 2>&1 || true
+fi
 echo "$tag"
