@@ -2,8 +2,22 @@
 # Runs every test of sandirect: formatting, lints, unit and property tests, the deterministic
 # simulation (SIM_SEEDS seeds, default 1000), the fuzz-corpus replay, the dependency-direction
 # and exported-symbol checks, and the integration suites. CI runs exactly this (.ci/run).
+#
+#   scripts/test-all.sh [--containers]
+#
+# --containers also builds the container image and the Debian package and tests them in
+# containers (integration/tests/containers.rs, ignored otherwise): it needs a Docker Engine and
+# takes about 10 minutes on 2 cores the first time (cached layers make later runs shorter).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+containers=0
+for arg in "$@"; do
+  case "$arg" in
+    --containers) containers=1 ;;
+    *) echo "test-all: unknown argument: $arg (usage: scripts/test-all.sh [--containers])" >&2; exit 2 ;;
+  esac
+done
 
 bash scripts/bootstrap.sh --apps
 if [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; fi
@@ -38,6 +52,14 @@ stage "applications with the SAN off" env SANDIRECT_SAN=0 cargo test -p integrat
 stage "SAN without the safety-net wait slices" env SANDIRECT_WAIT_SLICE_MS=600000 cargo test -p integration
 if [ -x .ci/check-exports.sh ]; then
   stage "exported symbols" bash .ci/check-exports.sh
+fi
+# Asked for, so a missing Docker Engine is a failure here (the tests alone would skip).
+containers_stage() {
+  docker version --format 'Docker Engine {{.Server.Version}}'
+  cargo test -p integration --test containers -- --ignored
+}
+if [ "$containers" -eq 1 ]; then
+  stage "image and package in containers" containers_stage
 fi
 # The verbs provider's device tests need an RDMA device: they run inside a nested QEMU guest
 # with soft-RoCE (rxe) and then soft-iWARP (siw), which the harness sets up by itself.
