@@ -43,7 +43,7 @@ const USAGE: &str = "usage: bench [--quick] [--rounds N] [--only NAME,...] [--ou
              [--baseline FILE] [--save-baseline] [--chart FILE] [--preload libsandirect.so]
    or: bench --role churn|rtt --port N --seconds S   (the clients this binary provides)
 
-  --quick          ~1-2 minutes: 3 rounds of short runs (what CI records)
+  --quick          ~2 minutes: 3 rounds of short runs (what CI records)
   --rounds N       rounds per workload (default 5, quick 3)
   --only A,B       only the workloads whose name contains one of these words
   --out DIR        where the report goes (default target/bench): bench-MODE.json, bench-MODE.svg
@@ -337,13 +337,66 @@ impl Context {
         }
     }
 
-    /// A count-based run's size: `quick` in the quick mode, ten times that otherwise.
+    /// A count-based run's size: `quick` in the quick mode, four times that otherwise.
     fn count(&self, quick: u64) -> u64 {
         if self.quick {
             quick
         } else {
-            quick * 10
+            quick * 4
         }
+    }
+}
+
+/// Process groups this benchmark started and has not reaped yet (servers and the running load
+/// generator): they are not in the terminal's foreground group, so an interrupted benchmark
+/// kills them itself.
+static GROUPS: [std::sync::atomic::AtomicI32; 4] =
+    [const { std::sync::atomic::AtomicI32::new(0) }; 4];
+
+fn register_group(group: i32) {
+    use std::sync::atomic::Ordering;
+    for slot in &GROUPS {
+        if slot
+            .compare_exchange(0, group, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            return;
+        }
+    }
+}
+
+fn unregister_group(group: i32) {
+    use std::sync::atomic::Ordering;
+    for slot in &GROUPS {
+        let _ = slot.compare_exchange(group, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+}
+
+extern "C" fn on_interrupt(signal: libc::c_int) {
+    use std::sync::atomic::Ordering;
+    for slot in &GROUPS {
+        let group = slot.load(Ordering::Acquire);
+        if group > 0 {
+            // SAFETY: kill is async-signal-safe; the group is one this benchmark started.
+            unsafe { libc::kill(-group, libc::SIGKILL) };
+        }
+    }
+    // SAFETY: async-signal-safe calls: back to the default action, then die of the signal.
+    unsafe {
+        libc::signal(signal, libc::SIG_DFL);
+        libc::raise(signal);
+    }
+}
+
+fn kill_groups_on_interrupt() {
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only makes async-signal-safe calls.
+        unsafe {
+            libc::signal(
+                signal,
+                on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            )
+        };
     }
 }
 
@@ -359,6 +412,7 @@ impl Server {
         let file = std::fs::File::create(&log)?;
         command.stdout(file.try_clone()?).stderr(file);
         let child = command.spawn()?;
+        register_group(child.id() as i32);
         let mut server = Server { child, log };
         // Wait for the listening socket to appear, without connecting to it (a probe
         // connection would be a bogus client to iperf3).
@@ -404,6 +458,7 @@ impl Drop for Server {
         // it reaches only processes this benchmark started.
         unsafe { libc::kill(-group, libc::SIGKILL) };
         let _ = self.child.wait();
+        unregister_group(group);
     }
 }
 
@@ -476,6 +531,18 @@ fn run_client(mut command: Command, timeout: Duration) -> Result<ClientRun, Stri
     let started = Instant::now();
     let mut child = command.spawn().map_err(|e| format!("start: {e}"))?;
     let pid = child.id() as libc::pid_t;
+    register_group(pid);
+    let result = wait_client(&mut child, pid, started, timeout);
+    unregister_group(pid);
+    result
+}
+
+fn wait_client(
+    child: &mut Child,
+    pid: libc::pid_t,
+    started: Instant,
+    timeout: Duration,
+) -> Result<ClientRun, String> {
     let mut stdout = child.stdout.take().ok_or("no stdout")?;
     let mut stderr = child.stderr.take().ok_or("no stderr")?;
     let out = std::thread::spawn(move || {
@@ -957,7 +1024,7 @@ fn workloads(context: &Context) -> Vec<Workload> {
             "redis GET+SET -c 1 -P 1",
             "set,get",
             &["-c", "1", "-P", "1"],
-            redis(4_000),
+            redis(8_000),
             APP_VARIANTS,
         ),
         redis_workload(
@@ -1673,6 +1740,7 @@ fn orchestrate(options: &Options) -> Result<(), String> {
                 .iter()
                 .any(|word| name.to_lowercase().contains(word))
     };
+    kill_groups_on_interrupt();
     let started = Instant::now();
     let load_before = load_average();
     println!(
@@ -1727,7 +1795,8 @@ fn orchestrate(options: &Options) -> Result<(), String> {
     std::fs::create_dir_all(&options.out).map_err(|e| e.to_string())?;
     let json_path = options.out.join(format!("bench-{mode}.json"));
     let chart_path = options.out.join(format!("bench-{mode}.svg"));
-    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    // Compact: the report holds every round's raw figures (`python3 -m json.tool` shows it).
+    let text = serde_json::to_string(&report).map_err(|e| e.to_string())?;
     std::fs::write(&json_path, &text).map_err(|e| e.to_string())?;
     let title = format!(
         "sandirect vs kernel TCP, loopback, {} vCPUs, {mode} run, {} rounds, load avg {load_before}",
