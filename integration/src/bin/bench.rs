@@ -40,7 +40,8 @@ use serde_json::{json, Value};
 const REGRESSION: f64 = 0.8;
 
 const USAGE: &str = "usage: bench [--quick] [--rounds N] [--only NAME,...] [--out DIR]
-             [--baseline FILE] [--save-baseline] [--chart FILE] [--preload libsandirect.so]
+             [--baseline FILE] [--save-baseline] [--preload libsandirect.so]
+   or: bench --redraw REPORT.json
    or: bench --role churn|rtt --port N --seconds S   (the clients this binary provides)
 
   --quick          ~2 minutes: 3 rounds of short runs (what CI records)
@@ -48,7 +49,8 @@ const USAGE: &str = "usage: bench [--quick] [--rounds N] [--only NAME,...] [--ou
   --only A,B       only the workloads whose name contains one of these words
   --out DIR        where the report goes (default target/bench): bench-MODE.json, bench-MODE.svg
   --baseline FILE  the report to compare with (default docs/bench/baseline-MODE.json)
-  --save-baseline  also write this run's report as the baseline and its chart beside it";
+  --save-baseline  also write this run's report as the baseline and its chart beside it
+  --redraw FILE    only draw the chart of a stored report (FILE with .svg)";
 
 // ---------------------------------------------------------------------------------------------
 // Variants
@@ -1480,27 +1482,65 @@ fn charted(outcome: &Outcome) -> Vec<(Variant, Spread)> {
 
 /// Horizontal bars of the median ratio against TCP (from 1 = parity, log scale) with whiskers
 /// over the rounds' min–max, one group per workload.
-fn draw_chart(path: &Path, outcomes: &[Outcome], title: &str) -> Result<(), String> {
+fn draw_chart(path: &Path, report: &Value, title: &str) -> Result<(), String> {
     use plotters::prelude::*;
     use plotters::style::text_anchor::{HPos, Pos, VPos};
-    let rows: Vec<(String, Variant, Spread)> = outcomes
+    // (workload, variant, ratio spread) from the report, so a stored report redraws alike.
+    let mut rows: Vec<(String, String, Spread)> = Vec::new();
+    for workload in report["workloads"].as_array().into_iter().flatten() {
+        let name = workload["name"].as_str().unwrap_or("?");
+        let Some(ratios) = workload["ratios_vs_tcp"].as_object() else {
+            continue;
+        };
+        for (variant, ratio) in ratios {
+            if variant == Variant::RawRing.label() {
+                continue;
+            }
+            let get = |key: &str| ratio[key].as_f64();
+            if let (Some(median), Some(min), Some(max)) = (get("median"), get("min"), get("max")) {
+                rows.push((
+                    name.to_owned(),
+                    variant.clone(),
+                    Spread { median, min, max },
+                ));
+            }
+        }
+    }
+    // Variants in their table order within a workload (the JSON map is sorted by name).
+    let order = |label: &str| {
+        [Variant::Sandirect, Variant::Fallback, Variant::ServerOnly]
+            .iter()
+            .position(|v| v.label() == label)
+    };
+    let position = |name: &str| rows.iter().position(|r| r.0 == name);
+    let mut indexed: Vec<(usize, Option<usize>, (String, String, Spread))> = rows
         .iter()
-        .flat_map(|o| {
-            charted(o)
-                .into_iter()
-                .map(move |(v, s)| (o.name.clone(), v, s))
-        })
+        .cloned()
+        .map(|row| (position(&row.0).unwrap_or(0), order(&row.1), row))
         .collect();
+    indexed.sort_by_key(|(workload, variant, _)| (*workload, *variant));
+    let rows: Vec<(String, String, Spread)> = indexed.into_iter().map(|(_, _, row)| row).collect();
     if rows.is_empty() {
         return Err("no ratio to draw".into());
     }
+    // The axis spans every median and parity, and the whiskers as far as 3x beyond the
+    // extreme medians: a single wild round of a 10 ms micro-benchmark slice must not squeeze
+    // every bar into a few pixels (a clipped whisker ends in a shorter tick).
+    let median_low = rows.iter().map(|r| r.2.median).fold(1.0f64, f64::min);
+    let median_high = rows.iter().map(|r| r.2.median).fold(1.0f64, f64::max);
     let low = rows
         .iter()
         .map(|r| r.2.min)
-        .fold(1.0f64, f64::min)
+        .fold(median_low, f64::min)
+        .max(median_low / 3.0)
         .max(1e-3)
         * 0.8;
-    let high = rows.iter().map(|r| r.2.max).fold(1.0f64, f64::max) * 1.25;
+    let high = rows
+        .iter()
+        .map(|r| r.2.max)
+        .fold(median_high, f64::max)
+        .min(median_high * 3.0)
+        * 1.25;
     let row_height = 16u32;
     let height = 110 + row_height * rows.len() as u32;
     let root = SVGBackend::new(path, (1000, height)).into_drawing_area();
@@ -1512,14 +1552,23 @@ fn draw_chart(path: &Path, outcomes: &[Outcome], title: &str) -> Result<(), Stri
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(330)
-        .build_cartesian_2d((low..high).log_scale(), 0f64..n as f64)
+        .build_cartesian_2d(
+            (low..high).log_scale().with_key_points(
+                [
+                    0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0,
+                ]
+                .into_iter()
+                .filter(|x| (low..=high).contains(x))
+                .collect::<Vec<f64>>(),
+            ),
+            0f64..n as f64,
+        )
         .map_err(error)?;
     chart
         .configure_mesh()
         .disable_y_mesh()
         .y_labels(0)
-        .x_labels(12)
-        .x_label_formatter(&|x| format!("{x:.2}"))
+        .x_label_formatter(&|x| format!("{x}"))
         .x_desc(
             "throughput ratio against kernel TCP in the same round (median bar, min-max whiskers)",
         )
@@ -1533,7 +1582,7 @@ fn draw_chart(path: &Path, outcomes: &[Outcome], title: &str) -> Result<(), Stri
     for (i, (name, variant, _)) in rows.iter().enumerate() {
         let (x, y) = chart.backend_coord(&(low, n as f64 - i as f64 - 0.5));
         root.draw(&Text::new(
-            format!("{name} [{}]", variant.label()),
+            format!("{name} [{variant}]"),
             (x - 6, y),
             label_style.clone(),
         ))
@@ -1542,10 +1591,10 @@ fn draw_chart(path: &Path, outcomes: &[Outcome], title: &str) -> Result<(), Stri
     for (i, (_, variant, s)) in rows.iter().enumerate() {
         // Row i from the top.
         let y = n as f64 - i as f64 - 0.5;
-        let colour = match variant {
-            Variant::Sandirect if s.median >= 1.0 => RGBColor(46, 139, 87),
-            Variant::Sandirect => RGBColor(200, 70, 60),
-            Variant::Fallback => RGBColor(110, 130, 180),
+        let colour = match variant.as_str() {
+            "sandirect" if s.median >= 1.0 => RGBColor(46, 139, 87),
+            "sandirect" => RGBColor(200, 70, 60),
+            "fallback" => RGBColor(110, 130, 180),
             _ => RGBColor(180, 150, 80),
         };
         chart
@@ -1554,11 +1603,16 @@ fn draw_chart(path: &Path, outcomes: &[Outcome], title: &str) -> Result<(), Stri
                 colour.filled(),
             )))
             .map_err(error)?;
+        let (min, max) = (s.min.max(low), s.max.min(high));
+        let cap = |x: f64, clipped: bool| {
+            let half = if clipped { 0.1 } else { 0.2 };
+            PathElement::new(vec![(x, y - half), (x, y + half)], BLACK)
+        };
         chart
             .draw_series([
-                PathElement::new(vec![(s.min, y), (s.max, y)], BLACK),
-                PathElement::new(vec![(s.min, y - 0.2), (s.min, y + 0.2)], BLACK),
-                PathElement::new(vec![(s.max, y - 0.2), (s.max, y + 0.2)], BLACK),
+                PathElement::new(vec![(min, y), (max, y)], BLACK),
+                cap(min, min > s.min),
+                cap(max, max < s.max),
             ])
             .map_err(error)?;
     }
@@ -1569,6 +1623,26 @@ fn draw_chart(path: &Path, outcomes: &[Outcome], title: &str) -> Result<(), Stri
         )))
         .map_err(error)?;
     root.present().map_err(error)?;
+    Ok(())
+}
+
+fn chart_title(report: &Value) -> String {
+    format!(
+        "sandirect vs kernel TCP, loopback, {} vCPUs, {} run, {} rounds, load average {}",
+        report["cpus"],
+        report["mode"].as_str().unwrap_or("?"),
+        report["rounds"],
+        report["load_average_before"].as_str().unwrap_or("?")
+    )
+}
+
+/// `--redraw REPORT`: the chart of a stored report, beside it (`.svg`).
+fn redraw(report_path: &Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(report_path).map_err(|e| e.to_string())?;
+    let report: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    let chart = report_path.with_extension("svg");
+    draw_chart(&chart, &report, &chart_title(&report))?;
+    println!("chart: {}", chart.display());
     Ok(())
 }
 
@@ -1639,6 +1713,7 @@ struct Options {
     baseline: Option<PathBuf>,
     save_baseline: bool,
     preload: Option<PathBuf>,
+    redraw: Option<PathBuf>,
 }
 
 fn parse_options(words: &[String]) -> Result<Options, String> {
@@ -1650,6 +1725,7 @@ fn parse_options(words: &[String]) -> Result<Options, String> {
         baseline: None,
         save_baseline: false,
         preload: None,
+        redraw: None,
     };
     let mut words = words.iter();
     while let Some(word) = words.next() {
@@ -1671,6 +1747,7 @@ fn parse_options(words: &[String]) -> Result<Options, String> {
             "--baseline" => options.baseline = Some(value("--baseline")?.into()),
             "--save-baseline" => options.save_baseline = true,
             "--preload" => options.preload = Some(value("--preload")?.into()),
+            "--redraw" => options.redraw = Some(value("--redraw")?.into()),
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -1707,7 +1784,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match orchestrate(&options) {
+    let result = match &options.redraw {
+        Some(report) => redraw(report),
+        None => orchestrate(&options),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("bench: {error}");
@@ -1798,12 +1879,8 @@ fn orchestrate(options: &Options) -> Result<(), String> {
     // Compact: the report holds every round's raw figures (`python3 -m json.tool` shows it).
     let text = serde_json::to_string(&report).map_err(|e| e.to_string())?;
     std::fs::write(&json_path, &text).map_err(|e| e.to_string())?;
-    let title = format!(
-        "sandirect vs kernel TCP, loopback, {} vCPUs, {mode} run, {} rounds, load avg {load_before}",
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
-        context.rounds
-    );
-    match draw_chart(&chart_path, &outcomes, &title) {
+    let title = chart_title(&report);
+    match draw_chart(&chart_path, &report, &title) {
         Ok(()) => println!(
             "report: {}  chart: {}",
             json_path.display(),
