@@ -1512,14 +1512,13 @@ fn draw_chart(path: &Path, report: &Value, title: &str) -> Result<(), String> {
             .iter()
             .position(|v| v.label() == label)
     };
-    let position = |name: &str| rows.iter().position(|r| r.0 == name);
-    let mut indexed: Vec<(usize, Option<usize>, (String, String, Spread))> = rows
+    let first: BTreeMap<String, usize> = rows
         .iter()
-        .cloned()
-        .map(|row| (position(&row.0).unwrap_or(0), order(&row.1), row))
+        .enumerate()
+        .rev()
+        .map(|(i, row)| (row.0.clone(), i))
         .collect();
-    indexed.sort_by_key(|(workload, variant, _)| (*workload, *variant));
-    let rows: Vec<(String, String, Spread)> = indexed.into_iter().map(|(_, _, row)| row).collect();
+    rows.sort_by_key(|row| (first.get(&row.0).copied(), order(&row.1)));
     if rows.is_empty() {
         return Err("no ratio to draw".into());
     }
