@@ -15,8 +15,9 @@
 #
 # Output: target/bench/bench-{quick,full}.{json,svg}. Each run compares its ratios with the
 # committed baseline of its mode (docs/bench/baseline-{quick,full}.json) and prints a
-# "warning: regression" line for a ratio more than 20% below the baseline's; that never fails
-# the run: the exit status is non-zero only when the benchmark cannot build or run at all.
+# "warning: regression" line for a ratio whose every round is more than 20% below the
+# baseline's median (a "note:" line when only the median is); that never fails the run: the
+# exit status is non-zero only when the benchmark cannot build or run at all.
 # Programs that are not installed are reported as "skipped: not installed"
 # (scripts/bootstrap.sh --bench installs them all).
 set -euo pipefail
@@ -25,7 +26,7 @@ if [ -x "$HOME/.cargo/bin/cargo" ]; then export PATH="$HOME/.cargo/bin:$PATH"; f
 
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
   esac
 done
 
