@@ -4,12 +4,16 @@
 #
 #   scripts/bootstrap.sh            build + unit-test prerequisites (Rust, a C toolchain)
 #   scripts/bootstrap.sh --apps     also the real applications the integration tests drive
+#   scripts/bootstrap.sh --bench    the applications, plus node and a JDK for the benchmark
+#                                   (scripts/bench.sh); CI's test run does not need them
 set -euo pipefail
 
 want_apps=0
+want_bench=0
 for arg in "$@"; do
   case "$arg" in
     --apps) want_apps=1 ;;
+    --bench) want_apps=1; want_bench=1 ;;
     *) echo "bootstrap: unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -54,4 +58,10 @@ fi
 
 if [ "$want_apps" -eq 1 ]; then
   apt_install redis-server redis-tools iperf3 nginx-light memcached libmemcached-tools wrk curl python3
+fi
+
+# The benchmark's event-loop echo servers: node (libuv) and a Java NIO selector (javac builds it).
+if [ "$want_bench" -eq 1 ]; then
+  command -v node >/dev/null 2>&1 || apt_install nodejs
+  command -v javac >/dev/null 2>&1 || apt_install default-jdk-headless
 fi

@@ -577,6 +577,8 @@ struct Arguments {
     quick: bool,
     seconds: Option<u64>,
     preload: Option<PathBuf>,
+    /// Orchestrator: also write every round's raw figures here (JSON).
+    json: Option<PathBuf>,
     role: Option<String>,
     port: Option<u16>,
     ring: Option<PathBuf>,
@@ -618,6 +620,7 @@ fn parse_arguments() -> Result<Arguments, String> {
         quick: false,
         seconds: None,
         preload: None,
+        json: None,
         role: None,
         port: None,
         ring: None,
@@ -638,6 +641,7 @@ fn parse_arguments() -> Result<Arguments, String> {
                 args.seconds = Some(value("--seconds")?.parse().map_err(|_| "bad --seconds")?)
             }
             "--preload" => args.preload = Some(value("--preload")?.into()),
+            "--json" => args.json = Some(value("--json")?.into()),
             "--role" => args.role = Some(value("--role")?),
             "--port" => args.port = Some(value("--port")?.parse().map_err(|_| "bad --port")?),
             "--ring" => args.ring = Some(value("--ring")?.into()),
@@ -669,6 +673,7 @@ fn parse_arguments() -> Result<Arguments, String> {
 }
 
 const USAGE: &str = "usage: bench_sockets [--quick] [--seconds N] [--preload libsandirect.so]
+                     [--json FILE]   (every round's raw figures, for scripts/bench.sh)
    or: bench_sockets --role server [--address IP] [--c-sockets]       (prints \"port N\")
    or: bench_sockets --role client --port N [--address IP] [--source IP] [--c-sockets]
                      [--tests rtt,SIZE,...] [--slice-ms MS] [--warmup-ms MS]
@@ -968,7 +973,56 @@ fn orchestrate(args: &Arguments) -> io::Result<()> {
             .join(", ")
     );
     print_tables(&results);
+    if let Some(path) = &args.json {
+        std::fs::write(path, raw_json(&results, &paths).to_string())?;
+    }
     Ok(())
+}
+
+/// Every round's raw figures, per test and variant (`null` where a pair failed), with the data
+/// path each variant's client saw: what `bench` folds into its report.
+fn raw_json(results: &[Vec<Option<Vec<Run>>>], paths: &[String]) -> serde_json::Value {
+    use serde_json::json;
+    let tests: Vec<serde_json::Value> = Test::all()
+        .iter()
+        .enumerate()
+        .map(|(t, &test)| {
+            let rounds: Vec<serde_json::Value> = results
+                .iter()
+                .map(|round| {
+                    let variants: serde_json::Map<String, serde_json::Value> = VARIANTS
+                        .iter()
+                        .enumerate()
+                        .map(|(v, variant)| {
+                            let run = round[v].as_ref().and_then(|runs| runs.get(t));
+                            let value = run.map_or(serde_json::Value::Null, |run| {
+                                json!({
+                                    "count": run.count,
+                                    "elapsed_ns": run.elapsed_ns,
+                                    "client_cpu_ns": run.client_cpu_ns,
+                                    "server_cpu_ns": run.server_cpu_ns,
+                                })
+                            });
+                            (variant.label().to_owned(), value)
+                        })
+                        .collect();
+                    serde_json::Value::Object(variants)
+                })
+                .collect();
+            json!({
+                "name": test.label(),
+                "kind": match test { Test::PingPong => "rtt", Test::Stream(_) => "stream" },
+                "size": test.size(),
+                "rounds": rounds,
+            })
+        })
+        .collect();
+    let paths: serde_json::Map<String, serde_json::Value> = VARIANTS
+        .iter()
+        .zip(paths)
+        .map(|(variant, path)| (variant.label().to_owned(), json!(path)))
+        .collect();
+    json!({ "tests": tests, "paths": paths })
 }
 
 fn print_tables(results: &[Vec<Option<Vec<Run>>>]) {
