@@ -5,14 +5,16 @@
 //! reason). The errno travels as data until the C return value is produced: a hook sets the
 //! thread's `errno` for an outcome in exactly one place, [`Outcome::returned`].
 //!
-//! The SAN path still answers in its own terms (`Option<isize>`, errno set by it, `None`
-//! meaning "kernel TCP after all"); [`Outcome::from_san`] is the one place that reads them.
+//! The SAN path answers in its own terms ([`SanCall`]: `None` meaning "kernel TCP after all",
+//! otherwise the value or the errno as data); [`Outcome::from_san`] is the one place that
+//! converts them.
 
 use core::ffi::c_int;
 
 use libc::ssize_t;
 
 use crate::errno::{self, Errno};
+use crate::san::SanCall;
 
 /// What the SAN side of a hook decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +65,18 @@ impl CReturn for c_int {
 }
 
 impl<T> Outcome<T> {
+    /// The SAN path's answer (`san::send_iov`, `san::recv_iov`, `san::select_via_poll`):
+    /// `None` means the real call, for the reason `none` (what that SAN function's `None`
+    /// says); the value or the errno carries over as it is.
+    #[inline]
+    pub fn from_san(result: SanCall<T>, none: Why) -> Self {
+        match result {
+            Some(Ok(value)) => Outcome::Done(value),
+            Some(Err(errno)) => Outcome::Failed(errno),
+            None => Outcome::Bypass(none),
+        }
+    }
+
     /// The answer's value converted (the errno and the bypass reason kept).
     #[inline(always)]
     pub fn map<U>(self, convert: impl FnOnce(T) -> U) -> Outcome<U> {
@@ -83,17 +97,6 @@ impl<T: CReturn> Outcome<T> {
             Outcome::Failed(Errno::last())
         } else {
             Outcome::Done(result)
-        }
-    }
-
-    /// The SAN path's answer (`san::send_iov`, `san::recv_iov`, `san::select_via_poll`):
-    /// `None` means the real call, for the reason `none` (what that SAN function's `None`
-    /// says); a negative value is a failure whose errno the SAN path has just left.
-    #[inline]
-    pub fn from_san(result: Option<T>, none: Why) -> Self {
-        match result {
-            Some(value) => Self::from_kernel(value),
-            None => Outcome::Bypass(none),
         }
     }
 
@@ -163,40 +166,42 @@ mod tests {
 
     #[test]
     fn san_answers_convert_without_losing_the_errno() {
+        // The thread's errno plays no part in the conversion, nor is it touched by it.
+        errno::set(UNTOUCHED);
         assert_eq!(
             Outcome::<ssize_t>::from_san(None, Why::Downgraded),
             Outcome::Bypass(Why::Downgraded)
         );
         assert_eq!(
-            Outcome::<ssize_t>::from_san(Some(0), Why::Downgraded),
+            Outcome::<ssize_t>::from_san(Some(Ok(0)), Why::Downgraded),
             Outcome::Done(0)
         );
         assert_eq!(
-            Outcome::<ssize_t>::from_san(Some(1500), Why::Downgraded),
+            Outcome::<ssize_t>::from_san(Some(Ok(1500)), Why::Downgraded),
             Outcome::Done(1500)
         );
-        // The SAN path sets errno and answers -1; the outcome carries that errno back to the
-        // caller, whatever ran in between.
-        errno::set(libc::EPIPE);
-        let failed = Outcome::<ssize_t>::from_san(Some(-1), Why::Downgraded);
+        // The SAN path answers the errno as data; the outcome carries it back to the caller,
+        // whatever ran in between.
+        let failed = Outcome::<ssize_t>::from_san(Some(Err(Errno(libc::EPIPE))), Why::Downgraded);
         assert_eq!(failed, Outcome::Failed(Errno(libc::EPIPE)));
-        errno::set(UNTOUCHED);
+        assert_eq!(errno::get(), UNTOUCHED);
         assert_eq!(failed.returned(), Ok(-1));
         assert_eq!(errno::get(), libc::EPIPE);
         // A status (select through poll) converts the same way.
+        errno::set(UNTOUCHED);
         assert_eq!(
-            Outcome::<c_int>::from_san(Some(2), Why::Downgraded),
+            Outcome::<c_int>::from_san(Some(Ok(2)), Why::Downgraded),
             Outcome::Done(2)
         );
         assert_eq!(
             Outcome::<c_int>::from_san(None, Why::NotOnSan),
             Outcome::Bypass(Why::NotOnSan)
         );
-        errno::set(libc::EINTR);
         assert_eq!(
-            Outcome::<c_int>::from_san(Some(-1), Why::Downgraded),
+            Outcome::<c_int>::from_san(Some(Err(Errno(libc::EINTR))), Why::Downgraded),
             Outcome::Failed(Errno(libc::EINTR))
         );
+        assert_eq!(errno::get(), UNTOUCHED);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use super::kernel::{file_inode, recv_tcp_rest, scatter, socket_inode, RawBuf};
-use super::outcome::SanError;
+use super::outcome::{SanCall, SanError};
 use super::socket::Phase;
 use super::stash::Stash;
 use super::stashed::Stashed;
@@ -474,13 +474,13 @@ pub(super) fn recv_stashed(
     index: u32,
     bufs: &[RawBuf],
     recv_flags: c_int,
-) -> Option<isize> {
+) -> SanCall<isize> {
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
     let done = recv_stashed_after(fd, index, bufs, 0, recv_flags);
     if done == 0 {
-        return if total == 0 { Some(0) } else { None };
+        return if total == 0 { Some(Ok(0)) } else { None };
     }
-    Some(done as isize)
+    Some(Ok(done as isize))
 }
 
 /// A read into `bufs` after `done` bytes the call already has: the stash (if the socket

@@ -7,6 +7,7 @@ use core::ffi::c_int;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::errno::Errno;
 use crate::real;
 use crate::record::Counter;
 use crate::registry::registry;
@@ -54,27 +55,32 @@ pub(super) fn linger_of(fd: c_int) -> (bool, Duration) {
 }
 
 /// One nonblocking `sendmsg` of the caller's buffers from offset `done` on TCP, counted in
-/// socket `index`'s record.
+/// socket `index`'s record: the bytes sent, or the errno of the call. Nothing sent counts as
+/// a result only when nothing was asked for; otherwise it is the call's errno.
 pub(super) fn send_on_tcp(
     fd: c_int,
     index: u32,
     bufs: &[RawBuf],
     done: usize,
     send_flags: c_int,
-) -> isize {
+) -> Result<usize, Errno> {
     let mut iov = remaining_iov(bufs, done);
+    let asked: usize = iov.iter().map(|v| v.iov_len).fold(0, usize::saturating_add);
     // SAFETY: plain data, zero is valid.
     let mut msg: libc::msghdr = unsafe { core::mem::zeroed() };
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len() as _;
     // SAFETY: `msg` describes the caller's buffers (valid for the call).
     let n = unsafe { real::sendmsg(fd, &msg, send_flags | libc::MSG_DONTWAIT) };
+    if n < 0 || (n == 0 && asked > 0) {
+        return Err(Errno::last());
+    }
     if n > 0 {
         if let Some(record) = registry().get(index) {
             record.count(Counter::TcpSent, n as u64);
         }
     }
-    n
+    Ok(n as usize)
 }
 
 /// The part of `bufs` after the first `done` bytes, as iovecs (for system calls).
@@ -132,14 +138,15 @@ pub(super) fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
     }
 }
 
-/// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking.
+/// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking: the bytes read
+/// (0: end of stream), or the errno of the call.
 pub(super) fn recv_tcp(
     fd: c_int,
     bufs: &[RawBuf],
     done: usize,
     limit: u64,
     recv_flags: c_int,
-) -> isize {
+) -> Result<usize, Errno> {
     let mut iov = remaining_iov(bufs, done);
     let mut left = usize::try_from(limit).unwrap_or(usize::MAX);
     iov.retain_mut(|v| {
@@ -153,13 +160,14 @@ pub(super) fn recv_tcp(
     msg.msg_iov = iov.as_mut_ptr();
     msg.msg_iovlen = iov.len() as _;
     // SAFETY: `msg` describes the caller's buffers.
-    unsafe {
+    let n = unsafe {
         real::recvmsg(
             fd,
             &mut msg,
             (recv_flags & !libc::MSG_WAITALL) | libc::MSG_DONTWAIT,
         )
-    }
+    };
+    usize::try_from(n).map_err(|_| Errno::last())
 }
 
 /// The rest of a `MSG_WAITALL` read after `done` bytes, from TCP with the caller's flags
@@ -274,11 +282,21 @@ pub(super) fn socket_inode(fd: c_int) -> Option<u64> {
         .map(|(_, inode)| inode)
 }
 
-/// A SAN call fails with `code`: errno is set, the call returns -1.
-pub(super) fn fail(code: c_int) -> isize {
+/// A SAN call fails with `code`: the errno its caller reports (the thread's `errno` is left
+/// alone; the hook sets it when it returns).
+pub(super) fn fail(code: c_int) -> Errno {
     if code != libc::EAGAIN {
         tracing::debug!(errno = code, "SAN call fails");
     }
-    crate::errno::set(code);
-    -1
+    Errno(code)
+}
+
+/// A SAN call that moved `done` bytes before `code` stopped it: the count if any, else the
+/// failure.
+pub(super) fn partial(done: usize, code: c_int) -> Result<isize, Errno> {
+    if done > 0 {
+        Ok(done as isize)
+    } else {
+        Err(fail(code))
+    }
 }

@@ -147,6 +147,7 @@ use std::sync::MutexGuard;
 pub use downgrade::{adopt_stashes, downgrade_all, stash_env};
 pub(crate) use downgrade::{pass_on, stash_of};
 pub use kernel::RawBuf;
+pub use outcome::SanCall;
 pub use provider::enabled;
 pub use readiness::{correct_epoll_events, poll_fds, readable_bytes, select_via_poll};
 pub use recv::recv_iov;

@@ -7,14 +7,16 @@ use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 
 use super::downgrade;
+use super::outcome::SanCall;
 use super::socket::Phase;
 use super::switchover::{
     assist_all_in_process, assist_in_process_peer, switch_if_attached, switch_pending,
 };
 use super::table::{lock, orphaned, san_index, SanObject, LIVE};
+use crate::errno::Errno;
+use crate::real;
 use crate::record::flags;
 use crate::registry::registry;
-use crate::{errno, real};
 
 /// `poll()`/`ppoll()` on a set containing SAN sockets: each switched SAN socket's entry is
 /// watched through its mirror's watched end (the caller polls `fds` as rewritten, then calls
@@ -241,7 +243,8 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
 }
 
 /// `select()`/`pselect()` over a set containing SAN sockets, carried out as `ppoll()` so the
-/// mirrors can stand in for them. `None`: no SAN socket in the sets, make the real call.
+/// mirrors can stand in for them: the number of ready descriptors, or the errno. `None`: no
+/// SAN socket in the sets, make the real call.
 ///
 /// # Safety
 /// The sets must be null or valid `fd_set`s; `timeout` and `sigmask` null or valid.
@@ -252,7 +255,7 @@ pub unsafe fn select_via_poll(
     exceptfds: *mut libc::fd_set,
     timeout: *const libc::timespec,
     sigmask: *const libc::sigset_t,
-) -> Option<c_int> {
+) -> SanCall<c_int> {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("select_via_poll");
     if LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
@@ -319,11 +322,10 @@ pub unsafe fn select_via_poll(
                 sigmask,
             )
         };
-        let error = errno::get();
+        let error = Errno::last();
         poll_fds(&mut pollfds, Some(&saved));
         if rc < 0 {
-            errno::set(error);
-            return Some(rc);
+            return Some(Err(error));
         }
         // Reports that were only a mirror's handshake or credit token were dropped: with
         // nothing else ready the wait goes on until the caller's timeout, as the kernel's
@@ -334,8 +336,7 @@ pub unsafe fn select_via_poll(
         }
     }
     if pollfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
-        errno::set(libc::EBADF);
-        return Some(-1);
+        return Some(Err(Errno(libc::EBADF)));
     }
     let mut count = 0;
     for set in [readfds, writefds, exceptfds] {
@@ -361,5 +362,5 @@ pub unsafe fn select_via_poll(
         mark(writefds, writable, &mut count);
         mark(exceptfds, exceptional, &mut count);
     }
-    Some(count)
+    Some(Ok(count))
 }

@@ -11,8 +11,8 @@ use core::ffi::c_int;
 use std::time::Instant;
 
 use super::downgrade;
-use super::kernel::{fail, recv_tcp, remaining_pieces, scatter, RawBuf};
-use super::outcome::SanError;
+use super::kernel::{fail, partial, recv_tcp, remaining_pieces, scatter, RawBuf};
+use super::outcome::{SanCall, SanError};
 use super::socket::stream::SinkRefused;
 use super::socket::{Phase, SanSocket};
 use super::switchover::{
@@ -21,20 +21,22 @@ use super::switchover::{
 use super::table::{lock, orphaned, record_flag, SanObject};
 use super::tunables::{HANDSHAKE_WAIT, MARKER_WAIT};
 use super::wait::{block, timeout_of};
+use crate::errno::Errno;
+use crate::real;
 use crate::record::{flags, Counter};
 use crate::registry::registry;
-use crate::{errno, real};
 
-/// `recv`/`read`/`readv`/`recvmsg` on a SAN socket. `None`: not (or no longer) a SAN socket.
-pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
+/// `recv`/`read`/`readv`/`recvmsg` on a SAN socket: the count received (a partial count
+/// included, 0 at end of stream) or the errno. `None`: not (or no longer) a SAN socket.
+pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> SanCall<isize> {
     let result = recv_iov_inner(fd, index, bufs, recv_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-        socket.note_call(false, result.is_some_and(|n| n > 0));
+        socket.note_call(false, matches!(result, Some(Ok(n)) if n > 0));
     }
     if tracing::enabled!(tracing::Level::TRACE) {
         let first = bufs.first().filter(|b| !b.ptr.is_null());
         let shown = match (result, first) {
-            (Some(n), Some(buf)) if n > 0 => {
+            (Some(Ok(n)), Some(buf)) if n > 0 => {
                 // SAFETY: the first `n.min(len)` bytes of the caller's buffer were just written.
                 let bytes = unsafe {
                     core::slice::from_raw_parts(buf.ptr, (n as usize).min(buf.len).min(24))
@@ -43,21 +45,14 @@ pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Op
             }
             _ => String::new(),
         };
-        tracing::trace!(
-            fd,
-            ?result,
-            errno = errno::get(),
-            recv_flags,
-            shown,
-            "SAN recv"
-        );
+        tracing::trace!(fd, ?result, recv_flags, shown, "SAN recv");
     }
     result
 }
 
-fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> Option<isize> {
+fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> SanCall<isize> {
     if orphaned(index) {
-        return Some(fail(libc::ECONNRESET));
+        return Some(Err(fail(libc::ECONNRESET)));
     }
     if record_flag(index, flags::STASHED) {
         return downgrade::recv_stashed(fd, index, bufs, recv_flags);
@@ -70,7 +65,6 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
         .then(|| timeout_of(index, fd, libc::SO_RCVTIMEO))
         .flatten();
     let mut done = 0usize;
-    let partial = |done: usize, code: c_int| if done > 0 { done as isize } else { fail(code) };
     // Set when this call consumed the switch marker: the acceptor wrote it because it has
     // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
     // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
@@ -93,10 +87,18 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                 };
                 done = downgrade::recv_stashed_after(fd, index, bufs, done, flags);
             }
-            return if done > 0 { Some(done as isize) } else { None };
+            return if done > 0 {
+                Some(Ok(done as isize))
+            } else {
+                None
+            };
         }
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
-            return if done > 0 { Some(done as isize) } else { None };
+            return if done > 0 {
+                Some(Ok(done as isize))
+            } else {
+                None
+            };
         };
         let wait = if socket.phase == Phase::Pending {
             // Is there a byte on TCP, and is the segment attached? (The exact rule.)
@@ -110,9 +112,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     libc::MSG_PEEK | libc::MSG_DONTWAIT,
                 )
             };
-            if n < 0 && errno::get() == libc::EAGAIN {
+            if n < 0 && Errno::last() == Errno(libc::EAGAIN) {
                 if nonblocking {
-                    return Some(fail(libc::EAGAIN));
+                    return Some(Err(fail(libc::EAGAIN)));
                 }
                 socket.prepare_wait(libc::POLLIN)
             } else if socket.peer_attached_settled() {
@@ -131,7 +133,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
         } else {
             socket.service();
             if total == 0 {
-                return Some(0);
+                return Some(Ok(0));
             }
             let backlog = socket.tcp_backlog();
             // After the peer's `Downgrade` (and the bytes before it) its stream goes on on TCP.
@@ -147,46 +149,45 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                 None => Some(u64::MAX),
             };
             if let Some(limit) = from_tcp {
-                let n = recv_tcp(fd, bufs, done, limit, recv_flags);
-                if n > 0 {
-                    if !peek {
-                        socket.count_tcp_received(n as u64);
-                        if let Some(record) = registry().get(index) {
-                            record.count(Counter::TcpReceived, n as u64);
+                match recv_tcp(fd, bufs, done, limit, recv_flags) {
+                    Ok(n) if n > 0 => {
+                        if !peek {
+                            socket.count_tcp_received(n as u64);
+                            if let Some(record) = registry().get(index) {
+                                record.count(Counter::TcpReceived, n as u64);
+                            }
+                            if socket.tcp_backlog() == Some(0) {
+                                // The client's TCP bytes are done: the mirror must now say
+                                // exactly whether the session has more (an edge-triggered
+                                // reader that got a short read waits for the next edge).
+                                socket.settle_readable();
+                            }
                         }
-                        if socket.tcp_backlog() == Some(0) {
-                            // The client's TCP bytes are done: the mirror must now say exactly
-                            // whether the session has more (an edge-triggered reader that got
-                            // a short read waits for the next edge).
-                            socket.settle_readable();
+                        done += n;
+                        if wait_all && done < total {
+                            continue;
                         }
+                        return Some(Ok(done as isize));
                     }
-                    done += n as usize;
-                    if wait_all && done < total {
+                    Ok(_) if downgraded_read => return Some(Ok(done as isize)),
+                    Ok(_) => {
+                        // TCP end-of-file: before the client's count is known it may still be
+                        // racing its Hello (sent before its FIN): look once more.
+                        socket.service();
+                        if socket.tcp_backlog().is_none() {
+                            socket.set_tcp_eof();
+                            return Some(Ok(done as isize));
+                        }
+                        if socket.tcp_backlog() != Some(0) {
+                            // The client died or broke the protocol before its bytes arrived.
+                            return Some(partial(done, libc::ECONNRESET));
+                        }
                         continue;
                     }
-                    return Some(done as isize);
-                }
-                if n == 0 && downgraded_read {
-                    return Some(done as isize);
-                }
-                if n == 0 {
-                    // TCP end-of-file: before the client's count is known it may still be
-                    // racing its Hello (sent before its FIN): look once more.
-                    socket.service();
-                    if socket.tcp_backlog().is_none() {
-                        socket.set_tcp_eof();
-                        return Some(done as isize);
+                    Err(Errno(code)) if code != libc::EAGAIN => {
+                        return Some(partial(done, code));
                     }
-                    if socket.tcp_backlog() != Some(0) {
-                        // The client died or broke the protocol before its bytes arrived.
-                        return Some(partial(done, libc::ECONNRESET));
-                    }
-                    continue;
-                }
-                let code = errno::get();
-                if code != libc::EAGAIN {
-                    return Some(partial(done, code));
+                    Err(_) => {}
                 }
                 let tcp_only = backlog != Some(0) && socket.is_broken();
                 if tcp_only {
@@ -201,7 +202,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     epoll_back_to_tcp(index, fd, socket);
                 }
                 if done > 0 && !wait_all {
-                    return Some(done as isize);
+                    return Some(Ok(done as isize));
                 }
                 if nonblocking {
                     return Some(partial(done, libc::EAGAIN));
@@ -228,11 +229,11 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                         if n > 0 && wait_all && done < total {
                             continue;
                         }
-                        return Some(done as isize);
+                        return Some(Ok(done as isize));
                     }
                     Err(SanError::Errno(libc::EAGAIN)) => {
                         if done > 0 && !wait_all {
-                            return Some(done as isize);
+                            return Some(Ok(done as isize));
                         }
                         let in_handshake = handshake_deadline.is_some_and(|d| Instant::now() < d);
                         if nonblocking && !in_handshake && !assisted && socket.peer_in_process() {
@@ -275,7 +276,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                                 if n > 0 && wait_all && done < total {
                                     continue;
                                 }
-                                return Some(done as isize);
+                                return Some(Ok(done as isize));
                             }
                             Err(code) => return Some(partial(done, code)),
                         }

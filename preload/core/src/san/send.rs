@@ -9,30 +9,31 @@
 use core::ffi::c_int;
 
 use super::downgrade;
-use super::kernel::{fail, next_piece, send_on_tcp, RawBuf};
-use super::outcome::SanError;
+use super::kernel::{fail, next_piece, partial, send_on_tcp, RawBuf};
+use super::outcome::{SanCall, SanError};
 use super::socket::Phase;
 use super::switchover::switch_if_attached;
 use super::table::{lock, orphaned, record_flag, SanObject};
 use super::wait::{block, timeout_of};
-use crate::errno;
+use crate::errno::Errno;
 use crate::record::flags;
 use switch::session::SendTicket;
 
-/// `send`/`write`/`writev`/`sendmsg` on a SAN socket. `None`: not (or no longer) a SAN
-/// socket — the caller makes the real call.
-pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+/// `send`/`write`/`writev`/`sendmsg` on a SAN socket: the count sent (a partial count
+/// included) or the errno. `None`: not (or no longer) a SAN socket — the caller makes the
+/// real call.
+pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> SanCall<isize> {
     let sent = send_iov_inner(fd, index, bufs, send_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
         socket.leaving_call();
-        socket.note_call(sent.is_some_and(|n| n > 0), false);
+        socket.note_call(matches!(sent, Some(Ok(n)) if n > 0), false);
     }
     sent
 }
 
-fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Option<isize> {
+fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> SanCall<isize> {
     if orphaned(index) {
-        return Some(fail(libc::ECONNRESET));
+        return Some(Err(fail(libc::ECONNRESET)));
     }
     if record_flag(index, flags::STASHED) {
         // Sending is plain TCP; only reads see the stash.
@@ -52,29 +53,34 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
     loop {
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
-            return Some(if done > 0 { done as isize } else { fail(code) });
+            return Some(partial(done, code));
         }
         downgrade::settle(fd, index, &mut slot);
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
-            return if done > 0 { Some(done as isize) } else { None };
+            return if done > 0 {
+                Some(Ok(done as isize))
+            } else {
+                None
+            };
         };
         let wait = if socket.phase == Phase::Pending {
             // Counted TCP send (nonblocking under the lock, so the count is exact).
-            let n = send_on_tcp(fd, index, bufs, done, send_flags);
-            if n > 0 {
-                socket.count_tcp_sent(n as u64);
-                done += n as usize;
-                if done >= total || nonblocking {
-                    return Some(done as isize);
+            match send_on_tcp(fd, index, bufs, done, send_flags) {
+                Ok(n) if n > 0 => {
+                    socket.count_tcp_sent(n as u64);
+                    done += n;
+                    if done >= total || nonblocking {
+                        return Some(Ok(done as isize));
+                    }
+                    continue;
                 }
-                continue;
-            }
-            if n == 0 && total == 0 {
-                return Some(0);
-            }
-            let code = errno::get();
-            if code != libc::EAGAIN || nonblocking {
-                return Some(if done > 0 { done as isize } else { fail(code) });
+                // Nothing asked for, nothing sent.
+                Ok(_) => return Some(Ok(0)),
+                Err(Errno(code)) => {
+                    if code != libc::EAGAIN || nonblocking {
+                        return Some(partial(done, code));
+                    }
+                }
             }
             socket.prepare_wait(libc::POLLOUT)
         } else {
@@ -83,7 +89,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                 socket.service();
             }
             if total == 0 {
-                return Some(0);
+                return Some(Ok(0));
             }
             socket.wake_pending_client(fd);
             if !nonblocking && !urgent && !inline_only && socket.wants_rendezvous(piece.len()) {
@@ -100,7 +106,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                             Ok(n) => {
                                 done += n;
                                 if n < piece.len() || done >= total {
-                                    return Some(done as isize);
+                                    return Some(Ok(done as isize));
                                 }
                                 continue;
                             }
@@ -114,7 +120,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         let wait = socket.prepare_send_wait();
                         drop(slot);
                         if let Err(code) = block(index, fd, wait, deadline) {
-                            return Some(if done > 0 { done as isize } else { fail(code) });
+                            return Some(partial(done, code));
                         }
                         continue;
                     }
@@ -126,24 +132,28 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                     socket.service();
                     done += n;
                     if done >= total {
-                        return Some(done as isize);
+                        return Some(Ok(done as isize));
                     }
                     continue;
                 }
                 Err(SanError::Downgraded) => {
                     // Our stream goes on on TCP (after the session's queued bytes and its
                     // `Downgrade`): nonblocking under the lock, waiting like a pending client.
-                    let n = send_on_tcp(fd, index, bufs, done, send_flags);
-                    if n > 0 {
-                        done += n as usize;
-                        if done >= total || nonblocking {
-                            return Some(done as isize);
+                    let code = match send_on_tcp(fd, index, bufs, done, send_flags) {
+                        Ok(n) if n > 0 => {
+                            done += n;
+                            if done >= total || nonblocking {
+                                return Some(Ok(done as isize));
+                            }
+                            continue;
                         }
-                        continue;
-                    }
-                    let code = errno::get();
+                        // Nothing left to ask for (`send_on_tcp` reports a nonempty send
+                        // that sent nothing as its errno).
+                        Ok(_) => return Some(Ok(done as isize)),
+                        Err(Errno(code)) => code,
+                    };
                     if code != libc::EAGAIN || nonblocking {
-                        return Some(if done > 0 { done as isize } else { fail(code) });
+                        return Some(partial(done, code));
                     }
                     socket.prepare_wait(libc::POLLOUT)
                 }
@@ -153,11 +163,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         // for EPOLLOUT: the watched end must be lowered so that the peer's returned room
                         // makes that edge (room that appeared meanwhile: send on).
                         if socket.lower_writable() {
-                            return Some(if done > 0 {
-                                done as isize
-                            } else {
-                                fail(libc::EAGAIN)
-                            });
+                            return Some(partial(done, libc::EAGAIN));
                         }
                         continue;
                     }
@@ -171,22 +177,22 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
         };
         drop(slot);
         if let Err(code) = block(index, fd, wait, deadline) {
-            return Some(if done > 0 { done as isize } else { fail(code) });
+            return Some(partial(done, code));
         }
     }
 }
 
 /// A send failed with `code` after `done` bytes: the count if any, else the error (and
 /// SIGPIPE for a broken stream unless `MSG_NOSIGNAL`, as the kernel does).
-fn send_failed(done: usize, code: c_int, send_flags: c_int) -> isize {
+fn send_failed(done: usize, code: c_int, send_flags: c_int) -> Result<isize, Errno> {
     if done > 0 {
-        return done as isize;
+        return Ok(done as isize);
     }
     if code == libc::EPIPE && send_flags & libc::MSG_NOSIGNAL == 0 {
         // SAFETY: raising SIGPIPE, as the kernel does for a broken stream.
         unsafe { libc::raise(libc::SIGPIPE) };
     }
-    fail(code)
+    Err(fail(code))
 }
 
 /// Waits (lock released while sleeping) until rendezvous send `ticket` completes: the bytes

@@ -41,7 +41,7 @@ use super::table::{lock, SanObject};
 use super::tunables::SLOTS;
 use super::{downgrade_all, install, on_released, on_shutdown, recv_iov, send_iov};
 use crate::discovery::{ConnectionKey, SegmentName};
-use crate::errno;
+use crate::errno::{self, Errno};
 use crate::record::{flags, Counter, SocketRecord, SocketState};
 use crate::registry::registry;
 
@@ -481,14 +481,17 @@ impl Pair {
             ptr: data.as_ptr().cast_mut(),
             len: data.len(),
         }];
-        let n = send_iov(end.fd, end.index, &bufs, send_flags).unwrap_or_else(|| {
-            // SAFETY: our buffer, our socket.
-            unsafe { libc::send(end.fd, data.as_ptr().cast(), data.len(), send_flags) }
-        });
-        if n < 0 {
-            Err(errno::get())
-        } else {
-            Ok(n as usize)
+        match send_iov(end.fd, end.index, &bufs, send_flags) {
+            Some(result) => result.map(|n| n as usize).map_err(|Errno(code)| code),
+            None => {
+                // SAFETY: our buffer, our socket.
+                let n = unsafe { libc::send(end.fd, data.as_ptr().cast(), data.len(), send_flags) };
+                if n < 0 {
+                    Err(errno::get())
+                } else {
+                    Ok(n as usize)
+                }
+            }
         }
     }
 
@@ -498,14 +501,18 @@ impl Pair {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
         }];
-        let n = recv_iov(end.fd, end.index, &bufs, recv_flags).unwrap_or_else(|| {
-            // SAFETY: our buffer, our socket.
-            unsafe { libc::recv(end.fd, buf.as_mut_ptr().cast(), buf.len(), recv_flags) }
-        });
-        if n < 0 {
-            Err(errno::get())
-        } else {
-            Ok(n as usize)
+        match recv_iov(end.fd, end.index, &bufs, recv_flags) {
+            Some(result) => result.map(|n| n as usize).map_err(|Errno(code)| code),
+            None => {
+                // SAFETY: our buffer, our socket.
+                let n =
+                    unsafe { libc::recv(end.fd, buf.as_mut_ptr().cast(), buf.len(), recv_flags) };
+                if n < 0 {
+                    Err(errno::get())
+                } else {
+                    Ok(n as usize)
+                }
+            }
         }
     }
 
