@@ -4,6 +4,7 @@
 //! ([`pattern`]).
 
 pub mod apps;
+pub mod c_programs;
 pub mod hang;
 pub mod pattern;
 

@@ -2,51 +2,18 @@
 //! the library must leave every process working as without it.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// `libsandirect.so`, built once per test run (same profile as this test).
-fn library() -> &'static Path {
-    &integration::apps::products().library
-}
-
-/// A private directory per test (stats and segments), so tests do not see each other.
 fn private_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sandirect-th-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    for sub in ["", "stat", "shm"] {
-        let path = dir.join(sub);
-        std::fs::create_dir_all(&path).unwrap();
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .unwrap();
-    }
-    dir
+    integration::c_programs::private_dir("th", name)
 }
 
-fn which_cc() -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join("cc"))
-        .find(|path| path.is_file())
+fn build(dir: &Path, name: &str, source: &str) -> Option<PathBuf> {
+    integration::c_programs::build(dir, name, source, &["-pthread"])
 }
 
-/// Runs `exe args` natively or preloaded (the SAN path on, private directories); its stdout.
 fn run(exe: &Path, args: &[&str], preload: bool, dir: &Path) -> String {
-    let mut command = Command::new(exe);
-    command
-        .args(args)
-        .env_remove("LD_PRELOAD")
-        .env_remove("SANDIRECT_CONFIG")
-        .env_remove("SANDIRECT_MODE")
-        .env_remove("SANDIRECT_SAN")
-        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
-        .env("SANDIRECT_SHM_DIR", dir.join("shm"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if preload {
-        command.env("LD_PRELOAD", library());
-    }
-    let child = command.spawn().unwrap();
-    integration::finish_child(child, "C program", Duration::from_secs(60))
+    integration::c_programs::run(exe, args, preload, dir, Duration::from_secs(60))
 }
 
 /// Three threads connect, accept, send and close SAN connections (both ends in this process)
@@ -155,27 +122,11 @@ int main(void) {
 #[test]
 fn a_fork_while_other_threads_use_the_library_leaves_a_working_child() {
     let dir = private_dir("fork-locks");
-    let Some(exe) = build_threaded(&dir, "forks", FORK_WHILE_THREADS_CONNECT) else {
+    let Some(exe) = build(&dir, "forks", FORK_WHILE_THREADS_CONNECT) else {
         eprintln!("skipped: no C compiler");
         return;
     };
     let expected = "children: all exited, 0 failed\n";
     assert_eq!(run(&exe, &[], false, &dir), expected, "native");
     assert_eq!(run(&exe, &[], true, &dir), expected, "preloaded");
-}
-
-/// Builds the C program `source` (with threads) in `dir`; `None` without a C compiler.
-fn build_threaded(dir: &Path, name: &str, source: &str) -> Option<PathBuf> {
-    let cc = which_cc()?;
-    let c = dir.join(format!("{name}.c"));
-    std::fs::write(&c, source).unwrap();
-    let exe = dir.join(name);
-    let built = Command::new(cc)
-        .args(["-O1", "-pthread", "-o"])
-        .arg(&exe)
-        .arg(&c)
-        .status()
-        .unwrap();
-    assert!(built.success(), "cc {name}.c");
-    Some(exe)
 }
