@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench-rsocket.sh - sandirect side by side with rsocket (rdma-core's librspreload.so) and
-# kernel TCP, in one soft-RDMA guest per fabric (issue 4, item 8): ping-pong and streaming
+# kernel TCP, in one soft-RDMA guest per fabric: ping-pong and streaming
 # (bench_sockets with C-style sockets), iperf3 and redis-benchmark, interleaved rounds, the
 # median of per-round ratios; and a "runs it?" table (C sockets, Rust std::net, a forked
 # client, iperf3, redis) for each system. Only ratios within one run mean anything: the guest

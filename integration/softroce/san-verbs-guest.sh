@@ -155,7 +155,7 @@ if [[ -n ${SANDIRECT_TEST_SERVER_IP6:-} ]]; then
     run_case ipv6-preloaded-pair-rendezvous 1 1 san-verbs 4194304
 fi
 # A one-way stream in 128 KiB writes, checksummed as it is generated and as it arrives: the
-# 256 MiB of issue 4 (SANDIRECT_SAN_VERBS_STREAM_BYTES sets another size). Debug builds under
+# 256 MiB (SANDIRECT_SAN_VERBS_STREAM_BYTES sets another size). Debug builds under
 # emulation: ~51 s on rxe, ~33 s on siw (it took ~200 s before the direct waits and the
 # system-call-free arming, docs/ARCHITECTURE.md "Cross-host discovery (verbs)").
 CASE_BYTES=${SANDIRECT_SAN_VERBS_STREAM_BYTES:-268435456} CASE_TIMEOUT=400 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# test-high-fds.sh - sockets numbered above 65536 under the preload (issue 3: "fds >= 65536
+# test-high-fds.sh - sockets numbered above 65536 under the preload ("fds >= 65536
 # work"), run inside the soft-RDMA QEMU guest: raising RLIMIT_NOFILE past the hard limit
 # needs CAP_SYS_RESOURCE, which root has in the guest but not in CI's container.
 #

@@ -1,4 +1,4 @@
-//! CI smoke test of the socket benchmark (acceptance 17): `bench_sockets --quick` completes and
+//! CI smoke test of the socket benchmark: `bench_sockets --quick` completes and
 //! prints every row of both tables with figures for all four variants. It checks no figure
 //! against a target — the benchmark reports those; it never fails a build.
 

@@ -1,4 +1,4 @@
-//! fork and exec with SAN connections (acceptance: "fork, exec, dup" of issue 3): two
+//! fork and exec with SAN connections (fork, exec, dup): two
 //! preloaded processes switch to the intra-host SAN, then the server forks (or forks and
 //! execs) while bytes the client sent over the SAN are still unread. Every connection is moved
 //! back to kernel TCP exactly before the fork (a counted downgrade): the child that serves

@@ -1,4 +1,4 @@
-//! The socket benchmark (acceptance 17): ping-pong RTT at 64 B and streaming from 64 B to
+//! The socket benchmark: ping-pong RTT at 64 B and streaming from 64 B to
 //! 4 MiB messages, between two processes, for four variants interleaved in every round:
 //!
 //! * `TCP`       — kernel TCP over loopback, nothing preloaded;

@@ -1,4 +1,4 @@
-//! Sockets with high descriptor numbers (issue 3: "fds ≥ 65536 work"). It knows nothing of
+//! Sockets with high descriptor numbers (fds ≥ 65536 work). It knows nothing of
 //! sandirect: run it natively and under the preload, and compare.
 //!
 //! ```text
