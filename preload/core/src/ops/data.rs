@@ -354,7 +354,8 @@ unsafe fn san_mmsg(
     Outcome::Done(done)
 }
 
-/// `sendfile(2)`: kernel only; the bytes count as TCP bytes of the target socket.
+/// `sendfile(2)`: into a SAN socket, read from `in_fd` and sent through the session; otherwise
+/// the kernel's, the bytes counted as TCP bytes of a target socket of ours.
 ///
 /// # Safety
 /// As the C function.
@@ -398,7 +399,8 @@ pub unsafe fn sendfile64(
     )
 }
 
-/// `splice(2)`: kernel only; counted on both ends when they are ours.
+/// `splice(2)`: with a SAN socket on either end, copied through a buffer, consuming exactly what
+/// the target took; otherwise the kernel's, counted on both ends when they are ours.
 ///
 /// # Safety
 /// As the C function.
