@@ -210,6 +210,24 @@ pub fn published_counters_of_fd(fd: c_int) -> Option<[u64; 6]> {
         .map(|c| c.counters)
 }
 
+/// Prints one line per connection of a many-connection test program, `SIDE I ok REPORT` or
+/// `SIDE I failed: ERROR` (the tests parse them), then exits with status 1 if any failed.
+pub fn print_connection_reports<E: std::fmt::Display>(side: &str, results: Vec<Result<String, E>>) {
+    let mut failed = false;
+    for (i, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(report) => println!("{side} {i} ok {report}"),
+            Err(error) => {
+                failed = true;
+                println!("{side} {i} failed: {error}");
+            }
+        }
+    }
+    if failed {
+        std::process::exit(1);
+    }
+}
+
 /// A TCP socket bound to `local`:0 and connected to `server` (what a client with a source
 /// address does; the kernel picks the port at bind): the cross-host programs of the VM tests
 /// pick which of the guest's two addresses they send from.

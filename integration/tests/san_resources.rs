@@ -103,32 +103,6 @@ fn pairs_on_a_small_tmpfs(name: &str, size: &str, count: usize, bytes: usize) ->
     Some(out)
 }
 
-/// The path of each connection `side` reported, in order; every one must have moved `bytes`
-/// exactly (the checksums of both sides are compared by the caller).
-fn reports<'a>(out: &'a str, side: &str, count: usize, bytes: usize) -> Vec<(&'a str, &'a str)> {
-    let lines: Vec<&str> = out
-        .lines()
-        .filter(|l| l.starts_with(&format!("{side} ")) && !l.contains(" exit "))
-        .collect();
-    assert_eq!(
-        lines.len(),
-        count,
-        "{side}: one report per connection:\n{out}"
-    );
-    lines
-        .iter()
-        .enumerate()
-        .map(|(i, line)| {
-            let rest = line
-                .strip_prefix(&format!("{side} {i} ok bytes={bytes} checksum="))
-                .unwrap_or_else(|| panic!("{side} connection {i} not intact:\n{out}"));
-            let (checksum, rest) = rest.split_once(" path=").expect("checksum and path");
-            let path = rest.split(' ').next().unwrap_or_default();
-            (checksum, path)
-        })
-        .collect()
-}
-
 #[test]
 fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
     // One connection's segment takes about 1.5 MiB; a 2 MiB tmpfs holds one. Every further
@@ -146,11 +120,12 @@ fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
     let server = reports(&out, "server", count, bytes);
     for (i, (c, s)) in client.iter().zip(&server).enumerate() {
         assert_eq!(
-            c, s,
+            (c.0, c.1),
+            (s.0, s.1),
             "connection {i}: both ends agree on bytes and path:\n{out}"
         );
     }
-    let paths: Vec<&str> = client.iter().map(|(_, path)| *path).collect();
+    let paths: Vec<&str> = client.iter().map(|(_, path, _)| *path).collect();
     let on_san = paths.iter().take_while(|p| **p == "san-shm").count();
     assert!(
         on_san >= 1,
@@ -218,8 +193,8 @@ fn connections_under_a_descriptor_limit(name: &str, limited: &str, count: usize)
 /// its bytes exactly on both ends, both ends agree on the path, a connection on TCP names a
 /// reason on the limited side, and the SAN was used once the limit left room for it.
 fn check_descriptor_limit_reports(out: &str, limited: &str, count: usize) {
-    let client = reports_with_reason(out, "client", count);
-    let server = reports_with_reason(out, "server", count);
+    let client = reports(out, "client", count, 1 << 20);
+    let server = reports(out, "server", count, 1 << 20);
     let expected = format!(
         "{:016x}",
         integration::pattern::fnv1a(
@@ -261,15 +236,17 @@ fn check_descriptor_limit_reports(out: &str, limited: &str, count: usize) {
     );
 }
 
-/// (checksum, path, reason) of each connection `side` reported, in order, each 1 MiB exact.
-fn reports_with_reason<'a>(
+/// (checksum, path, reason) of each connection `side` reported, in order; every one must have
+/// moved `bytes` exactly (the checksums of both sides are compared by the caller).
+fn reports<'a>(
     out: &'a str,
     side: &str,
     count: usize,
+    bytes: usize,
 ) -> Vec<(&'a str, &'a str, &'a str)> {
     let lines: Vec<&str> = out
         .lines()
-        .filter(|l| l.starts_with(&format!("{side} ")))
+        .filter(|l| l.starts_with(&format!("{side} ")) && !l.contains(" exit "))
         .collect();
     assert_eq!(
         lines.len(),
@@ -281,7 +258,7 @@ fn reports_with_reason<'a>(
         .enumerate()
         .map(|(i, line)| {
             let rest = line
-                .strip_prefix(&format!("{side} {i} ok bytes=1048576 checksum="))
+                .strip_prefix(&format!("{side} {i} ok bytes={bytes} checksum="))
                 .unwrap_or_else(|| panic!("{side} connection {i} not intact:\n{out}"));
             let mut fields = rest.split(' ');
             let checksum = fields.next().unwrap_or("");
@@ -375,8 +352,8 @@ fn check_memory_budget_reports(out: &str, limited: &str, count: usize, other_rea
             &integration::pattern::XorShift64::new(0x2545_f491_4f6c_dd1d).low_bytes(1 << 20)
         )
     );
-    let client = reports_with_reason(out, "client", count + 1);
-    let server = reports_with_reason(out, "server", count + 1);
+    let client = reports(out, "client", count + 1, 1 << 20);
+    let server = reports(out, "server", count + 1, 1 << 20);
     for (i, (c, s)) in client.iter().zip(&server).enumerate() {
         assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
         assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");

@@ -209,17 +209,5 @@ fn main() {
         println!("{side} failed: {error}");
         std::process::exit(1);
     });
-    let mut failed = false;
-    for (i, result) in results.into_iter().enumerate() {
-        match result {
-            Ok(report) => println!("{side} {i} ok {report}"),
-            Err(error) => {
-                failed = true;
-                println!("{side} {i} failed: {error}");
-            }
-        }
-    }
-    if failed {
-        std::process::exit(1);
-    }
+    integration::print_connection_reports(side, results);
 }

@@ -164,18 +164,6 @@ fn main() -> std::io::Result<()> {
             std::process::exit(2);
         }
     };
-    let mut failed = false;
-    for (i, result) in results.into_iter().enumerate() {
-        match result {
-            Ok(report) => println!("{side} {i} ok {report}"),
-            Err(error) => {
-                failed = true;
-                println!("{side} {i} failed: {error}");
-            }
-        }
-    }
-    if failed {
-        std::process::exit(1);
-    }
+    integration::print_connection_reports(side, results);
     Ok(())
 }
