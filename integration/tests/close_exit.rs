@@ -176,7 +176,6 @@ fn as_natively(name: &str, server_mode: &str, client_mode: &str, expected: &str)
 }
 
 #[test]
-#[ignore = "data loss over the SAN: bytes send() accepted still wait in the sender's private buffer and die with it, and a dead peer reads as a reset (Known limits, \"Exit and kill\")"]
 fn bytes_sent_before_exit_without_close_all_arrive_then_eof() {
     as_natively(
         "sendall-exit",
@@ -187,7 +186,6 @@ fn bytes_sent_before_exit_without_close_all_arrive_then_eof() {
 }
 
 #[test]
-#[ignore = "data loss over the SAN: bytes send() accepted still wait in the sender's private buffer and die with it, and a dead peer reads as a reset (Known limits, \"Exit and kill\")"]
 fn bytes_sent_before_a_sigkill_all_arrive_then_eof() {
     as_natively(
         "sendall-kill",
@@ -198,7 +196,6 @@ fn bytes_sent_before_a_sigkill_all_arrive_then_eof() {
 }
 
 #[test]
-#[ignore = "data loss over the SAN: bytes send() accepted still wait in the sender's private buffer and die with it, and a dead peer reads as a reset (Known limits, \"Exit and kill\")"]
 fn a_client_that_exits_without_closing_gives_its_server_eof() {
     as_natively(
         "pingpong-exit",

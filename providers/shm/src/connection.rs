@@ -215,6 +215,32 @@ struct Peer {
     pidfd: Option<OwnedFd>,
 }
 
+/// How the peer's side of the connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerEnd {
+    /// It closed its connection (`closed` word).
+    Closed,
+    /// Its process ended without closing (exit, kill, crash).
+    Died,
+}
+
+/// What a peer that ended left behind for us (see [`ShmConnection::peer_leftovers`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Leftovers {
+    /// The stream bytes its application had handed over past those we received.
+    pub bytes: Vec<u8>,
+    /// Stream bytes its application had read of ours.
+    pub consumed: u64,
+}
+
+/// The peer's journal words do not describe bytes its journal can hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CorruptJournal;
+
+/// Our journal's pages could not be allocated (the file system is full).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JournalUnavailable;
+
 /// A reliable, ordered connection to the peer process over a shared segment.
 pub struct ShmConnection {
     segment: ShmSegment,
@@ -250,6 +276,10 @@ pub struct ShmConnection {
     /// [`HANGUP_EXIT_GRACE_MS`] for the peer's exit.
     hangup_seen: bool,
     peer_gone: AtomicBool,
+    /// How the peer ended, once the connection went down for it.
+    peer_end: Option<PeerEnd>,
+    /// Our journal's pages are allocated (at creation, or at its first use).
+    journal_ready: bool,
     /// Our bell as of the start of the last `poll_completions`: `wait` reports anything the
     /// peer published since then, even if it landed before `wait` was called.
     bell_seen: AtomicU32,
@@ -323,6 +353,8 @@ impl ShmConnection {
             liveness_due: false,
             hangup_seen: false,
             peer_gone: AtomicBool::new(false),
+            peer_end: None,
+            journal_ready: !sys::can_populate(),
             bell_seen: AtomicU32::new(0),
             counters: Counters::default(),
             segment,
@@ -362,6 +394,109 @@ impl ShmConnection {
             wakeups_sent: load(&self.counters.wakeups_sent),
             window_writes_rejected: load(&self.counters.window_writes_rejected),
         }
+    }
+
+    /// Bytes of our outbound journal: the most stream bytes the caller may keep there.
+    ///
+    /// The journal holds the stream bytes our application handed over that have not
+    /// reached the peer's receive slots yet; the peer reads it if we close or die before
+    /// they could, so that a byte `send()` accepted is not lost with the process. Byte `o`
+    /// of the stream (counted from the first byte sent on this connection) lives at
+    /// `o % journal_size()`: the caller writes every byte not yet in the peer's slots (see
+    /// [`ShmConnection::queued_send_bytes`]) with [`ShmConnection::journal_write`] and then
+    /// publishes the stream's end with [`ShmConnection::journal_publish`]. It must never
+    /// have more than `journal_size()` such bytes.
+    pub fn journal_size(&self) -> usize {
+        self.geometry.journal_size as usize
+    }
+
+    /// Bytes of messages posted here that wait for room in the peer's slots or ring (their
+    /// whole length, headers included: an upper bound on the stream bytes they carry).
+    pub fn queued_send_bytes(&self) -> usize {
+        self.outbound
+            .iter()
+            .map(|op| match op {
+                Outbound::Send { bytes, .. } => bytes.len(),
+                Outbound::Rdma { .. } => 0,
+            })
+            .sum()
+    }
+
+    /// Writes `bytes`, stream bytes from `offset` on, into our journal (at most
+    /// [`ShmConnection::journal_size`] bytes). The first write allocates the journal's pages;
+    /// a full file system fails it with [`JournalUnavailable`] (and nothing is written).
+    pub fn journal_write(&mut self, offset: u64, bytes: &[u8]) -> Result<(), JournalUnavailable> {
+        let size = self.journal_size();
+        if bytes.len() > size {
+            return Err(JournalUnavailable);
+        }
+        let me = self.me.index();
+        if !self.journal_ready {
+            self.segment
+                .map()
+                .populate(self.geometry.journal(me, 0), size)
+                .map_err(|_| JournalUnavailable)?;
+            self.journal_ready = true;
+        }
+        // NOTE(cast): the remainder is below `size`, a u32.
+        let pos = (offset % size as u64) as usize;
+        let first = bytes.len().min(size - pos);
+        let map = self.segment.map();
+        map.copy_in(self.geometry.journal(me, pos), &bytes[..first]);
+        map.copy_in(self.geometry.journal(me, 0), &bytes[first..]);
+        Ok(())
+    }
+
+    /// Publishes that our stream ends at `head` (every byte up to it that the peer's slots
+    /// do not hold is in the journal).
+    pub fn journal_publish(&self, head: u64) {
+        self.my_control()
+            .journal
+            .0
+            .head
+            .store(head, Ordering::Release);
+    }
+
+    /// Publishes how many of the peer's stream bytes our application has read.
+    pub fn publish_consumed(&self, consumed: u64) {
+        self.my_control()
+            .journal
+            .0
+            .consumed
+            .store(consumed, Ordering::Relaxed);
+    }
+
+    /// How the peer ended, once the connection went down because it closed or died.
+    pub fn peer_end(&self) -> Option<PeerEnd> {
+        self.peer_end
+    }
+
+    /// After the peer ended: the stream bytes it handed over from `received` (the stream
+    /// bytes we received from it, all of its messages drained) to the end it published, and
+    /// how much of ours it read. [`CorruptJournal`] when its words describe more than its
+    /// journal can hold.
+    pub fn peer_leftovers(&self, received: u64) -> Result<Leftovers, CorruptJournal> {
+        let words = &self.peer_control().journal.0;
+        let head = words.head.load(Ordering::Acquire);
+        let consumed = words.consumed.load(Ordering::Relaxed);
+        // A head behind what we received: it died between transmitting and publishing, so
+        // the send that carried those bytes never returned. Nothing more is owed.
+        let len = head.saturating_sub(received);
+        let size = self.journal_size();
+        if len > size as u64 {
+            return Err(CorruptJournal);
+        }
+        // NOTE(cast): `len <= size` and the remainder is below `size`, both usize.
+        let (len, pos) = (len as usize, (received % size as u64) as usize);
+        let mut bytes = Vec::with_capacity(len);
+        if len > 0 {
+            let peer = self.me.peer().index();
+            let map = self.segment.map();
+            let first = len.min(size - pos);
+            bytes.extend_from_slice(map.bytes(self.geometry.journal(peer, pos), first));
+            bytes.extend_from_slice(map.bytes(self.geometry.journal(peer, 0), len - first));
+        }
+        Ok(Leftovers { bytes, consumed })
     }
 
     fn my_control(&self) -> &SideControl {
@@ -896,6 +1031,9 @@ impl ShmConnection {
             != 0
         {
             self.process_inbound();
+            if self.up {
+                self.peer_end = Some(PeerEnd::Closed);
+            }
             self.go_down(CompletionError::Flushed);
             return;
         }
@@ -915,6 +1053,9 @@ impl ShmConnection {
         };
         if self.peer_dead(grace_ms) {
             self.process_inbound();
+            if self.up {
+                self.peer_end = Some(PeerEnd::Died);
+            }
             self.go_down(CompletionError::RetryExceeded);
         }
     }

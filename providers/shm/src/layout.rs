@@ -1,4 +1,4 @@
-//! The shared segment layout (layout version 1): `#[repr(C)]`, offsets only, no pointers.
+//! The shared segment layout (layout version 2): `#[repr(C)]`, offsets only, no pointers.
 //!
 //! ```text
 //! 0        SegmentHeader (one 4 KiB page: magic, version, sizes, side offsets, state;
@@ -13,7 +13,15 @@
 //!   exposure table  EXPOSURE_ENTRIES × ExposureEntry  S's exposed registrations (S writes only)
 //!   receive slots   recv_slots × slot_stride bytes  (peer copies messages straight in)
 //!   write window    window_size bytes  bounded byte ring for writes when CMA is not permitted
+//! journal[0]  outbound journal of the creator  ─┐ each journal_size bytes, page aligned, at the
+//! journal[1]  outbound journal of the attacher ─┘ end of the file and allocated only when used
 //! ```
+//!
+//! The outbound journal of side S holds the stream bytes S's application handed over that
+//! have not reached the peer's receive slots yet (S writes it; the peer reads it only once S
+//! closed or died). Byte `o` of the stream lives at `o % journal_size`; `JournalWords::head`
+//! says where the stream ends. It is what makes a byte that `send()` accepted reach the peer
+//! even when the sender exits or is killed before it could transmit it, as kernel TCP does.
 //!
 //! Counters (`post_head`, `ring_head`, …) are free-running `u64`s; an index is `counter % capacity`.
 //! Each counter has exactly one writing process, noted on the field. The attacher never trusts
@@ -27,7 +35,7 @@ use san_api::SlotConfig;
 /// `b"SANSHM01"` little-endian: identifies a segment file.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SANSHM01");
 /// The layout described in this module.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Bytes reserved for the header (one page, so the side areas are page aligned).
 pub const HEADER_SIZE: usize = 4096;
 /// Entries in each side's exposure table; an rkey's low [`RKEY_INDEX_BITS`] bits index it.
@@ -44,6 +52,8 @@ pub const MAX_SLOTS: u16 = 4096;
 pub const MAX_WINDOW_SIZE: u32 = 64 << 20;
 /// Smallest write window (the window path must always be able to make progress).
 pub const MIN_WINDOW_SIZE: u32 = 4096;
+/// Largest outbound journal.
+pub const MAX_JOURNAL_SIZE: u32 = 64 << 20;
 /// Ring entries beyond `recv_slots` (room for window-write chunks in flight).
 pub const MAX_RING_EXTRA: u32 = 4096;
 const CACHE_LINE: usize = 64;
@@ -105,6 +115,10 @@ pub struct SegmentHeader {
     pub state: AtomicU32,
     /// Reserved, zero.
     pub flags: AtomicU32,
+    /// Outbound-journal bytes per side (a multiple of the page size).
+    pub journal_size: AtomicU32,
+    /// Reserved, zero.
+    pub reserved: AtomicU32,
 }
 
 /// Offset, inside the header page, of the connection-setup area ([`SetupWords`] followed by
@@ -193,6 +207,21 @@ pub struct SideControl {
     /// Inbound consumers, written by the owner with Release after consuming (`ring_tail`,
     /// `window_tail`); the peer loads them with Acquire before reusing the space.
     pub inbound_tail: Line<[AtomicU64; 2]>,
+    /// The owner's outbound journal and what its application consumed.
+    pub journal: Line<JournalWords>,
+}
+
+/// The words of one side's outbound journal (written by the owner only; the peer reads them
+/// once the owner closed or died, when they no longer change).
+#[repr(C)]
+pub struct JournalWords {
+    /// Stream offset just past the last byte the owner's application handed over (Release,
+    /// after the journal bytes it covers). Every byte from the first the peer has not
+    /// received in its slots up to here is in the journal.
+    pub head: AtomicU64,
+    /// Stream bytes the owner's application has read (Relaxed): a peer that ends with less
+    /// than it was sent left data unread, which TCP answers with a reset.
+    pub consumed: AtomicU64,
 }
 
 impl SideControl {
@@ -264,7 +293,7 @@ const _: () = {
     assert!(size_of::<SegmentHeader>() <= SETUP_AREA);
     assert!(size_of::<SetupWords>() <= CACHE_LINE);
     assert!(SETUP_REPLY + MAX_SETUP_DATA <= HEADER_SIZE);
-    assert!(size_of::<SideControl>() == 6 * CACHE_LINE);
+    assert!(size_of::<SideControl>() == 7 * CACHE_LINE);
     assert!(size_of::<RingEntry>() == 32);
     assert!(size_of::<ExposureEntry>() == 32);
 };
@@ -292,6 +321,8 @@ pub struct RawHeader {
     pub window_size: u32,
     /// Exposure entries.
     pub exposure_entries: u32,
+    /// Journal size.
+    pub journal_size: u32,
     /// Side offsets.
     pub side_offset: [u64; 2],
     /// Side size.
@@ -328,6 +359,7 @@ impl RawHeader {
             ring_entries: le_u32(bytes, offset_of!(SegmentHeader, ring_entries)),
             window_size: le_u32(bytes, offset_of!(SegmentHeader, window_size)),
             exposure_entries: le_u32(bytes, offset_of!(SegmentHeader, exposure_entries)),
+            journal_size: le_u32(bytes, offset_of!(SegmentHeader, journal_size)),
             side_offset: [le_u64(bytes, side), le_u64(bytes, side + 8)],
             side_size: le_u64(bytes, offset_of!(SegmentHeader, side_size)),
             state: le_u32(bytes, offset_of!(SegmentHeader, state)),
@@ -362,6 +394,8 @@ pub struct Geometry {
     pub ring_entries: u32,
     /// Write-window bytes per side.
     pub window_size: u32,
+    /// Outbound-journal bytes per side.
+    pub journal_size: u32,
     /// Distance between two receive slots.
     pub slot_stride: usize,
     /// Size of one side area.
@@ -373,6 +407,8 @@ pub struct Geometry {
     exposure_off: usize,
     slots_off: usize,
     window_off: usize,
+    /// Where the journals start (the end of the side areas): what is allocated at creation.
+    pub journals_off: usize,
 }
 
 fn round_up(value: usize, to: usize) -> Option<usize> {
@@ -385,13 +421,16 @@ impl Geometry {
         slots: SlotConfig,
         ring_entries: u32,
         window_size: u32,
+        journal_size: u32,
     ) -> Result<Geometry, CorruptSegment> {
         let sizes_ok = (1..=MAX_SLOT_SIZE).contains(&slots.slot_size)
             && (1..=MAX_SLOTS).contains(&slots.recv_slots)
             && (1..=MAX_SLOTS).contains(&slots.send_slots)
             && ring_entries > u32::from(slots.recv_slots)
             && ring_entries <= u32::from(slots.recv_slots) + MAX_RING_EXTRA
-            && (MIN_WINDOW_SIZE..=MAX_WINDOW_SIZE).contains(&window_size);
+            && (MIN_WINDOW_SIZE..=MAX_WINDOW_SIZE).contains(&window_size)
+            && (PAGE as u32..=MAX_JOURNAL_SIZE).contains(&journal_size)
+            && journal_size as usize % PAGE == 0;
         if !sizes_ok {
             return Err(CorruptSegment::SizeOutOfRange);
         }
@@ -416,15 +455,19 @@ impl Geometry {
             .checked_add(window_size as usize)
             .and_then(|end| round_up(end, PAGE))
             .ok_or(CorruptSegment::SizeOutOfRange)?;
-        let total_size = side_size
+        let journals_off = side_size
             .checked_mul(2)
             .and_then(|sides| sides.checked_add(HEADER_SIZE))
+            .ok_or(CorruptSegment::SizeOutOfRange)?;
+        let total_size = journals_off
+            .checked_add(2 * journal_size as usize)
             .filter(|total| *total as u64 <= MAX_SEGMENT_SIZE)
             .ok_or(CorruptSegment::SizeOutOfRange)?;
         Ok(Geometry {
             slots,
             ring_entries,
             window_size,
+            journal_size,
             slot_stride,
             side_size,
             total_size,
@@ -433,6 +476,7 @@ impl Geometry {
             exposure_off,
             slots_off,
             window_off,
+            journals_off,
         })
     }
 
@@ -457,7 +501,8 @@ impl Geometry {
             recv_slots,
             slot_size: raw.slot_size,
         };
-        let geometry = Geometry::compute(slots, raw.ring_entries, raw.window_size)?;
+        let geometry =
+            Geometry::compute(slots, raw.ring_entries, raw.window_size, raw.journal_size)?;
         let matches = raw.total_size == geometry.total_size as u64
             && raw.side_size == geometry.side_size as u64
             && raw.side_offset == [geometry.side_base(0) as u64, geometry.side_base(1) as u64];
@@ -504,6 +549,11 @@ impl Geometry {
     pub fn window(&self, side: usize, pos: usize) -> usize {
         self.side_base(side) + self.window_off + pos
     }
+
+    /// Offset of byte `pos` (< journal_size) of side `side`'s outbound journal.
+    pub fn journal(&self, side: usize, pos: usize) -> usize {
+        self.journals_off + side * self.journal_size as usize + pos
+    }
 }
 
 #[cfg(test)]
@@ -520,33 +570,36 @@ mod tests {
 
     #[test]
     fn regions_are_disjoint_and_inside_the_side_area() {
-        let g = Geometry::compute(slots(1000, 7), 7 + 64, 8192).unwrap();
+        let g = Geometry::compute(slots(1000, 7), 7 + 64, 8192, 8192).unwrap();
         assert!(g.fifo_entry(0, 6) + 4 <= g.ring_entry(0, 0));
         assert!(g.ring_entry(0, 70) + 32 <= g.exposure_entry(0, 0));
         assert!(g.exposure_entry(0, 1023) + 32 <= g.slot(0, 0));
         assert!(g.slot(0, 6) + 1000 <= g.window(0, 0));
         assert!(g.window(0, 8191) < g.side_base(1));
-        assert_eq!(g.side_base(1) + g.side_size, g.total_size);
+        assert_eq!(g.side_base(1) + g.side_size, g.journals_off);
+        assert_eq!(g.journal(0, 0), g.journals_off);
+        assert!(g.journal(0, 8191) < g.journal(1, 0));
+        assert_eq!(g.journal(1, 8192), g.total_size);
         assert_eq!(g.slot_stride % 64, 0);
     }
 
     #[test]
     fn limits_refuse_hostile_sizes() {
         assert_eq!(
-            Geometry::compute(slots(0, 4), 8, 8192),
+            Geometry::compute(slots(0, 4), 8, 8192, 4096),
             Err(CorruptSegment::SizeOutOfRange)
         );
         assert_eq!(
-            Geometry::compute(slots(MAX_SLOT_SIZE + 1, 4), 8, 8192),
+            Geometry::compute(slots(MAX_SLOT_SIZE + 1, 4), 8, 8192, 4096),
             Err(CorruptSegment::SizeOutOfRange)
         );
         assert_eq!(
-            Geometry::compute(slots(64, 4), 4, 8192),
+            Geometry::compute(slots(64, 4), 4, 8192, 4096),
             Err(CorruptSegment::SizeOutOfRange),
             "ring must exceed slots"
         );
         assert_eq!(
-            Geometry::compute(slots(MAX_SLOT_SIZE, MAX_SLOTS), 5000, MAX_WINDOW_SIZE),
+            Geometry::compute(slots(MAX_SLOT_SIZE, MAX_SLOTS), 5000, MAX_WINDOW_SIZE, 4096),
             Err(CorruptSegment::SizeOutOfRange),
             "8 GiB of slots exceeds the segment limit"
         );

@@ -53,7 +53,8 @@ mod setup;
 mod sys;
 
 pub use connection::{
-    ConnectionConfig, Doorbell, FutexDoorbell, ShmConnection, WaitResult, WaitStats,
+    ConnectionConfig, CorruptJournal, Doorbell, FutexDoorbell, JournalUnavailable, Leftovers,
+    PeerEnd, ShmConnection, WaitResult, WaitStats,
 };
 pub use domain::{DomainConfig, ShmDomain, MAX_RDMA_LEN};
 pub use error::{CorruptSegment, PermissionProblem, ShmError};

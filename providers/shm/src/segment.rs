@@ -81,17 +81,22 @@ pub struct SegmentConfig {
     pub window_size: u32,
     /// Inbound-ring entries beyond one per receive slot (window-write chunks in flight).
     pub ring_extra: u32,
+    /// Bytes of each side's outbound journal (a multiple of 4096): the most stream bytes a
+    /// side may hold that have not reached the peer's slots (see `ShmConnection::journal`).
+    pub journal_size: u32,
     /// Who may attach.
     pub access: AccessPolicy,
 }
 
 impl SegmentConfig {
-    /// Defaults around the given slot pools: a 256 KiB window and 64 extra ring entries.
+    /// Defaults around the given slot pools: a 256 KiB window, 64 extra ring entries and a
+    /// 64 KiB journal.
     pub fn new(slots: SlotConfig) -> SegmentConfig {
         SegmentConfig {
             slots,
             window_size: 256 << 10,
             ring_extra: 64,
+            journal_size: 64 << 10,
             access: AccessPolicy::default(),
         }
     }
@@ -99,11 +104,18 @@ impl SegmentConfig {
     /// The segment's layout, or `None` when a size is outside the provider's limits.
     fn geometry(&self) -> Option<Geometry> {
         let ring_entries = u32::from(self.slots.recv_slots).saturating_add(self.ring_extra.max(1));
-        Geometry::compute(self.slots, ring_entries, self.window_size).ok()
+        Geometry::compute(
+            self.slots,
+            ring_entries,
+            self.window_size,
+            self.journal_size,
+        )
+        .ok()
     }
 
-    /// Bytes of a segment file of this configuration (all allocated at creation), or `None`
-    /// when a size is outside the provider's limits.
+    /// Bytes of a segment file of this configuration (the journals included, though they
+    /// are allocated only when first used where the kernel allows it), or `None` when a size
+    /// is outside the provider's limits.
     pub fn file_size(&self) -> Option<usize> {
         self.geometry().map(|geometry| geometry.total_size)
     }
@@ -324,7 +336,14 @@ impl ShmSegment {
         }
         // Every page is allocated before the first write through the mapping: a full
         // directory must fail the set-up (the connection stays on TCP), not raise SIGBUS.
-        sys::allocate_file(file.as_fd(), geometry.total_size)
+        // The journals only when they are used (most connections never need them), where
+        // the kernel can allocate them through the mapping then.
+        let allocated = if sys::can_populate() {
+            geometry.journals_off
+        } else {
+            geometry.total_size
+        };
+        sys::allocate_file_start(file.as_fd(), allocated, geometry.total_size)
             .map_err(|e| ShmError::io("allocate segment", &e))?;
         let map = Mapping::map_shared(file, geometry.total_size)
             .map_err(|e| ShmError::io("map segment", &e))?;
@@ -356,6 +375,9 @@ impl ShmSegment {
         header
             .exposure_entries
             .store(EXPOSURE_ENTRIES, Ordering::Relaxed);
+        header
+            .journal_size
+            .store(geometry.journal_size, Ordering::Relaxed);
         for side in 0..2 {
             header.side_offset[side].store(geometry.side_base(side) as u64, Ordering::Relaxed);
         }

@@ -146,6 +146,31 @@ impl Mapping {
         unsafe { core::slice::from_raw_parts(self.base.as_ptr().add(offset), len) }
     }
 
+    /// Allocates the file pages under `[offset, offset + len)` through the mapping
+    /// (`MADV_POPULATE_WRITE`), so that later writes there cannot raise `SIGBUS`: a full file
+    /// system is an error here instead (`ENOMEM`, `EFAULT`). `EINVAL` on kernels before 5.14.
+    pub(crate) fn populate(&self, offset: usize, len: usize) -> io::Result<()> {
+        self.check(offset, len, PAGE);
+        loop {
+            // SAFETY: advice on a page-aligned range inside our own mapping (checked); it
+            // changes no contents.
+            let rc = unsafe {
+                libc::madvise(
+                    self.base.as_ptr().add(offset).cast(),
+                    len,
+                    MADV_POPULATE_WRITE,
+                )
+            };
+            if rc == 0 {
+                return Ok(());
+            }
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() != Some(libc::EINTR) {
+                return Err(error);
+            }
+        }
+    }
+
     /// The address of byte `offset` in this process, for I/O vectors.
     pub(crate) fn addr_of(&self, offset: usize, len: usize) -> u64 {
         self.check(offset, len, 1);
@@ -347,11 +372,26 @@ pub(crate) fn plain_copy_granted(
 /// `ENOMEM`) the caller can act on. On a file system without `fallocate` (`EOPNOTSUPP`) the
 /// file is only sized, as before it had to be.
 pub fn allocate_file(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
+    allocate_file_start(fd, len, len)
+}
+
+/// As [`allocate_file`], allocating only the first `allocated` of the file's `len` bytes;
+/// the rest stays a hole, to be allocated before it is written.
+pub(crate) fn allocate_file_start(
+    fd: BorrowedFd<'_>,
+    allocated: usize,
+    len: usize,
+) -> io::Result<()> {
     let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    let allocated =
+        libc::off_t::try_from(allocated).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
     loop {
         // SAFETY: plain fallocate(2) (mode 0: allocate and extend) on a descriptor we hold.
-        if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len) } == 0 {
-            return Ok(());
+        if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, allocated) } == 0 {
+            if allocated == len {
+                return Ok(());
+            }
+            break;
         }
         let error = io::Error::last_os_error();
         match error.raw_os_error() {
@@ -367,6 +407,35 @@ pub fn allocate_file(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// `madvise` advice: fault the range in writable, allocating file pages (Linux 5.14+).
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+const PAGE: usize = 4096;
+
+/// Whether this kernel lets a mapping's pages be allocated up front (`MADV_POPULATE_WRITE`):
+/// the journals are then allocated when first used; without it, at creation.
+pub(crate) fn can_populate() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        // SAFETY: a private anonymous page of our own, advised, then unmapped.
+        unsafe {
+            let page = libc::mmap(
+                core::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            if page == libc::MAP_FAILED {
+                return false;
+            }
+            let ok = libc::madvise(page, PAGE, MADV_POPULATE_WRITE) == 0;
+            libc::munmap(page, PAGE);
+            ok
+        }
+    })
 }
 
 /// Opens a pidfd for `pid` (Linux 5.3+). `None` when unsupported or the process is gone.

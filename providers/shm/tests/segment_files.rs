@@ -261,6 +261,14 @@ fn invalid_configurations_are_refused() {
             window_size: 16,
             ..segment_config(64, 4)
         },
+        SegmentConfig {
+            journal_size: 0,
+            ..segment_config(64, 4)
+        },
+        SegmentConfig {
+            journal_size: 5000,
+            ..segment_config(64, 4)
+        },
     ] {
         assert!(matches!(
             ShmSegment::create(dir.path(), "seg", &config),

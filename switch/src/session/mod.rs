@@ -317,6 +317,10 @@ pub struct SessionStats {
     pub bytes_inline: u64,
     /// Application bytes moved by RDMA (rendezvous rests consumed by the peer).
     pub bytes_rendezvous: u64,
+    /// Stream bytes received from the peer: inline payloads and rendezvous bytes moved
+    /// here (read or not; dropped after `SHUT_RD` included). The offset where what the peer
+    /// sent and we have not received begins.
+    pub bytes_received: u64,
     /// Control messages transmitted.
     pub messages_sent: u64,
     /// Control messages received.
@@ -1115,6 +1119,7 @@ impl Session {
         if self.peer_fin {
             return Err(self.fail(PeerMisbehaved::DataAfterFin));
         }
+        self.stats.bytes_received += payload.len() as u64;
         if self.closed_by_app {
             self.slots_released += 1;
             self.enter_reset(ResetCause::DataAfterClose);
@@ -1158,6 +1163,7 @@ impl Session {
         {
             return Err(self.fail(PeerMisbehaved::RendezvousOverlap));
         }
+        self.stats.bytes_received += prefix.len() as u64;
         if self.closed_by_app {
             self.slots_released += 1;
             self.enter_reset(ResetCause::DataAfterClose);
@@ -1165,6 +1171,7 @@ impl Session {
         }
         if self.shut_read {
             // Dropped like inline data: report the whole rest consumed.
+            self.stats.bytes_received += rest_len;
             self.slots_released += 1;
             self.controls.push_back(Control::RndvAbort {
                 consumed: rest_len,
@@ -1255,6 +1262,7 @@ impl Session {
         let Some(Segment::Remote(seg)) = self.rx_queue.front_mut() else {
             return;
         };
+        self.stats.bytes_received += len;
         seg.consumed += len;
         if seg.consumed < seg.total {
             return;

@@ -12,7 +12,7 @@
 
 use core::sync::atomic::{AtomicU64, Ordering};
 
-use super::tunables::{SAN_SEND_BUFFER, SLOTS, VERBS_SLOTS};
+use super::tunables::{shm_segment_config, SHM_SEND_BUFFER, VERBS_SLOTS};
 
 /// A total of charges and its limit.
 #[derive(Debug)]
@@ -79,11 +79,12 @@ impl Drop for Charge {
     }
 }
 
-/// What a shm connection can hold: its segment (allocated in full at creation, mapped by
-/// both ends: each process counts it) and its send buffer.
+/// What a shm connection can hold: its segment (mapped by both ends: each process counts
+/// it; the journals included, though they are allocated only when used) and its send
+/// buffer.
 pub(super) fn shm_connection_bytes() -> u64 {
-    let segment = san_shm::SegmentConfig::new(SLOTS).file_size().unwrap_or(0);
-    (segment + SAN_SEND_BUFFER) as u64
+    let segment = shm_segment_config().file_size().unwrap_or(0);
+    (segment + SHM_SEND_BUFFER) as u64
 }
 
 /// What a verbs connection can hold: its registered slots, both ways, and its send buffer.
@@ -114,7 +115,8 @@ mod tests {
     #[test]
     fn a_shm_connection_is_charged_its_segment_and_send_buffer() {
         let bytes = shm_connection_bytes();
-        // The segment is about 1.6 MiB; with the 4 MiB send buffer, about 5.6 MiB.
+        // The segment is about 1.6 MiB and its journals 3 MiB; with the 1 MiB send buffer,
+        // about 5.6 MiB.
         assert!(
             (5 << 20..6 << 20).contains(&bytes),
             "{bytes} bytes per connection"

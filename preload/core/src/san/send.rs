@@ -130,6 +130,7 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
             match socket.send(piece, urgent) {
                 Ok(n) => {
                     socket.service();
+                    socket.journal_sent(piece);
                     done += n;
                     if done >= total {
                         return Some(Ok(done as isize));

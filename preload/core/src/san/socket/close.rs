@@ -92,7 +92,10 @@ impl SanSocket {
         }
         self.data_to_announce = true;
         self.service();
-        while !self.quiescent() && start.elapsed() < linger {
+        // Over shm what has not left is in the journal, which the peer reads once it sees
+        // the close: return at once, as a TCP close does (the kernel sends the rest).
+        let waits = abortive || !self.journal_holds_the_rest();
+        while waits && !self.quiescent() && start.elapsed() < linger {
             if let Some(conn) = self.conn.as_ref() {
                 if conn.wait(Duration::from_millis(10)) == san_shm::WaitResult::Disconnected {
                     break;

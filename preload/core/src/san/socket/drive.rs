@@ -113,6 +113,9 @@ impl SanSocket {
                 _ => {}
             }
         }
+        if self.reset_cause.is_some() {
+            self.take_leftovers_of_ended_peer();
+        }
         if self.side == Side::Acceptor && self.peer.get().is_none() {
             let their_end = self
                 .exchange

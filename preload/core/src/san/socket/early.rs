@@ -21,7 +21,8 @@ impl SanSocket {
         }
         match session.send(&self.early, SendFlags::default()) {
             Ok(n) if n > 0 => {
-                self.early.drain(..n);
+                let moved: Vec<u8> = self.early.drain(..n).collect();
+                self.journal_accepted(&moved, true);
                 true
             }
             Err(SendError::Downgraded) => {

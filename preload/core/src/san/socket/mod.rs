@@ -14,6 +14,7 @@ mod close;
 mod downgrade;
 mod drive;
 mod early;
+mod journal;
 mod mirror;
 mod pending;
 pub(crate) mod stream;
@@ -25,7 +26,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use san_shm::{ConnectionConfig, Doorbell, SegmentConfig, ShmConnection, ShmSegment};
+use san_shm::{ConnectionConfig, Doorbell, ShmConnection, ShmSegment};
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
 use switch::session::{
@@ -38,7 +39,8 @@ use super::link::Link;
 use super::provider::{rdma_read_offered, rendezvous_enabled};
 use super::registrations::SharedRegistrations;
 use super::tunables::{
-    SAN_SEND_BUFFER, SHM_RENDEZVOUS_THRESHOLD, SLOTS, VERBS_RENDEZVOUS_THRESHOLD, VERBS_SLOTS,
+    shm_segment_config, SHM_RENDEZVOUS_THRESHOLD, SHM_SEND_BUFFER, SLOTS,
+    VERBS_RENDEZVOUS_THRESHOLD, VERBS_SLOTS,
 };
 use super::verbs::link::VerbsLink;
 use crate::discovery::SegmentName;
@@ -73,7 +75,7 @@ fn session_config(rendezvous: bool) -> SessionConfig {
         } else {
             u32::MAX
         },
-        send_buffer: SAN_SEND_BUFFER,
+        send_buffer: SHM_SEND_BUFFER,
         ..defaults
     }
 }
@@ -233,6 +235,18 @@ pub(crate) struct SanSocket {
     /// not answer in time), and what a sender blocked on a stalled peer absorbed
     /// ([`SanSocket::absorb_if_stalled`]), as a kernel receive buffer holds it.
     restored: Vec<u8>,
+    /// Stream bytes the session accepted from the application (inline and by rendezvous):
+    /// where our journal's stream ends (see `journal`).
+    stream_accepted: u64,
+    /// Of those, the bytes the last inline send put in the session (journaled after the
+    /// drive that follows it).
+    just_accepted: usize,
+    /// Stream bytes of the peer's the application has read.
+    stream_consumed: u64,
+    /// The journal could not be allocated: the connection is moving to TCP.
+    journal_lost: bool,
+    /// The leftovers of a peer that ended were looked for.
+    leftovers_taken: bool,
     /// After a downgrade the application's epoll sets watch the TCP socket again.
     pub epoll_on_tcp: bool,
     /// This socket's share of the process's SAN memory budget (see `budget`): given back
@@ -302,6 +316,11 @@ impl SanSocket {
             downgrade_wanted: false,
             downgrade_sent: false,
             restored: Vec::new(),
+            stream_accepted: 0,
+            just_accepted: 0,
+            stream_consumed: 0,
+            journal_lost: false,
+            leftovers_taken: false,
             epoll_on_tcp: false,
             _charge: charge,
         }
@@ -319,7 +338,7 @@ impl SanSocket {
     ) -> Result<SanSocket, SocketSetupError> {
         let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
-        let segment = ShmSegment::create(dir, name.as_str(), &SegmentConfig::new(SLOTS))
+        let segment = ShmSegment::create(dir, name.as_str(), &shm_segment_config())
             .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));

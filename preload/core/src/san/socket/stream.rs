@@ -65,6 +65,7 @@ impl SanSocket {
             buf[..n].copy_from_slice(&self.restored[..n]);
             if !peek {
                 self.restored.drain(..n);
+                self.note_consumed(n);
             }
             return Ok(n);
         }
@@ -79,6 +80,7 @@ impl SanSocket {
             Ok(n) => {
                 if !peek && n > 0 {
                     self.record.count(Counter::SanInlineReceived, n as u64);
+                    self.note_consumed(n);
                 }
                 Ok(n)
             }
@@ -147,6 +149,7 @@ impl SanSocket {
             Ok(n) => {
                 self.sent_after_fin |= self.peer_fin;
                 self.record.count(Counter::SanInlineSent, n as u64);
+                self.just_accepted = n;
                 Ok(n)
             }
             Err(SendError::Reset) if self.peer_fin => self.send_after_peer_close(data.len()),
@@ -241,6 +244,7 @@ impl SanSocket {
         Some(match result {
             Ok(bytes) => {
                 self.record.count(Counter::SanRendezvousSent, bytes);
+                self.journal_delivered(bytes);
                 Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
             }
             Err(SendError::Closed) => Err(libc::EPIPE),
@@ -335,6 +339,7 @@ impl SanSocket {
             Ok(bytes) => {
                 if !peek {
                     self.record.count(Counter::SanRendezvousReceived, bytes);
+                    self.note_consumed(usize::try_from(bytes).unwrap_or(usize::MAX));
                 }
                 Ok(usize::try_from(bytes).unwrap_or(usize::MAX))
             }

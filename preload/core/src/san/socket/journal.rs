@@ -1,0 +1,146 @@
+//! Bytes `send()` accepted outlive the sender, as over kernel TCP: over shm the stream bytes
+//! that have not reached the peer's receive slots are kept in the segment's outbound journal,
+//! and a peer that finds us closed or dead reads them from there, then end of stream.
+//!
+//! The sender keeps the journal exact: after every send it writes there the accepted bytes
+//! still queued here (in the session or the provider) and publishes where its stream ends;
+//! the receiver, once the provider reports that the peer closed or died (every message the
+//! peer left in our slots drained), takes the rest of the stream from the peer's journal,
+//! from the first byte its session did not receive. A peer that ended with some of our
+//! bytes unread is a reset, as TCP answers such a close with `RST`.
+//!
+//! Over verbs the bytes live in the dead process's memory on another host: a sender that
+//! dies with bytes queued resets the connection (the known limit in `docs/ARCHITECTURE.md`).
+
+use super::SanSocket;
+use crate::record::Counter;
+use crate::san::link::Link;
+
+impl SanSocket {
+    /// After the drive that followed an inline send of `piece`: journals what that send put
+    /// in the session and has not left.
+    pub(crate) fn journal_sent(&mut self, piece: &[u8]) {
+        let n = core::mem::take(&mut self.just_accepted).min(piece.len());
+        if n > 0 {
+            self.journal_accepted(&piece[..n], false);
+        }
+    }
+
+    /// `accepted` just entered the session (after the drive that followed, when
+    /// `all_queued` is false; before any drive when it is true): writes the part still
+    /// queued here into the journal and publishes the stream's new end.
+    pub(super) fn journal_accepted(&mut self, accepted: &[u8], all_queued: bool) {
+        let (Some(session), Some(Link::Shm(conn))) = (self.session.as_ref(), self.conn.as_mut())
+        else {
+            return;
+        };
+        self.stream_accepted += accepted.len() as u64;
+        if self.journal_lost {
+            return;
+        }
+        let queued = if all_queued {
+            accepted.len()
+        } else {
+            session.send_queue_len() + conn.queued_send_bytes()
+        };
+        let keep = queued.min(accepted.len());
+        if keep > 0 {
+            let from = self.stream_accepted - keep as u64;
+            if conn
+                .journal_write(from, &accepted[accepted.len() - keep..])
+                .is_err()
+            {
+                // The file system is full: the journal's end stays where it was (what it
+                // covers is still whole) and the connection moves to kernel TCP, which
+                // keeps everything sent from now on.
+                tracing::debug!(name = %self.name, "journal unavailable: downgrading to TCP");
+                self.journal_lost = true;
+                self.begin_downgrade();
+                return;
+            }
+        }
+        conn.journal_publish(self.stream_accepted);
+    }
+
+    /// A rendezvous send delivered `bytes`: the peer received them before the send returned,
+    /// so only the stream's end moves.
+    pub(super) fn journal_delivered(&mut self, bytes: u64) {
+        let Some(Link::Shm(conn)) = self.conn.as_ref() else {
+            return;
+        };
+        self.stream_accepted += bytes;
+        if !self.journal_lost {
+            conn.journal_publish(self.stream_accepted);
+        }
+    }
+
+    /// The application read `bytes` of the peer's stream.
+    pub(super) fn note_consumed(&mut self, bytes: usize) {
+        self.stream_consumed += bytes as u64;
+        if let Some(Link::Shm(conn)) = self.conn.as_ref() {
+            conn.publish_consumed(self.stream_consumed);
+        }
+    }
+
+    /// Whether everything we accepted and have not transmitted is in the journal, so that a
+    /// close need not wait for it to leave: the peer reads the rest from the journal.
+    pub(super) fn journal_holds_the_rest(&self) -> bool {
+        matches!(self.conn, Some(Link::Shm(_)))
+            && !self.journal_lost
+            && self.early.is_empty()
+            && !self.downgrade_wanted
+    }
+
+    /// After the session reset because the provider found the peer closed or dead without
+    /// its FIN: unless it left our bytes unread, what it had sent and we had not received
+    /// comes from its journal, after everything the session still holds, and then end of
+    /// stream.
+    pub(super) fn take_leftovers_of_ended_peer(&mut self) {
+        if self.peer_fin || self.leftovers_taken {
+            return;
+        }
+        let (Some(session), Some(Link::Shm(conn))) = (self.session.as_mut(), self.conn.as_ref())
+        else {
+            return;
+        };
+        let Some(end) = conn.peer_end() else {
+            return;
+        };
+        self.leftovers_taken = true;
+        let leftovers = match conn.peer_leftovers(session.stats().bytes_received) {
+            Ok(leftovers) => leftovers,
+            Err(error) => {
+                tracing::debug!(name = %self.name, ?error, "ended peer left a corrupt journal");
+                return;
+            }
+        };
+        if leftovers.consumed < self.stream_accepted {
+            tracing::debug!(
+                name = %self.name,
+                ?end,
+                unread = self.stream_accepted - leftovers.consumed,
+                "peer ended with our bytes unread: reset"
+            );
+            return;
+        }
+        tracing::debug!(
+            name = %self.name,
+            ?end,
+            bytes = leftovers.bytes.len(),
+            "peer ended: the rest of its stream from its journal, then end of stream"
+        );
+        // What the session still holds comes first; after a reset it holds inline bytes only.
+        let before = self.restored.len();
+        let mut buf = [0u8; 16 << 10];
+        loop {
+            match session.recv(&mut buf, switch::session::RecvFlags::default()) {
+                Ok(n) if n > 0 => self.restored.extend_from_slice(&buf[..n]),
+                _ => break,
+            }
+        }
+        self.restored.extend_from_slice(&leftovers.bytes);
+        let moved = self.restored.len() - before;
+        self.record.count(Counter::SanInlineReceived, moved as u64);
+        self.peer_fin = true;
+    }
+}
