@@ -1542,6 +1542,74 @@ fn close_with_unread_data() -> CaseResult {
     ))
 }
 
+/// Closing with bytes the peer has not taken yet (it is not reading): close() returns at
+/// once, also on a blocking socket, and the peer still reads every byte, then end of stream.
+fn close_with_unsent_data() -> CaseResult {
+    let (client, server) = pair()?;
+    // A round trip first: the connection is fully set up (over the SAN, switched).
+    write_all(client.raw(), b"x")?;
+    read_text(server.raw())?;
+    write_all(server.raw(), b"y")?;
+    read_text(client.raw())?;
+    set_nonblocking(client.raw())?;
+    let pattern: Vec<u8> = (0..64 << 10).map(|i: u32| (i % 251) as u8).collect();
+    let mut sent = 0usize;
+    // Until the socket takes no more (the kernel's buffers, or the SAN's), at most 8 MiB.
+    while sent < 8 << 20 {
+        let offset = sent % pattern.len();
+        // SAFETY: a live buffer of the stated length.
+        let n = unsafe {
+            libc::send(
+                client.raw(),
+                pattern[offset..].as_ptr().cast(),
+                pattern.len() - offset,
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n <= 0 {
+            break;
+        }
+        sent += n as usize;
+    }
+    let flags = check(
+        // SAFETY: plain fcntl.
+        unsafe { libc::fcntl(client.raw(), libc::F_GETFL) } as isize,
+        "F_GETFL",
+    )? as c_int;
+    // SAFETY: plain fcntl: back to blocking, the case a lingering close would wait in.
+    check(
+        unsafe { libc::fcntl(client.raw(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } as isize,
+        "F_SETFL",
+    )?;
+    let started = std::time::Instant::now();
+    drop(client);
+    let close = if started.elapsed() < std::time::Duration::from_millis(200) {
+        "at once"
+    } else {
+        "late"
+    };
+    let mut received = 0usize;
+    let mut intact = true;
+    let end = loop {
+        let (n, bytes) = read_some(server.raw(), 256 << 10);
+        if n <= 0 {
+            break outcome(n);
+        }
+        for (i, byte) in bytes.iter().enumerate() {
+            intact &= *byte == pattern[(received + i) % pattern.len()];
+        }
+        received += bytes.len();
+    };
+    if sent < 256 << 10 {
+        return Err(format!("the socket took only {sent} bytes"));
+    }
+    Ok(format!(
+        "close returned {close}, the peer read {} bytes{} then {end}",
+        if received == sent { "all" } else { "not all" },
+        if intact { "" } else { " (corrupt)" }
+    ))
+}
+
 // ---- in-process pair ----------------------------------------------------------------------------
 
 /// A connection whose client runs `client` in another thread of this process once the
@@ -1918,6 +1986,7 @@ const CASES: &[Case] = &[
         close_readiness_after_peer_close,
     ),
     ("close-with-unread-data", close_with_unread_data),
+    ("close-with-unsent-data", close_with_unsent_data),
     (
         "in-process-select-after-eagain",
         in_process_select_after_eagain,

@@ -1,0 +1,12 @@
+/work/main/target-old/release/deps/san_verbs_loader-e89b8bb574c836f5.d: providers/verbs/loader/src/lib.rs providers/verbs/loader/src/abi.rs providers/verbs/loader/src/convert.rs providers/verbs/loader/src/error.rs providers/verbs/loader/src/handles.rs providers/verbs/loader/src/setup.rs
+
+/work/main/target-old/release/deps/libsan_verbs_loader-e89b8bb574c836f5.rlib: providers/verbs/loader/src/lib.rs providers/verbs/loader/src/abi.rs providers/verbs/loader/src/convert.rs providers/verbs/loader/src/error.rs providers/verbs/loader/src/handles.rs providers/verbs/loader/src/setup.rs
+
+/work/main/target-old/release/deps/libsan_verbs_loader-e89b8bb574c836f5.rmeta: providers/verbs/loader/src/lib.rs providers/verbs/loader/src/abi.rs providers/verbs/loader/src/convert.rs providers/verbs/loader/src/error.rs providers/verbs/loader/src/handles.rs providers/verbs/loader/src/setup.rs
+
+providers/verbs/loader/src/lib.rs:
+providers/verbs/loader/src/abi.rs:
+providers/verbs/loader/src/convert.rs:
+providers/verbs/loader/src/error.rs:
+providers/verbs/loader/src/handles.rs:
+providers/verbs/loader/src/setup.rs:
