@@ -262,6 +262,8 @@ fn inline_transfers_of_zero_to_three_slots_arrive_intact() {
         }
     }
     assert_eq!(pair.a.session.send(&[], SendFlags::default()), Ok(0));
+    // Where the stream's bytes B has not received begin (a journal's reader starts there).
+    assert_eq!(pair.b.session.stats().bytes_received, offset);
 }
 
 #[test]
@@ -465,6 +467,8 @@ fn rendezvous_round_trip(receiver_reads: bool) {
     pair.assert_all_released();
     let stats = pair.a.session.stats();
     assert_eq!(stats.bytes_rendezvous, (total - 100) as u64);
+    // Peeked bytes count once, when they are received for good.
+    assert_eq!(pair.b.session.stats().bytes_received, total as u64 + 5);
     assert!(pair.a.errors.is_empty() && pair.b.errors.is_empty());
 }
 
@@ -650,6 +654,11 @@ fn shutdown_read_drops_new_data_but_keeps_the_sender_going() {
     pair.send_inline(Which::A, &big);
     assert_eq!(pair.b.session.recv_queue_len(), 0);
     assert!(pair.a.session.readiness().writable);
+    // Dropped bytes were received all the same.
+    assert_eq!(
+        pair.b.session.stats().bytes_received,
+        6 + big.len() as u64
+    );
 }
 
 #[test]

@@ -1532,6 +1532,30 @@ mod tests {
     }
 
     #[test]
+    fn a_closed_peer_leaves_the_rest_of_its_stream_in_its_journal() {
+        let mut p = pair("journal");
+        let size = p.creator.journal_size() as u64;
+        // Stream bytes [size - 100, size + 400): the journal wraps around.
+        let rest: Vec<u8> = (0..500u32).map(|i| (i * 7) as u8).collect();
+        p.creator.journal_write(size - 100, &rest).unwrap();
+        p.creator.journal_publish(size + 400);
+        p.creator.publish_consumed(42);
+        p.creator.close();
+        assert_eq!(p.attacher.peer_end(), None);
+        poll(&mut p.attacher);
+        assert_eq!(p.attacher.peer_end(), Some(PeerEnd::Closed));
+        let left = p.attacher.peer_leftovers(size - 100).unwrap();
+        assert_eq!((left.bytes, left.consumed), (rest.clone(), 42));
+        // From further on: only what follows.
+        let left = p.attacher.peer_leftovers(size + 300).unwrap();
+        assert_eq!(left.bytes, &rest[400..]);
+        // A head behind what we received: nothing more is owed.
+        assert!(p.attacher.peer_leftovers(size + 999).unwrap().bytes.is_empty());
+        // More than the journal holds: corrupt.
+        assert_eq!(p.attacher.peer_leftovers(0), Err(CorruptJournal));
+    }
+
+    #[test]
     fn a_ring_head_beyond_capacity_is_fatal() {
         let mut p = pair("head");
         p.attacher.post_recv(WrId(1), RecvSlot(0)).unwrap();
