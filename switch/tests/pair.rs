@@ -655,10 +655,7 @@ fn shutdown_read_drops_new_data_but_keeps_the_sender_going() {
     assert_eq!(pair.b.session.recv_queue_len(), 0);
     assert!(pair.a.session.readiness().writable);
     // Dropped bytes were received all the same.
-    assert_eq!(
-        pair.b.session.stats().bytes_received,
-        6 + big.len() as u64
-    );
+    assert_eq!(pair.b.session.stats().bytes_received, 6 + big.len() as u64);
 }
 
 #[test]

@@ -231,6 +231,8 @@ pub struct Leftovers {
     pub bytes: Vec<u8>,
     /// Stream bytes its application had read of ours.
     pub consumed: u64,
+    /// It closed abortively (a reset).
+    pub aborted: bool,
 }
 
 /// The peer's journal words do not describe bytes its journal can hold.
@@ -466,6 +468,15 @@ impl ShmConnection {
             .store(consumed, Ordering::Relaxed);
     }
 
+    /// Publishes that we close abortively: the peer resets whatever it read.
+    pub fn publish_aborted(&self) {
+        self.my_control()
+            .journal
+            .0
+            .aborted
+            .store(1, Ordering::Relaxed);
+    }
+
     /// How the peer ended, once the connection went down because it closed or died.
     pub fn peer_end(&self) -> Option<PeerEnd> {
         self.peer_end
@@ -479,6 +490,7 @@ impl ShmConnection {
         let words = &self.peer_control().journal.0;
         let head = words.head.load(Ordering::Acquire);
         let consumed = words.consumed.load(Ordering::Relaxed);
+        let aborted = words.aborted.load(Ordering::Relaxed) != 0;
         // A head behind what we received: it died between transmitting and publishing, so
         // the send that carried those bytes never returned. Nothing more is owed.
         let len = head.saturating_sub(received);
@@ -496,7 +508,11 @@ impl ShmConnection {
             bytes.extend_from_slice(map.bytes(self.geometry.journal(peer, pos), first));
             bytes.extend_from_slice(map.bytes(self.geometry.journal(peer, 0), len - first));
         }
-        Ok(Leftovers { bytes, consumed })
+        Ok(Leftovers {
+            bytes,
+            consumed,
+            aborted,
+        })
     }
 
     fn my_control(&self) -> &SideControl {
@@ -1545,12 +1561,20 @@ mod tests {
         poll(&mut p.attacher);
         assert_eq!(p.attacher.peer_end(), Some(PeerEnd::Closed));
         let left = p.attacher.peer_leftovers(size - 100).unwrap();
-        assert_eq!((left.bytes, left.consumed), (rest.clone(), 42));
+        assert_eq!(
+            (left.bytes, left.consumed, left.aborted),
+            (rest.clone(), 42, false)
+        );
         // From further on: only what follows.
         let left = p.attacher.peer_leftovers(size + 300).unwrap();
         assert_eq!(left.bytes, &rest[400..]);
         // A head behind what we received: nothing more is owed.
-        assert!(p.attacher.peer_leftovers(size + 999).unwrap().bytes.is_empty());
+        assert!(p
+            .attacher
+            .peer_leftovers(size + 999)
+            .unwrap()
+            .bytes
+            .is_empty());
         // More than the journal holds: corrupt.
         assert_eq!(p.attacher.peer_leftovers(0), Err(CorruptJournal));
     }

@@ -222,6 +222,8 @@ pub struct JournalWords {
     /// Stream bytes the owner's application has read (Relaxed): a peer that ends with less
     /// than it was sent left data unread, which TCP answers with a reset.
     pub consumed: AtomicU64,
+    /// 1 when the owner closed abortively (`SO_LINGER` 0): a reset, whatever was read.
+    pub aborted: AtomicU64,
 }
 
 impl SideControl {

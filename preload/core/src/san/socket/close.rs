@@ -73,6 +73,9 @@ impl SanSocket {
                 }
             }
         }
+        if abortive {
+            self.journal_aborted();
+        }
         if abortive || !self.downgrade_wanted {
             if let Some(session) = self.session.as_mut() {
                 session.close(abortive);

@@ -10,7 +10,7 @@ use crate::san::exchange::{self, SideWords, MIRROR_END};
 use crate::san::link::Link;
 use crate::san::nudge::nudge;
 use crate::san::registrations::SharedRegistrations;
-use switch::session::{Event, MrHandleId, SessionState, Shutdown};
+use switch::session::{Event, MrHandleId, ResetCause, SessionState, Shutdown};
 
 impl SanSocket {
     /// Pumps the session over the connection, handles its events, raises the peer's mirror
@@ -113,7 +113,7 @@ impl SanSocket {
                 _ => {}
             }
         }
-        if self.reset_cause.is_some() {
+        if matches!(self.reset_cause, Some(ResetCause::Provider(_))) {
             self.take_leftovers_of_ended_peer();
         }
         if self.side == Side::Acceptor && self.peer.get().is_none() {

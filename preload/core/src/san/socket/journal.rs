@@ -91,6 +91,13 @@ impl SanSocket {
             && !self.downgrade_wanted
     }
 
+    /// We close abortively: a peer that finds us closed resets, whatever it read.
+    pub(super) fn journal_aborted(&self) {
+        if let Some(Link::Shm(conn)) = self.conn.as_ref() {
+            conn.publish_aborted();
+        }
+    }
+
     /// After the session reset because the provider found the peer closed or dead without
     /// its FIN: unless it left our bytes unread, what it had sent and we had not received
     /// comes from its journal, after everything the session still holds, and then end of
@@ -114,12 +121,13 @@ impl SanSocket {
                 return;
             }
         };
-        if leftovers.consumed < self.stream_accepted {
+        if leftovers.aborted || leftovers.consumed < self.stream_accepted {
             tracing::debug!(
                 name = %self.name,
                 ?end,
-                unread = self.stream_accepted - leftovers.consumed,
-                "peer ended with our bytes unread: reset"
+                aborted = leftovers.aborted,
+                unread = self.stream_accepted.saturating_sub(leftovers.consumed),
+                "peer ended abortively or with our bytes unread: reset"
             );
             return;
         }
