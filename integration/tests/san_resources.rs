@@ -105,11 +105,58 @@ fn pairs_on_a_small_tmpfs(name: &str, size: &str, count: usize, bytes: usize) ->
 
 #[test]
 fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
-    // One connection's segment takes about 1.5 MiB; a 2 MiB tmpfs holds one. Every further
-    // connection, while the first is still open, finds the directory full: it must stay on
-    // TCP (no SIGBUS when a segment page cannot be allocated, no reset), all bytes exact.
+    // One connection's segment takes about 1.6 MiB, and its journals 3 MiB more once a
+    // stream fills them; a 6 MiB tmpfs holds one such connection. Every further connection,
+    // while the first is still open, finds the directory full: it must stay on TCP (no
+    // SIGBUS when a segment page cannot be allocated, no reset), all bytes exact.
     let (count, bytes) = (4, 1 << 20);
-    let Some(out) = pairs_on_a_small_tmpfs("full-shm", "2m", count, bytes) else {
+    let Some(out) = pairs_on_a_small_tmpfs("full-shm", "6m", count, bytes) else {
+        return;
+    };
+    assert!(
+        out.contains("client exit 0") && out.contains("server exit 0"),
+        "both ends must exit normally (135 is SIGBUS):\n{out}"
+    );
+    let client = reports(&out, "client", count, bytes);
+    let server = reports(&out, "server", count, bytes);
+    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
+        assert_eq!(c.0, s.0, "connection {i}: both ends agree on the bytes:\n{out}");
+        // (An end that finished its stream before the other's downgrade reached it still
+        // shows the SAN.)
+        if c.2 != "downgraded" && s.2 != "downgraded" {
+            assert_eq!(c.1, s.1, "connection {i}: both ends agree on the path:\n{out}");
+        }
+    }
+    // The connections are all set up before they stream: the first segments fill the
+    // directory, the later connections stay on TCP (`san-resources`), and a connection whose
+    // journal no longer fits when its stream first needs it moves to TCP (`downgraded`).
+    let paths: Vec<&str> = client.iter().map(|(_, path, _)| *path).collect();
+    let on_san = paths.iter().filter(|p| **p == "san-shm").count();
+    assert!(
+        on_san >= 1 && on_san < count,
+        "some connections fit the tmpfs and use it, not all: {paths:?}\n{out}"
+    );
+    for (i, (_, path, reason)) in client.iter().enumerate() {
+        assert!(
+            *path == "san-shm"
+                || (path.eq_ignore_ascii_case("tcp")
+                    && matches!(*reason, "san-resources" | "downgraded")),
+            "connection {i}: on the SAN, or on TCP for want of space: {path} {reason}\n{out}"
+        );
+    }
+    assert!(
+        client.iter().any(|(_, _, reason)| *reason == "san-resources"),
+        "a connection set up with the directory full stays on TCP:\n{out}"
+    );
+}
+
+#[test]
+fn a_journal_the_full_directory_cannot_hold_moves_the_connection_to_tcp() {
+    // A 2 MiB tmpfs holds a segment (1.6 MiB) but not its journal (1.5 MiB), which a 1 MiB
+    // stream needs: the connection moves to kernel TCP when the journal is first needed,
+    // with every byte exact and no SIGBUS.
+    let (count, bytes) = (2, 1 << 20);
+    let Some(out) = pairs_on_a_small_tmpfs("full-journal", "2m", count, bytes) else {
         return;
     };
     assert!(
@@ -124,19 +171,14 @@ fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
             (s.0, s.1),
             "connection {i}: both ends agree on bytes and path:\n{out}"
         );
+        assert!(
+            c.1.eq_ignore_ascii_case("tcp"),
+            "connection {i} ends on TCP:\n{out}"
+        );
     }
-    let paths: Vec<&str> = client.iter().map(|(_, path, _)| *path).collect();
-    let on_san = paths.iter().take_while(|p| **p == "san-shm").count();
     assert!(
-        on_san >= 1,
-        "the first connection fits the tmpfs and uses it: {paths:?}"
-    );
-    assert!(
-        on_san < count
-            && paths[on_san..]
-                .iter()
-                .all(|p| p.eq_ignore_ascii_case("tcp")),
-        "the connections that do not fit stay on TCP: {paths:?}"
+        client[0].2 == "downgraded" || server[0].2 == "downgraded",
+        "the first connection switched, then moved to TCP:\n{out}"
     );
 }
 
