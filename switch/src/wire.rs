@@ -148,6 +148,9 @@ pub mod ctrl {
         /// The sender of the hello understands `Downgrade` (live move of the stream back to
         /// kernel TCP). Older peers ignore the bit, so announcing it is always compatible.
         pub const DOWNGRADE: u16 = 0x0004;
+        /// The sender of the hello understands `RndvCancel` (a rendezvous sender asking to
+        /// end its rendezvous early). Sent only to peers that announce it.
+        pub const CANCEL: u16 = 0x0008;
     }
 
     /// The message types of version 1.
@@ -178,6 +181,9 @@ pub mod ctrl {
         Rst = 11,
         /// The rest of the sender's stream goes over kernel TCP (after all data before it).
         Downgrade = 12,
+        /// Either mode: the rendezvous sender asks the receiver to end the rendezvous with
+        /// what it consumed (its application's send was interrupted by a signal).
+        RndvCancel = 13,
     }
 
     impl MessageType {
@@ -196,6 +202,7 @@ pub mod ctrl {
                 10 => MessageType::Fin,
                 11 => MessageType::Rst,
                 12 => MessageType::Downgrade,
+                13 => MessageType::RndvCancel,
                 _ => return None,
             })
         }
@@ -214,7 +221,8 @@ pub mod ctrl {
                 | MessageType::CreditUpdate
                 | MessageType::Fin
                 | MessageType::Rst
-                | MessageType::Downgrade => 0,
+                | MessageType::Downgrade
+                | MessageType::RndvCancel => 0,
             }
         }
 
@@ -458,6 +466,8 @@ pub mod ctrl {
         Rst,
         /// The sender's stream continues on kernel TCP.
         Downgrade,
+        /// The rendezvous sender asks the receiver to end the rendezvous.
+        RndvCancel,
     }
 
     impl Message {
@@ -476,6 +486,7 @@ pub mod ctrl {
                 Message::Fin => MessageType::Fin,
                 Message::Rst => MessageType::Rst,
                 Message::Downgrade => MessageType::Downgrade,
+                Message::RndvCancel => MessageType::RndvCancel,
             }
         }
     }
@@ -577,6 +588,7 @@ pub mod ctrl {
                 MessageType::Fin => Message::Fin,
                 MessageType::Rst => Message::Rst,
                 MessageType::Downgrade => Message::Downgrade,
+                MessageType::RndvCancel => Message::RndvCancel,
             };
             Ok(Repr {
                 credits,
@@ -666,7 +678,11 @@ pub mod ctrl {
                         flag_bits |= flags::WITHDRAW;
                     }
                 }
-                Message::CreditUpdate | Message::Fin | Message::Rst | Message::Downgrade => {}
+                Message::CreditUpdate
+                | Message::Fin
+                | Message::Rst
+                | Message::Downgrade
+                | Message::RndvCancel => {}
             }
             packet.set_flags(flag_bits);
             let body_end = HEADER_LEN + kind.body_len();

@@ -541,6 +541,61 @@ fn abort_with_short_count(receiver_reads: bool) {
     pair.assert_all_released();
 }
 
+/// The sender's application was interrupted mid-rendezvous: it asks the receiver to end
+/// the rendezvous, which answers with what it consumed; the send completes with that short
+/// count and the rest can be sent again, nothing lost or duplicated.
+fn cancel_with_short_count(receiver_reads: bool) {
+    let config = PairConfig {
+        caps_b: caps(receiver_reads),
+        ..PairConfig::default()
+    };
+    let mut pair = Pair::established(config);
+    let total = 50_000;
+    let data = pattern(8, 0, total);
+    pair.send_rendezvous(Which::A, &data, 10);
+    pair.run();
+    let mut got = pair.recv_up_to(Which::B, 10, 1 << 20).unwrap();
+    let part = pair
+        .zero_copy_recv(Which::B, 20_000, RecvFlags::default())
+        .unwrap()
+        .unwrap();
+    got.extend(part);
+    // B's application reads no more: A's cancel is answered all the same.
+    assert!(pair.a.session.cancel_send_rendezvous());
+    assert!(pair.a.session.cancel_send_rendezvous(), "idempotent");
+    pair.run();
+    assert_eq!(sent_ticket_result(&pair.a.events), vec![Ok(10 + 20_000)]);
+    assert_eq!(pair.b.session.recv_pending_bytes(), 0, "the segment is gone");
+    assert!(!pair.a.session.cancel_send_rendezvous(), "nothing left to cancel");
+    got.extend(pair.transfer_inline(Which::A, Which::B, &data[20_010..]));
+    assert_eq!(got, data);
+    pair.assert_all_released();
+    assert!(pair.a.errors.is_empty() && pair.b.errors.is_empty());
+}
+
+#[test]
+fn read_mode_cancel_completes_the_send_with_a_short_count() {
+    cancel_with_short_count(true);
+}
+
+#[test]
+fn write_mode_cancel_completes_the_send_with_a_short_count() {
+    cancel_with_short_count(false);
+}
+
+#[test]
+fn a_cancel_before_the_rendezvous_is_announced_sends_nothing() {
+    let mut pair = Pair::established(PairConfig::default());
+    let data = pattern(9, 0, 50_000);
+    pair.send_rendezvous(Which::A, &data, 10);
+    // Not transmitted yet.
+    assert!(pair.a.session.cancel_send_rendezvous());
+    pair.run();
+    assert_eq!(sent_ticket_result(&pair.a.events), vec![Ok(0)]);
+    assert_eq!(pair.b.session.recv_pending_bytes(), 0);
+    pair.assert_all_released();
+}
+
 #[test]
 fn read_mode_abort_completes_the_send_with_a_short_count() {
     abort_with_short_count(true);

@@ -159,6 +159,7 @@ fn golden_bodiless_messages() {
         (Message::Fin, 10),
         (Message::Rst, 11),
         (Message::Downgrade, 12),
+        (Message::RndvCancel, 13),
     ] {
         golden(
             Repr {
@@ -177,7 +178,8 @@ fn parse_rejects_what_the_protocol_forbids() {
         assert!(Repr::parse_bytes(bytes).is_err(), "{why}: {bytes:02x?}");
     };
     reject(&[0, 0, 0, 0, 0, 0, 0, 0], "unknown type 0");
-    reject(&[13, 0, 0, 0, 0, 0, 0, 0], "unknown type 13");
+    reject(&[14, 0, 0, 0, 0, 0, 0, 0], "unknown type 14");
+    reject(&[13, 4, 0, 0, 0, 0, 0, 0], "WITHDRAW on RndvCancel");
     reject(&[12, 1, 0, 0, 0, 0, 0, 0], "URG on Downgrade");
     reject(&[12, 0, 0, 0, 0, 0, 0, 1, 0], "payload on Downgrade");
     reject(
@@ -303,6 +305,7 @@ fn arb_message() -> impl Strategy<Value = Message> {
         Just(Message::Fin),
         Just(Message::Rst),
         Just(Message::Downgrade),
+        Just(Message::RndvCancel),
     ]
 }
 

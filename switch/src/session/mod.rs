@@ -361,6 +361,10 @@ impl Peer {
     fn supports_downgrade(&self) -> bool {
         self.hello.caps & ctrl::caps::DOWNGRADE != 0
     }
+
+    fn supports_cancel(&self) -> bool {
+        self.hello.caps & ctrl::caps::CANCEL != 0
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -427,6 +431,8 @@ struct TxRendezvous {
     invalidated: bool,
     /// WRITE mode: the write in progress (wr, len, peek) and whether its op was polled.
     write: Option<(WrId, u64, bool)>,
+    /// The application asked to end it early (`RndvCancel` is queued or sent).
+    cancelled: bool,
 }
 
 /// Control messages waiting for transmission (everything but data, hello and updates).
@@ -436,6 +442,7 @@ enum Control {
     WriteDone { len: u64 },
     RdmaDone { len: u64 },
     RndvAbort { consumed: u64, withdraw: bool },
+    RndvCancel,
 }
 
 /// The session of one connected socket. See the module docs for the poll order.
@@ -501,6 +508,9 @@ pub struct Session {
     rx_bytes: VecDeque<u8>,
     rx_urgent_pending: usize,
     rx_sink: Option<Sink>,
+    /// The peer asked to end the rendezvous we receive: done as soon as no sink of ours is
+    /// in use (`RndvAbort` with what was consumed).
+    rx_cancel: bool,
     peer_fin: bool,
     peer_downgraded: bool,
     shut_read: bool,
@@ -567,6 +577,7 @@ impl Session {
             rx_bytes: VecDeque::new(),
             rx_urgent_pending: 0,
             rx_sink: None,
+            rx_cancel: false,
             peer_fin: false,
             peer_downgraded: false,
             shut_read: false,
@@ -1022,6 +1033,18 @@ impl Session {
                 self.slots_released += 1;
                 self.on_rendezvous_abort(consumed, withdraw)?;
             }
+            ctrl::Message::RndvCancel => {
+                self.slots_released += 1;
+                // (A cancel that crossed the rendezvous's end finds nothing: not an error.)
+                if self
+                    .rx_queue
+                    .iter()
+                    .any(|s| matches!(s, Segment::Remote(_)))
+                {
+                    self.rx_cancel = true;
+                    self.settle_cancel();
+                }
+            }
             ctrl::Message::CreditUpdate => {
                 self.slots_released += 1;
                 self.lazy_unreturned += 1;
@@ -1253,7 +1276,31 @@ impl Session {
             ticket: sink.ticket,
             result: Ok(len),
         });
+        self.settle_cancel();
         Ok(())
+    }
+
+    /// A cancel the peer asked for ends the rendezvous we receive once no sink of ours is in
+    /// use: the sender learns what was consumed and sends the rest again (or not).
+    fn settle_cancel(&mut self) {
+        if !self.rx_cancel || self.rx_sink.is_some() {
+            return;
+        }
+        self.rx_cancel = false;
+        let Some(at) = self
+            .rx_queue
+            .iter()
+            .position(|s| matches!(s, Segment::Remote(_)))
+        else {
+            return;
+        };
+        if let Some(Segment::Remote(seg)) = self.rx_queue.remove(at) {
+            self.slots_released += 1;
+            self.controls.push_back(Control::RndvAbort {
+                consumed: seg.consumed,
+                withdraw: false,
+            });
+        }
     }
 
     /// Advances the head remote segment by `len` bytes; at its end pops it, returns its
@@ -1438,6 +1485,12 @@ impl Session {
             return Err(Error::InvalidState);
         };
         self.release(sink.buf.handle);
+        let result = self.on_sink_read(sink, status);
+        self.settle_cancel();
+        result
+    }
+
+    fn on_sink_read(&mut self, sink: Sink, status: Result<(), CompletionError>) -> Result<(), Error> {
         match status {
             Ok(()) => {
                 if !sink.peek {
@@ -1673,9 +1726,45 @@ impl Session {
             consumed: 0,
             invalidated: false,
             write: None,
+            cancelled: false,
         });
         self.stats.rendezvous_started += 1;
         Ok(ticket)
+    }
+
+    /// Asks to end our rendezvous send early (the application's blocking send was
+    /// interrupted by a signal, and must return with what the peer took, as a kernel send
+    /// returns a short count): one not announced yet ends at once with nothing sent; one in
+    /// progress ends with [`Event::SendComplete`] and a short count once the receiver
+    /// answers (it finishes any read of ours first), or in full if it got there first.
+    /// False when there is nothing to cancel or the peer cannot be asked (it lacks
+    /// `caps::CANCEL`): the send then runs to its end.
+    pub fn cancel_send_rendezvous(&mut self) -> bool {
+        self.settle_downgrade();
+        let supported = self.peer.is_some_and(|p| p.supports_cancel());
+        let Some(rndv) = self.tx_rndv.as_mut() else {
+            return false;
+        };
+        if !rndv.started {
+            if let Some(rndv) = self.tx_rndv.take() {
+                self.release(rndv.rest.handle);
+                self.stats.rendezvous_aborted += 1;
+                self.events.push_back(Event::SendComplete {
+                    ticket: rndv.ticket,
+                    result: Ok(0),
+                });
+            }
+            return true;
+        }
+        if rndv.cancelled {
+            return true;
+        }
+        if !supported {
+            return false;
+        }
+        rndv.cancelled = true;
+        self.controls.push_back(Control::RndvCancel);
+        true
     }
 
     fn check_recv(&self, flags: RecvFlags) -> Result<(), RecvError> {
@@ -2028,7 +2117,8 @@ impl Session {
                     ctrl::caps::WRITE_WITH_IMM
                 } else {
                     0
-                } | ctrl::caps::DOWNGRADE,
+                } | ctrl::caps::DOWNGRADE
+                    | ctrl::caps::CANCEL,
                 recv_slots: self.slots.recv_slots,
                 slot_size: self.slots.slot_size,
                 rndv_threshold: self.config.rendezvous_threshold,
@@ -2072,6 +2162,7 @@ impl Session {
                     Control::RndvAbort { consumed, withdraw } => {
                         ctrl::Message::RndvAbort { consumed, withdraw }
                     }
+                    Control::RndvCancel => ctrl::Message::RndvCancel,
                 };
                 let len = self.emit(buf, message, &[])?;
                 self.controls.pop_front();
