@@ -120,11 +120,17 @@ fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
     let client = reports(&out, "client", count, bytes);
     let server = reports(&out, "server", count, bytes);
     for (i, (c, s)) in client.iter().zip(&server).enumerate() {
-        assert_eq!(c.0, s.0, "connection {i}: both ends agree on the bytes:\n{out}");
+        assert_eq!(
+            c.0, s.0,
+            "connection {i}: both ends agree on the bytes:\n{out}"
+        );
         // (An end that finished its stream before the other's downgrade reached it still
         // shows the SAN.)
         if c.2 != "downgraded" && s.2 != "downgraded" {
-            assert_eq!(c.1, s.1, "connection {i}: both ends agree on the path:\n{out}");
+            assert_eq!(
+                c.1, s.1,
+                "connection {i}: both ends agree on the path:\n{out}"
+            );
         }
     }
     // The connections are all set up before they stream: the first segments fill the
@@ -145,7 +151,9 @@ fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
         );
     }
     assert!(
-        client.iter().any(|(_, _, reason)| *reason == "san-resources"),
+        client
+            .iter()
+            .any(|(_, _, reason)| *reason == "san-resources"),
         "a connection set up with the directory full stays on TCP:\n{out}"
     );
 }

@@ -565,8 +565,15 @@ fn cancel_with_short_count(receiver_reads: bool) {
     assert!(pair.a.session.cancel_send_rendezvous(), "idempotent");
     pair.run();
     assert_eq!(sent_ticket_result(&pair.a.events), vec![Ok(10 + 20_000)]);
-    assert_eq!(pair.b.session.recv_pending_bytes(), 0, "the segment is gone");
-    assert!(!pair.a.session.cancel_send_rendezvous(), "nothing left to cancel");
+    assert_eq!(
+        pair.b.session.recv_pending_bytes(),
+        0,
+        "the segment is gone"
+    );
+    assert!(
+        !pair.a.session.cancel_send_rendezvous(),
+        "nothing left to cancel"
+    );
     got.extend(pair.transfer_inline(Which::A, Which::B, &data[20_010..]));
     assert_eq!(got, data);
     pair.assert_all_released();

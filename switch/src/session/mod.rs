@@ -1490,7 +1490,11 @@ impl Session {
         result
     }
 
-    fn on_sink_read(&mut self, sink: Sink, status: Result<(), CompletionError>) -> Result<(), Error> {
+    fn on_sink_read(
+        &mut self,
+        sink: Sink,
+        status: Result<(), CompletionError>,
+    ) -> Result<(), Error> {
         match status {
             Ok(()) => {
                 if !sink.peek {

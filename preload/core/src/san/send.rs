@@ -197,10 +197,14 @@ fn send_failed(done: usize, code: c_int, send_flags: c_int) -> Result<isize, Err
 }
 
 /// Waits (lock released while sleeping) until rendezvous send `ticket` completes: the bytes
-/// it delivered, or the errno. Neither signals nor `SO_SNDTIMEO` end the wait: until the
-/// session reports completion the peer may still be reading the application's buffer.
+/// it delivered, or the errno. `SO_SNDTIMEO` does not end the wait, and a signal only asks
+/// the receiver to end the rendezvous with what it took: until the session reports
+/// completion the peer may still be reading the application's buffer. An interrupted send
+/// that delivered nothing fails with `EINTR`; otherwise it returns the short count, as a
+/// kernel send interrupted after some progress does.
 fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usize, c_int> {
     let mut stalled_since = None;
+    let mut interrupted = false;
     loop {
         let wait = {
             let mut slot = lock(index);
@@ -210,7 +214,10 @@ fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usi
             };
             socket.service();
             if let Some(result) = socket.take_send_completion(ticket) {
-                return result;
+                return match result {
+                    Ok(0) if interrupted => Err(libc::EINTR),
+                    other => other,
+                };
             }
             // The completion message raises our writability (every message from the peer
             // does); unread data, which only the application can consume once this send
@@ -220,6 +227,10 @@ fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usi
                 None => continue,
             }
         };
-        let _ = block(index, fd, wait, None);
+        if block(index, fd, wait, None) == Err(libc::EINTR) && !interrupted {
+            if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+                interrupted = socket.cancel_send_rendezvous();
+            }
+        }
     }
 }

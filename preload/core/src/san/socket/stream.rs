@@ -230,6 +230,25 @@ impl SanSocket {
         }
     }
 
+    /// Our blocking rendezvous send was interrupted by a signal: asks the receiver to end it
+    /// with what it took (see `Session::cancel_send_rendezvous`), and nudges its process so
+    /// that it answers even while its application makes no call. False when the send cannot
+    /// be cut short (the peer lacks the capability): it then runs to its end.
+    pub(crate) fn cancel_send_rendezvous(&mut self) -> bool {
+        let Some(session) = self.session.as_mut() else {
+            return false;
+        };
+        if !session.cancel_send_rendezvous() {
+            return false;
+        }
+        self.data_to_announce = true;
+        self.service();
+        if let Some(pid) = self.conn.as_ref().and_then(Link::peer_pid) {
+            crate::san::nudge::nudge(pid);
+        }
+        true
+    }
+
     /// The outcome of rendezvous send `ticket`, once the session reported it: `Ok(bytes)`
     /// delivered (counted as rendezvous bytes), or the errno.
     pub(crate) fn take_send_completion(
