@@ -1610,6 +1610,43 @@ fn close_with_unsent_data() -> CaseResult {
     ))
 }
 
+/// Another thread closes a socket while this one is blocked reading it, and the number is
+/// reused at once (a Unix socket here) and written to: the blocked read must never return the new
+/// file's bytes. (The kernel keeps the blocked call on the old socket, which ends with the
+/// old peer's close.)
+fn close_while_blocked_in_recv() -> CaseResult {
+    let (client, server) = pair()?;
+    // The connection is set up (over the SAN, switched) before the read blocks.
+    write_all(client.raw(), b"x")?;
+    read_text(server.raw())?;
+    let fd = server.into_raw();
+    let reader = std::thread::spawn(move || read_some(fd, 16).1);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let mut pipe = [0 as c_int; 2];
+    // SAFETY: a two-element array for socketpair(2).
+    check(
+        unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, pipe.as_mut_ptr()) }
+            as isize,
+        "socketpair",
+    )?;
+    let (pipe_read, pipe_write) = (Fd(pipe[0]), Fd(pipe[1]));
+    // SAFETY: closes the number the reader is blocked on, as the application's other
+    // thread would; nothing else owns it.
+    unsafe { libc::close(fd) };
+    // The number goes to the pipe's read end (a lower number may have been free).
+    // SAFETY: plain dup2 of our own pipe onto the number just closed.
+    let reused = unsafe { libc::dup2(pipe_read.raw(), fd) } == fd;
+    let _reused_number = Fd(fd);
+    write_all(pipe_write.raw(), b"NEW")?;
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    drop(client);
+    let got = reader.join().map_err(|_| "reader panicked")?;
+    Ok(format!(
+        "number reused: {reused}, the blocked read returned the new file's bytes: {}",
+        got.windows(3).any(|w| w == b"NEW")
+    ))
+}
+
 // ---- in-process pair ----------------------------------------------------------------------------
 
 /// A connection whose client runs `client` in another thread of this process once the
@@ -1987,6 +2024,7 @@ const CASES: &[Case] = &[
     ),
     ("close-with-unread-data", close_with_unread_data),
     ("close-with-unsent-data", close_with_unsent_data),
+    ("close-while-blocked-in-recv", close_while_blocked_in_recv),
     (
         "in-process-select-after-eagain",
         in_process_select_after_eagain,

@@ -18,7 +18,7 @@ use super::socket::{Phase, SanSocket};
 use super::switchover::{
     assist_in_process_peer, downgrade_pending, epoll_back_to_tcp, switch_if_attached,
 };
-use super::table::{lock, orphaned, record_flag, SanObject};
+use super::table::{claim_of, lock, orphaned, record_flag, still_claimed, SanObject};
 use super::tunables::{HANDSHAKE_WAIT, MARKER_WAIT};
 use super::wait::{block, timeout_of};
 use crate::errno::Errno;
@@ -70,7 +70,11 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
     let mut handshake_deadline: Option<Instant> = None;
     let mut assisted = false;
+    let claim = claim_of(index);
     loop {
+        if !still_claimed(index, claim) {
+            return Some(partial(done, libc::EBADF));
+        }
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
             return Some(partial(done, code));
@@ -320,6 +324,7 @@ fn recv_rendezvous(
         // does not return before the receive into it completed.
         unsafe { core::slice::from_raw_parts_mut(first.iov_base.cast::<u8>(), first.iov_len) }
     };
+    let claim = claim_of(index);
     let ticket = {
         let mut slot = lock(index);
         let Some(SanObject::Socket(socket)) = slot.as_mut() else {
@@ -338,6 +343,9 @@ fn recv_rendezvous(
         }
     };
     let received = loop {
+        if !still_claimed(index, claim) {
+            return Err(libc::EBADF);
+        }
         let wait = {
             let mut slot = lock(index);
             let Some(SanObject::Socket(socket)) = slot.as_mut() else {

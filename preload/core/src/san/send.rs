@@ -13,7 +13,7 @@ use super::kernel::{fail, next_piece, partial, send_on_tcp, RawBuf};
 use super::outcome::{SanCall, SanError};
 use super::socket::Phase;
 use super::switchover::switch_if_attached;
-use super::table::{lock, orphaned, record_flag, SanObject};
+use super::table::{claim_of, lock, orphaned, record_flag, still_claimed, SanObject};
 use super::wait::{block, timeout_of};
 use crate::errno::Errno;
 use crate::record::flags;
@@ -50,7 +50,11 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
     let mut inline_only = false;
     // Since when this call waits with the peer's data unread (`absorb_if_stalled`).
     let mut stalled_since = None;
+    let claim = claim_of(index);
     loop {
+        if !still_claimed(index, claim) {
+            return Some(partial(done, libc::EBADF));
+        }
         let mut slot = lock(index);
         if let Err(code) = switch_if_attached(fd, index, &mut slot) {
             return Some(partial(done, code));
@@ -205,7 +209,11 @@ fn send_failed(done: usize, code: c_int, send_flags: c_int) -> Result<isize, Err
 fn wait_send_rendezvous(index: u32, fd: c_int, ticket: SendTicket) -> Result<usize, c_int> {
     let mut stalled_since = None;
     let mut interrupted = false;
+    let claim = claim_of(index);
     loop {
+        if !still_claimed(index, claim) {
+            return Err(libc::EBADF);
+        }
         let wait = {
             let mut slot = lock(index);
             let Some(SanObject::Socket(socket)) = slot.as_mut() else {

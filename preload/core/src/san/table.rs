@@ -197,6 +197,25 @@ pub(super) fn orphaned(index: u32) -> bool {
         .is_none_or(|record| record.bypass() == Bypass::AfterFork)
 }
 
+/// Which claim of record `index` a call starts on (see [`still_claimed`]).
+pub(super) fn claim_of(index: u32) -> u32 {
+    registry()
+        .get(index)
+        .map_or(u32::MAX, |record| record.generation.load(Ordering::Acquire))
+}
+
+/// Whether record `index` still holds the socket a call started on (`claim` from
+/// [`claim_of`]). Another thread may close the socket while this one sleeps in a call, and
+/// the number and the record may go to a new socket or file at once: the kernel keeps such a
+/// call on the old socket, and this one must not go on with, or fall back to a real call on,
+/// whatever holds the number now.
+pub(super) fn still_claimed(index: u32, claim: u32) -> bool {
+    registry().get(index).is_some_and(|record| {
+        record.generation.load(Ordering::Acquire) == claim
+            && record.state() != crate::record::SocketState::Free
+    })
+}
+
 /// Number of sockets currently with a SAN object.
 pub fn live_sockets() -> usize {
     #[cfg(test)]

@@ -1,7 +1,0 @@
-/work/main/target-old/release/deps/pin_project_lite-5eba2e6526f09bea.d: /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/pin-project-lite-0.2.17/src/lib.rs
-
-/work/main/target-old/release/deps/libpin_project_lite-5eba2e6526f09bea.rlib: /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/pin-project-lite-0.2.17/src/lib.rs
-
-/work/main/target-old/release/deps/libpin_project_lite-5eba2e6526f09bea.rmeta: /root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/pin-project-lite-0.2.17/src/lib.rs
-
-/root/.cargo/registry/src/index.crates.io-1949cf8c6b5b557f/pin-project-lite-0.2.17/src/lib.rs:
