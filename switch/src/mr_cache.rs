@@ -10,9 +10,10 @@
 //!   is a *hit* and costs no domain call.
 //! * **Remote-access buffers** stay registered too, but the moment the last reference that
 //!   asked for remote access goes away the cache calls [`SanDomain::revoke_remote`], so the
-//!   peer's descriptor dies with the rendezvous. A later remote hit calls
-//!   [`SanDomain::expose_remote`], which yields a *new* rkey: a stale descriptor never works
-//!   again.
+//!   peer's descriptor dies with the rendezvous. A later remote hit, which needs an entry of
+//!   exactly the range asked (the peer's key reaches the whole registration, and the memory
+//!   around a buffer is none of the peer's business), calls [`SanDomain::expose_remote`],
+//!   which yields a *new* rkey: a stale descriptor never works again.
 //! * **Invalidation** ([`MrCache::invalidate`], the analogue of
 //!   `WSPMemoryRegistrationCacheCallback`) drops and deregisters every entry overlapping the
 //!   range, referenced or not, and hands back the references that were still held so the
@@ -666,13 +667,19 @@ impl MrCache {
     }
 
     /// True when live entry `index` may serve `get(owner, range, access)`: not doomed,
-    /// containing, with the rights, and either not exposed, or exposed to the same owner with
-    /// at least the remote rights asked (a local request ignores exposure).
+    /// containing (for a remote request: exactly the range, since the peer's key reaches the
+    /// whole registration, and memory around the buffer is no business of the peer's), with
+    /// the rights, and either not exposed, or exposed to the same owner with at least the
+    /// remote rights asked (a local request ignores exposure).
     fn can_serve(&self, index: u32, range: MemRange, access: Access, owner: OwnerId) -> bool {
         let entry = &self.entries[index as usize];
         let remote_access = remote_part(access);
         !entry.doomed
-            && entry.range.contains(&range)
+            && if remote_access.is_remote() {
+                entry.range == range
+            } else {
+                entry.range.contains(&range)
+            }
             && entry.access.contains(access)
             && match entry.exposure {
                 Some(exposure) if remote_access.is_remote() => {

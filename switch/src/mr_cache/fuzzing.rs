@@ -354,7 +354,8 @@ impl Model {
     }
 
     /// The registrations that could serve `get(owner, range, access)` under the cache's
-    /// rules (containment, rights, one exposed-to owner, not doomed).
+    /// rules (containment, or the exact range for remote access; rights; one exposed-to
+    /// owner; not doomed).
     fn usable(
         &self,
         domain: &FakeDomain,
@@ -373,7 +374,11 @@ impl Model {
                     })
                 };
                 !self.doomed.contains(lkey)
-                    && registration.range.contains(&range)
+                    && if access.is_remote() {
+                        registration.range == range
+                    } else {
+                        registration.range.contains(&range)
+                    }
                     && registration.access.contains(access)
                     && (!access.is_remote()
                         || remote_holders().next().is_none()
@@ -434,11 +439,18 @@ fn apply(cache: &mut MrCache, domain: &mut FakeDomain, model: &mut Model, op: Op
             access,
         } => {
             let owner = OwnerId(u64::from(owner % 3));
+            let access = Access::from_bits_truncate(access);
+            // Remote hits need the exact range: remote requests come from a few buffers, as
+            // the rendezvous sends of a program reusing its buffers do.
+            let (start, len) = if access.is_remote() {
+                (start % 8, len % 4)
+            } else {
+                (start, len)
+            };
             let range = MemRange::new(
                 BASE + u64::from(start % 64) * 256,
                 (u64::from(len % 32) + 1) * 256,
             );
-            let access = Access::from_bits_truncate(access);
             get(cache, domain, model, owner, range, access, step);
         }
         Op::Release { pick } => {

@@ -111,6 +111,32 @@ fn a_hit_needs_an_entry_containing_the_whole_range() {
 }
 
 #[test]
+fn a_remote_request_exposes_exactly_its_range_never_a_containing_entry() {
+    let (mut cache, mut domain) = (roomy(), FakeDomain::new());
+    let big = MemRange::new(0x10_0000, 64 * MIB);
+    let lkey = cache_idle(&mut cache, &mut domain, big, Access::REMOTE_READ);
+    let part = MemRange::new(0x10_0000, 4 * MIB);
+    let (_, registration) = take(&mut cache, &mut domain, A, part, Access::REMOTE_READ);
+    assert_ne!(
+        registration.lkey, lkey,
+        "a new registration of just the part"
+    );
+    let rkey = registration.rkey.unwrap();
+    assert!(domain.accepts(rkey, part, Access::REMOTE_READ));
+    assert!(
+        !domain.accepts(
+            rkey,
+            MemRange::new(part.end(), 4 * KIB),
+            Access::REMOTE_READ
+        ),
+        "the peer's key must not reach past the buffer sent"
+    );
+    // A local request inside it still hits the big entry.
+    let (_, local) = take(&mut cache, &mut domain, A, part, LOCAL);
+    assert!(local.lkey == lkey || local.lkey == registration.lkey);
+}
+
+#[test]
 fn more_rights_than_cached_is_a_miss_never_a_hit_with_missing_rights() {
     let (mut cache, mut domain) = (roomy(), FakeDomain::new());
     let read_only = cache_idle(&mut cache, &mut domain, page(0), LOCAL);
