@@ -52,6 +52,8 @@ const RING: usize = 0;
 const WINDOW: usize = 1;
 /// Bound on RDMA operations waiting in the outbound queue.
 const MAX_QUEUED_RDMA: usize = 1024;
+/// Bytes of one cross-memory copy between two checks of the peer's key.
+const CMA_CHUNK: u64 = 1 << 20;
 
 /// How long the liveness check after a hang-up waits for the peer's exit to show (see
 /// [`ShmConnection::check_liveness_soon`]). Paid once per hang-up, and only while the peer
@@ -689,11 +691,11 @@ impl ShmConnection {
             Ok(granted) => granted,
             Err(e) => return finish(Err(e)),
         };
+        let needs = match direction {
+            CmaDirection::Read => Access::REMOTE_READ,
+            CmaDirection::Write => Access::REMOTE_WRITE,
+        };
         if *done == 0 {
-            let needs = match direction {
-                CmaDirection::Read => Access::REMOTE_READ,
-                CmaDirection::Write => Access::REMOTE_WRITE,
-            };
             if let Err(e) = self.check_remote(&remote, granted.len, needs) {
                 return finish(Err(e));
             }
@@ -704,23 +706,42 @@ impl ShmConnection {
                 CmaDirection::Write => self.step_window_write(granted, remote, done),
             };
         }
-        match sys::cma_copy(direction, peer_pid, granted.addr, remote.addr, granted.len) {
-            Ok(moved) if moved == granted.len => finish(Ok(())),
-            Ok(_) => finish(Err(CompletionError::RemoteAccess)),
-            Err(e) => match e.raw_os_error() {
-                Some(libc::ESRCH) => Step::Down(CompletionError::RetryExceeded),
-                Some(libc::EFAULT) if !sys::range_is_mapped(granted.addr, granted.len) => {
-                    finish(Err(CompletionError::LocalProtection))
+        // In chunks, the peer's key checked again before each: a copy cannot be stopped once
+        // the kernel runs it, so revoking a registration (the peer reset and reuses its sink)
+        // lets at most the chunk under way land, not the rest of a transfer of up to 1 GiB.
+        let mut copied = 0u64;
+        while copied < granted.len {
+            let len = (granted.len - copied).min(CMA_CHUNK);
+            if copied > 0 {
+                if let Err(e) = self.check_remote(&remote, granted.len, needs) {
+                    return finish(Err(e));
                 }
-                Some(libc::EFAULT) => finish(Err(CompletionError::RemoteAccess)),
-                Some(libc::EPERM | libc::ENOSYS) if direction == CmaDirection::Write => {
-                    // CMA became unavailable (e.g. the peer changed credentials): fall back.
-                    self.cma_permitted = false;
-                    self.step_window_write(granted, remote, done)
+            }
+            let (local_addr, remote_addr) = (granted.addr + copied, remote.addr + copied);
+            match sys::cma_copy(direction, peer_pid, local_addr, remote_addr, len) {
+                Ok(moved) if moved == len => copied += len,
+                Ok(_) => return finish(Err(CompletionError::RemoteAccess)),
+                Err(e) => {
+                    return match e.raw_os_error() {
+                        Some(libc::ESRCH) => Step::Down(CompletionError::RetryExceeded),
+                        Some(libc::EFAULT) if !sys::range_is_mapped(local_addr, len) => {
+                            finish(Err(CompletionError::LocalProtection))
+                        }
+                        Some(libc::EFAULT) => finish(Err(CompletionError::RemoteAccess)),
+                        Some(libc::EPERM | libc::ENOSYS)
+                            if direction == CmaDirection::Write && copied == 0 =>
+                        {
+                            // CMA became unavailable (e.g. the peer changed credentials):
+                            // fall back.
+                            self.cma_permitted = false;
+                            self.step_window_write(granted, remote, done)
+                        }
+                        _ => finish(Err(CompletionError::Fatal)),
+                    };
                 }
-                _ => finish(Err(CompletionError::Fatal)),
-            },
+            }
         }
+        finish(Ok(()))
     }
 
     /// Copies as much of a window write as fits into the peer's window.
