@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of sandirect: formatting, lints, unit and property tests, the deterministic
 # simulation (SIM_SEEDS seeds, default 1000), the fuzz-corpus replay, the dependency-direction
-# and exported-symbol checks, and the integration suites. CI runs exactly this (.ci/run).
+# and exported-symbol checks, the integration suites, and the benchmark's short mode (figures
+# recorded, regressions flagged, never failing on noise). CI runs exactly this (.ci/run).
 #
 #   scripts/test-all.sh [--containers]
 #
@@ -53,6 +54,10 @@ stage "SAN without the safety-net wait slices" env SANDIRECT_WAIT_SLICE_MS=60000
 if [ -x .ci/check-exports.sh ]; then
   stage "exported symbols" bash .ci/check-exports.sh
 fi
+# The benchmark's short mode records this run's figures (target/bench/bench-quick.json and
+# .svg) and prints a warning for a ratio more than 20% below the committed baseline in every
+# round; it fails only when it cannot build or run at all, never on noise.
+stage "benchmark, quick (records figures, warns on a regression)" bash scripts/bench.sh --quick
 # Asked for, so a missing Docker Engine is a failure here (the tests alone would skip).
 containers_stage() {
   docker version --format 'Docker Engine {{.Server.Version}}'
