@@ -15,6 +15,10 @@
 //! * `early`: as `client-first`, but the server sleeps 200 ms before `accept()`, so the client's
 //!   first bytes are written before the acceptor exists (they travel over TCP while pending).
 //!
+//! * `paced`: as `client-first`, but the client spreads its BYTES over about two seconds
+//!   (a pause after every chunk), so the connection lives through many of the interposer's
+//!   periodic liveness checks while data flows both ways.
+//!
 //! * `write-then-read`: as `client-first`, but the client writes all BYTES in one blocking
 //!   `write_all` before it reads anything (one thread), counting on the connection's buffers
 //!   to hold what the echo sends back meanwhile, as loopback TCP does for ~10 MB.
@@ -44,6 +48,9 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::time::Duration;
 
 use integration::pattern::{fnv1a, XorShift64};
+
+/// How long a `paced` client takes to send its bytes.
+const PACED_DURATION: Duration = Duration::from_secs(2);
 
 const BANNER: &[u8; 64] = b"sandirect-banner:0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJK";
 
@@ -367,9 +374,16 @@ fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
         return check_echo(echo, bytes, local_port, port);
     }
     let mut writer = stream.try_clone()?;
+    const CHUNK: usize = 24_000;
+    let pause = if protocol == "paced" {
+        PACED_DURATION / bytes.div_ceil(CHUNK).max(1) as u32
+    } else {
+        Duration::ZERO
+    };
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
-        for chunk in data.chunks(24_000) {
+        for chunk in data.chunks(CHUNK) {
             writer.write_all(chunk)?;
+            std::thread::sleep(pause);
         }
         writer.shutdown(Shutdown::Write)
     });

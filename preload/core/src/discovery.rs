@@ -329,14 +329,24 @@ pub(crate) fn abstract_address(name: &[u8]) -> (libc::sockaddr_un, libc::socklen
     (sun, len as libc::socklen_t)
 }
 
-/// Capacity of a [`nudge_address`] name: `sandirect/` + uid (10) + `/N/` + pid (10).
-const NUDGE_NAME_CAPACITY: usize = 40;
+/// Capacity of a [`nudge_address`] name: `sandirect/` + uid (10) + `/N/` + pid namespace
+/// (20) + `/` + pid (10).
+const NUDGE_NAME_CAPACITY: usize = 64;
 
-/// The abstract address where process `pid` of user `uid` takes nudges (see `san::nudge`).
-pub(crate) fn nudge_address(uid: u32, pid: u32) -> (libc::sockaddr_un, libc::socklen_t) {
+/// The abstract address where process `process` of user `uid` takes nudges (see
+/// `san::nudge`). The pid namespace is part of the name: abstract names are shared by every
+/// process of the network namespace, whatever its pid namespace, where pids repeat.
+pub(crate) fn nudge_address(
+    uid: u32,
+    process: san_shm::NamespacedPid,
+) -> (libc::sockaddr_un, libc::socklen_t) {
     let mut name = StackStr::<NUDGE_NAME_CAPACITY>::new();
-    // Cannot fail: the capacity covers the longest uid and pid.
-    let _ = write!(name, "sandirect/{uid}/N/{pid}");
+    // Cannot fail: the capacity covers the longest uid, namespace and pid.
+    let _ = write!(
+        name,
+        "sandirect/{uid}/N/{}/{}",
+        process.namespace, process.pid
+    );
     abstract_address(name.as_bytes())
 }
 

@@ -87,6 +87,11 @@ pub enum Bypass {
     /// connection up (its descriptors, or its SAN memory budget): it declined before it
     /// committed, and both ends stay on TCP. The peer is not remembered as plain.
     PeerResources = 13,
+    /// The peer is a preloaded process of this host whose pid namespace leaves it without a
+    /// name here (no pid of ours, and no pidfd on this kernel): its death could not be
+    /// noticed, so the acceptor declined and both ends stay on TCP (its client shows
+    /// `peer-resources`).
+    PeerPidNamespace = 14,
 }
 
 impl Bypass {
@@ -106,6 +111,7 @@ impl Bypass {
             11 => Self::PeerOtherUser,
             12 => Self::NoVerbsLibrary,
             13 => Self::PeerResources,
+            14 => Self::PeerPidNamespace,
             _ => Self::None,
         }
     }
@@ -127,6 +133,7 @@ impl Bypass {
             Self::PeerOtherUser => "peer-other-user",
             Self::NoVerbsLibrary => "no-verbs-library",
             Self::PeerResources => "peer-resources",
+            Self::PeerPidNamespace => "peer-pid-namespace",
         }
     }
 }

@@ -12,7 +12,7 @@
 //! **RDMA.** Both directions check the `RemoteDescriptor` against the owner's exposure table in
 //! the segment (see `domain.rs`). With CMA permitted (probed at attach by reading the peer's
 //! magic word with `process_vm_readv`), reads and writes are one `process_vm_readv`/`writev`
-//! on the peer's pid. Without it, RDMA read is not offered and writes go through the receiver's
+//! on the peer's pid — a pid of *our* namespace (see **Peer identity**). Without it, RDMA read is not offered and writes go through the receiver's
 //! *write window*: the writer copies chunks into the window and appends window-write entries to
 //! the same inbound ring as messages; the receiver applies each chunk (after re-checking the
 //! rkey against its own domain) when its `poll_completions` reaches the entry, i.e. strictly
@@ -25,6 +25,18 @@
 //! outstanding request completes with `RetryExceeded` (death) or `Flushed` (close), the rest
 //! with `Flushed`, and posting fails with `Disconnected`. Anything malformed from the peer
 //! (slot ids, ring positions, lengths) is likewise an error state (`Fatal`), never a panic.
+//!
+//! **Peer identity.** Liveness and CMA need the peer as the kernel names it to *us*. The pid
+//! the peer recorded in the segment is used only when the peer runs in our pid namespace
+//! ([`ShmSegment::peer_pid`]); a peer in another one (a container sharing `/dev/shm` and the
+//! network namespace) recorded a number that means nothing here, or another process. The
+//! caller that learnt the peer from the kernel (a pidfd it was passed or obtained, the pid
+//! `SO_PEERCRED` translated into our namespace) hands it over with
+//! [`ShmConnection::with_peer`] or [`ShmConnection::identify_peer`], and that identity is used
+//! in place of the segment's: the pidfd for liveness (namespace-independent), the translated
+//! pid for CMA (without one, CMA is off and writes use the window). A peer in another
+//! namespace that nobody identified has no liveness check: its death goes unnoticed until
+//! its closed word or the caller's own signs ([`ShmConnection::peer_identified`] tells).
 
 use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::collections::VecDeque;
@@ -213,8 +225,27 @@ enum Step {
 }
 
 struct Peer {
-    pid: u32,
+    /// A pid of our namespace (`None`: the peer has none here, or it is unknown).
+    pid: Option<u32>,
     pidfd: Option<OwnedFd>,
+}
+
+/// The peer process as the kernel named it to the caller (see **Peer identity** above).
+#[derive(Debug, Default)]
+pub struct PeerProcess {
+    /// The peer's pid in our pid namespace (e.g. from `SO_PEERCRED`, which the kernel
+    /// translates), `None` when the peer has none here (its namespace is not below ours).
+    pub pid: Option<u32>,
+    /// A pidfd of the peer (from `pidfd_open` on `pid`, `SO_PEERPIDFD`, or passed by the
+    /// peer with `SCM_RIGHTS`): names it in any namespace.
+    pub pidfd: Option<OwnedFd>,
+}
+
+impl PeerProcess {
+    /// Whether this says anything about the peer at all.
+    pub fn is_known(&self) -> bool {
+        self.pid.is_some() || self.pidfd.is_some()
+    }
 }
 
 /// How the peer's side of the connection ended.
@@ -271,6 +302,8 @@ pub struct ShmConnection {
     completions: VecDeque<Completion>,
     up: bool,
     peer: Option<Peer>,
+    /// The caller's identity of the peer, used at the attach in place of the segment's.
+    given_peer: Option<PeerProcess>,
     cma_permitted: bool,
     self_cma: bool,
     last_liveness_check: Instant,
@@ -319,6 +352,18 @@ impl ShmConnection {
         config: ConnectionConfig,
         doorbell: Box<dyn Doorbell>,
     ) -> Result<ShmConnection, ShmError> {
+        Self::with_peer(segment, domain, config, doorbell, None)
+    }
+
+    /// As [`ShmConnection::with_doorbell`], with the peer as the kernel named it to the caller
+    /// (used in place of the pid in the segment; see **Peer identity**).
+    pub fn with_peer(
+        segment: ShmSegment,
+        domain: &ShmDomain,
+        config: ConnectionConfig,
+        doorbell: Box<dyn Doorbell>,
+        peer: Option<PeerProcess>,
+    ) -> Result<ShmConnection, ShmError> {
         if config.liveness_interval.is_zero() {
             return Err(ShmError::InvalidConfig(
                 "liveness_interval must be positive",
@@ -351,6 +396,7 @@ impl ShmConnection {
             completions: VecDeque::new(),
             up: true,
             peer: None,
+            given_peer: peer.filter(PeerProcess::is_known),
             cma_permitted: false,
             self_cma: true,
             last_liveness_check: Instant::now(),
@@ -525,18 +571,50 @@ impl ShmConnection {
         self.segment.control(self.me.peer())
     }
 
+    /// The peer as the kernel named it to the caller (see **Peer identity**), used from now
+    /// on in place of what the segment says; CMA is probed again. For before the session
+    /// starts: the capabilities may change.
+    /// An unknown `peer` changes nothing (the segment's pid is used when the peer shares our
+    /// namespace).
+    pub fn identify_peer(&mut self, peer: PeerProcess) {
+        if peer.is_known() {
+            self.given_peer = Some(peer);
+            self.peer = None;
+        }
+        self.learn_peer();
+    }
+
+    /// Whether the peer's liveness can be checked: it has a pidfd or a pid of our namespace
+    /// (false before the attach).
+    pub fn peer_identified(&self) -> bool {
+        self.peer
+            .as_ref()
+            .is_some_and(|peer| peer.pid.is_some() || peer.pidfd.is_some())
+    }
+
     /// Learns the peer's identity once attached, and probes whether CMA reaches it.
     fn learn_peer(&mut self) {
         if self.peer.is_some() || !self.segment.is_attached() {
             return;
         }
-        let identity = &self.peer_control().identity.0;
-        let pid = identity.pid.load(Ordering::Relaxed);
-        let base = identity.base_addr.load(Ordering::Relaxed);
-        let pidfd = sys::pidfd_open(pid);
+        self.segment.release_creator_lock();
+        let (pid, pidfd) = match self.given_peer.take() {
+            Some(given) => (given.pid, given.pidfd),
+            // Only a pid of our namespace is ever opened, signalled or read from.
+            None => {
+                let pid = self.segment.peer_pid();
+                (pid, pid.and_then(sys::pidfd_open))
+            }
+        };
+        let base = self
+            .peer_control()
+            .identity
+            .0
+            .base_addr
+            .load(Ordering::Relaxed);
         self.cma_permitted = !self.domain.config.force_window
             && base.checked_add(8).is_some()
-            && sys::cma_probe(pid, base).is_ok_and(|word| word == MAGIC);
+            && pid.is_some_and(|pid| sys::cma_probe(pid, base).is_ok_and(|word| word == MAGIC));
         self.peer = Some(Peer { pid, pidfd });
         self.last_liveness_check = Instant::now();
     }
@@ -669,9 +747,11 @@ impl ShmConnection {
         remote: RemoteDescriptor,
         done: &mut u64,
     ) -> Step {
-        let Some(peer_pid) = self.peer.as_ref().map(|peer| peer.pid) else {
+        let Some(peer) = self.peer.as_ref() else {
             return Step::Blocked(Blocked::NotAttached);
         };
+        // Without a pid of ours CMA was never permitted (the window path below).
+        let peer_pid = peer.pid.unwrap_or(0);
         let kind = match direction {
             CmaDirection::Read => CompletionKind::Read,
             CmaDirection::Write => CompletionKind::Write,
@@ -1174,8 +1254,16 @@ impl ShmConnection {
             Some(Peer {
                 pidfd: Some(pidfd), ..
             }) => sys::pidfd_exited_within(pidfd, grace_ms),
-            Some(Peer { pid, pidfd: None }) => !sys::process_exists(*pid),
-            None => false,
+            Some(Peer {
+                pid: Some(pid),
+                pidfd: None,
+            }) => !sys::process_exists(*pid),
+            // Not identified (see **Peer identity**), or not attached.
+            Some(Peer {
+                pid: None,
+                pidfd: None,
+            })
+            | None => false,
         }
     }
 

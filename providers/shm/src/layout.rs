@@ -1,4 +1,4 @@
-//! The shared segment layout (layout version 2): `#[repr(C)]`, offsets only, no pointers.
+//! The shared segment layout (layout version 3): `#[repr(C)]`, offsets only, no pointers.
 //!
 //! ```text
 //! 0        SegmentHeader (one 4 KiB page: magic, version, sizes, side offsets, state;
@@ -35,7 +35,7 @@ use san_api::SlotConfig;
 /// `b"SANSHM01"` little-endian: identifies a segment file.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SANSHM01");
 /// The layout described in this module.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Bytes reserved for the header (one page, so the side areas are page aligned).
 pub const HEADER_SIZE: usize = 4096;
 /// Entries in each side's exposure table; an rkey's low [`RKEY_INDEX_BITS`] bits index it.
@@ -186,6 +186,10 @@ pub struct Identity {
     pub want_space: AtomicU32,
     /// The CPU the owner last ran on (Relaxed; a hint for the peer's spin-or-yield choice).
     pub cpu: AtomicU32,
+    /// The owner's pid namespace (`sys::pid_namespace`, 0 when unknown; same publication as
+    /// `pid`). `pid` is the owner's number *in that namespace*: the peer uses it as a pid
+    /// only when its own namespace is the same nonzero value (see `ShmSegment::peer_pid`).
+    pub pid_ns: AtomicU64,
 }
 
 /// The control words of one side area (see the module docs for who writes what).

@@ -54,14 +54,16 @@ mod sys;
 
 pub use connection::{
     ConnectionConfig, CorruptJournal, Doorbell, FutexDoorbell, JournalUnavailable, Leftovers,
-    PeerEnd, ShmConnection, WaitResult, WaitStats,
+    PeerEnd, PeerProcess, ShmConnection, WaitResult, WaitStats,
 };
 pub use domain::{DomainConfig, ShmDomain, MAX_RDMA_LEN};
 pub use error::{CorruptSegment, PermissionProblem, ShmError};
 pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_SETUP_DATA};
-pub use segment::{ensure_private_dir, AccessPolicy, SegmentConfig, ShmSegment, Side};
+pub use segment::{
+    ensure_private_dir, AccessPolicy, NamespacedPid, SegmentConfig, ShmSegment, Side,
+};
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{
-    allocate_file, futex_wake, internal_fd_floor, move_internal_fd, process_cpu_time,
-    relocate_internal_fd, ShmSafe,
+    allocate_file, futex_wake, internal_fd_floor, move_internal_fd, pid_namespace, pidfd_open,
+    process_cpu_time, relocate_internal_fd, ShmSafe,
 };

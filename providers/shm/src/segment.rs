@@ -8,6 +8,19 @@
 //! corrupt file of ours), the old file is unlinked (only if the name still refers to the inode
 //! that was examined) and the link retried.
 //!
+//! **Staleness is a lock, not a pid.** The creator takes a shared `flock` on its file before
+//! the file gets its name and holds it until the attach is seen (or the segment is dropped); the
+//! kernel releases it when the creator's last descriptor of the file closes, death included.
+//! A named segment is stale when an exclusive lock can be had. The pid the creator recorded
+//! names a process only in the creator's pid namespace; a creator in another namespace (a
+//! container sharing `/dev/shm`) is alive or dead regardless of what that number means here.
+//!
+//! **Pids.** Each side records its pid together with its pid namespace
+//! ([`crate::pid_namespace`]). [`ShmSegment::peer_pid`] gives the peer's pid only when the
+//! peer runs in our pid namespace; otherwise the number means nothing here (or another
+//! process), and the caller must learn the peer from the kernel (see
+//! `ShmConnection::with_peer`).
+//!
 //! **Access control.** The attacher opens with `O_NOFOLLOW`, then `fstat`s the open file: it
 //! must be a regular file owned by the caller's effective uid with no group/world bits, or —
 //! with an [`AccessPolicy::group`] — owned by a member of that group with no world bits. Both
@@ -137,6 +150,19 @@ pub struct ShmSegment {
     side: Side,
     path: PathBuf,
     dev_ino: (u64, u64),
+    /// Creator, until the attach is seen: the open file carrying the shared lock that tells
+    /// other creators the name is not stale (see "Staleness is a lock").
+    creator_lock: Option<File>,
+}
+
+/// A pid as the namespace that issued it numbers it (see [`ShmSegment::peer_own_pid`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NamespacedPid {
+    /// The pid namespace ([`crate::pid_namespace`] of the process; 0 when it could not
+    /// tell, which matches only another 0).
+    pub namespace: u64,
+    /// The process's pid in `namespace`.
+    pub pid: u32,
 }
 
 impl core::fmt::Debug for ShmSegment {
@@ -224,8 +250,10 @@ pub fn ensure_private_dir(path: &Path) -> Result<(), ShmError> {
     Ok(())
 }
 
-/// Unlinks `path` if it holds a stale segment: one of ours whose creator is dead, or a corrupt
-/// file of ours. Returns whether the name is now free to take.
+/// Unlinks `path` if it holds a stale segment: one of ours whose creator no longer holds its
+/// lock (it died, or dropped the segment), or a corrupt file of ours. Returns whether the name
+/// is now free to take. The creator's recorded pid is not consulted (see "Staleness is a
+/// lock").
 fn remove_if_stale(path: &Path) -> Result<bool, ShmError> {
     let file = match OpenOptions::new()
         .read(true)
@@ -242,15 +270,9 @@ fn remove_if_stale(path: &Path) -> Result<bool, ShmError> {
     if !meta.file_type().is_file() || meta.uid() != sys::effective_ids().0 {
         return Ok(false);
     }
-    let stale = match read_header(&file, meta.len()) {
-        Ok((_, geometry)) => {
-            let mut pid = [0u8; 4];
-            let pid_at = geometry.control(0) as u64; // `Identity::pid` is the first word.
-            file.read_exact_at(&mut pid, pid_at).is_err()
-                || !sys::process_exists(u32::from_le_bytes(pid))
-        }
-        Err(_) => true,
-    };
+    // Our exclusive lock (if we get it) lasts until `file` closes, past the unlink below: a
+    // concurrent examiner of the same inode then finds it locked and leaves it alone.
+    let stale = read_header(&file, meta.len()).is_err() || sys::unlocked(&file);
     if !stale {
         return Ok(false);
     }
@@ -312,11 +334,24 @@ impl ShmSegment {
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&temp)
             .map_err(|e| ShmError::io("create segment file", &e))?;
-        let built = Self::build(&file, &temp, geometry, config, mode, request);
+        // Kept open while the segment is pending (it carries the creator's lock): above the
+        // application's numbers, or no segment.
+        let file = sys::move_internal_fd(file.into())
+            .map(File::from)
+            .map_err(|e| {
+                let _ = fs::remove_file(&temp);
+                ShmError::io("create segment file", &e)
+            })?;
+        let built = sys::lock_shared(&file)
+            .map_err(|e| ShmError::io("lock segment", &e))
+            .and_then(|()| Self::build(&file, &temp, geometry, config, mode, request));
         let result =
             built.and_then(|map| Self::publish(&file, &temp, &dir.join(name), map, geometry));
         let _ = fs::remove_file(&temp);
-        result
+        result.map(|mut segment| {
+            segment.creator_lock = Some(file);
+            segment
+        })
     }
 
     fn build(
@@ -388,6 +423,7 @@ impl ShmSegment {
         let (uid, gid) = sys::effective_ids();
         let me = &map.get::<SideControl>(geometry.control(0)).identity.0;
         me.pid.store(std::process::id(), Ordering::Relaxed);
+        me.pid_ns.store(sys::pid_namespace(), Ordering::Relaxed);
         me.uid.store(uid, Ordering::Relaxed);
         me.gid.store(gid, Ordering::Relaxed);
         me.base_addr.store(map.base_addr(), Ordering::Relaxed);
@@ -430,6 +466,7 @@ impl ShmSegment {
                         side: Side::Creator,
                         path: path.to_path_buf(),
                         dev_ino: (meta.dev(), meta.ino()),
+                        creator_lock: None,
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -494,6 +531,7 @@ impl ShmSegment {
         let control = map.get::<SideControl>(geometry.control(1));
         let me = &control.identity.0;
         me.pid.store(std::process::id(), Ordering::Relaxed);
+        me.pid_ns.store(sys::pid_namespace(), Ordering::Relaxed);
         me.uid.store(uid, Ordering::Relaxed);
         me.gid.store(gid, Ordering::Relaxed);
         me.base_addr.store(map.base_addr(), Ordering::Relaxed);
@@ -509,6 +547,7 @@ impl ShmSegment {
             side: Side::Attacher,
             path,
             dev_ino: (meta.dev(), meta.ino()),
+            creator_lock: None,
         })
     }
 
@@ -532,25 +571,46 @@ impl ShmSegment {
         }
     }
 
-    /// The peer's pid: the creator's on the attacher; the attacher's once attached.
+    /// The peer's pid (the creator's on the attacher; the attacher's once attached) when the
+    /// peer runs in our pid namespace, so that the number names it here. `None` for a peer
+    /// in another pid namespace (or one that could not tell its namespace): its number is
+    /// not a pid of ours.
     pub fn peer_pid(&self) -> Option<u32> {
-        self.peer_identity().map(|(pid, _)| pid)
+        self.peer_own_pid()
+            .filter(|peer| peer.namespace != 0 && peer.namespace == sys::pid_namespace())
+            .map(|peer| peer.pid)
     }
 
-    /// The peer's effective uid, as recorded by the peer.
-    pub fn peer_uid(&self) -> Option<u32> {
-        self.peer_identity().map(|(_, uid)| uid)
-    }
-
-    fn peer_identity(&self) -> Option<(u32, u32)> {
+    /// The peer's pid as its own pid namespace numbers it, with that namespace (`None` before
+    /// the attach). Not a pid to signal or open here unless the namespace is ours (and
+    /// known); it names the peer across namespaces, e.g. in an address the peer derived from
+    /// its own pid.
+    pub fn peer_own_pid(&self) -> Option<NamespacedPid> {
         if !self.is_attached() {
             return None;
         }
         let peer = &self.control(self.side.peer()).identity.0;
-        Some((
-            peer.pid.load(Ordering::Relaxed),
-            peer.uid.load(Ordering::Relaxed),
-        ))
+        Some(NamespacedPid {
+            namespace: peer.pid_ns.load(Ordering::Relaxed),
+            pid: peer.pid.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Creator: the attach was seen, the name need no longer look live (the attacher unlinks
+    /// it; if it could not, replacing it harms nobody): the lock's descriptor is closed.
+    pub(crate) fn release_creator_lock(&mut self) {
+        self.creator_lock = None;
+    }
+
+    /// The peer's effective uid, as recorded by the peer.
+    pub fn peer_uid(&self) -> Option<u32> {
+        self.is_attached().then(|| {
+            self.control(self.side.peer())
+                .identity
+                .0
+                .uid
+                .load(Ordering::Relaxed)
+        })
     }
 
     /// Which side this process is.

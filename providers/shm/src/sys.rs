@@ -438,8 +438,41 @@ pub(crate) fn can_populate() -> bool {
     })
 }
 
-/// Opens a pidfd for `pid` (Linux 5.3+). `None` when unsupported or the process is gone.
-pub(crate) fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+/// The identity of this process's pid namespace (the inode of `/proc/self/ns/pid`, unique on
+/// the host while the namespace lives), or 0 when it cannot be read (no `/proc`). A pid
+/// means the same process to two processes only when both report the same nonzero value.
+/// A process's own pid namespace never changes (`unshare`/`setns` affect its children), so
+/// the value is read once.
+pub fn pid_namespace() -> u64 {
+    static NAMESPACE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NAMESPACE.get_or_init(|| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self/ns/pid").map_or(0, |meta| meta.ino())
+    })
+}
+
+/// Takes a shared `flock` on `file` (nonblocking): the creator of a segment holds one for as
+/// long as the segment may still be attached, and the kernel drops it when the creator's last
+/// descriptor of the file closes, death included, in whatever pid namespace it runs.
+pub(crate) fn lock_shared(file: &File) -> io::Result<()> {
+    // SAFETY: plain flock(2) on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// True when nobody holds a lock on `file` (an exclusive `flock` could be taken, nonblocking;
+/// it is released when `file` closes).
+pub(crate) fn unlocked(file: &File) -> bool {
+    // SAFETY: plain flock(2) on a descriptor we own.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+/// Opens a pidfd for `pid` (Linux 5.3+), a pid of *this* process's pid namespace. `None` when
+/// unsupported or the process is gone. The descriptor sits above the application's numbers.
+pub fn pidfd_open(pid: u32) -> Option<OwnedFd> {
     // SAFETY: plain syscall with integer arguments.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     let fd = i32::try_from(fd).ok().filter(|fd| *fd >= 0)?;

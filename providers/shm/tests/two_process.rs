@@ -81,6 +81,18 @@ fn peer_main() {
             std::mem::forget(segment);
             std::process::exit(0);
         }
+        "create-and-hold" => {
+            // Holds a pending segment until the test creates `<dir>/done` (bounded), telling
+            // it is ready by creating `<dir>/ready`.
+            let segment = ShmSegment::create(&dir, &name, &segment_config(256, 4)).unwrap();
+            std::fs::write(dir.join("ready"), std::process::id().to_string()).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !dir.join("done").exists() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::mem::forget(segment);
+            std::process::exit(0);
+        }
         "attach-as-other-user" => {
             let code = match ShmSegment::attach(&dir, &name) {
                 Ok(_) => 10,
@@ -581,6 +593,96 @@ fn a_stale_segment_of_a_dead_creator_is_replaced() {
         Some(std::process::id()),
         "the new file is ours"
     );
+    drop(segment);
+}
+
+/// A pid no process of this namespace has (near `pid_max`), for a child pid namespace to
+/// hand its next process: the number the creator records then names nobody here.
+fn pid_unused_here() -> Option<u32> {
+    let max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (max.checked_sub(1000)?..max.checked_sub(10)?)
+        .step_by(97)
+        .find(|pid| (*pid..pid + 10).all(|p| !Path::new(&format!("/proc/{p}")).exists()))
+}
+
+#[test]
+fn a_live_creator_in_another_pid_namespace_keeps_its_name() {
+    let dir = TestDir::new("pidns");
+    let Some(last_pid) = pid_unused_here() else {
+        eprintln!("SKIPPED: no pid_max to pick an unused pid from");
+        return;
+    };
+    // The creator runs in a fresh pid namespace, as the next process after `last_pid`
+    // there: the pid it records is no process of ours.
+    let exe = std::env::current_exe().unwrap();
+    let script = r#"echo "$0" > /proc/sys/kernel/ns_last_pid || exit 97; "$@"; exit $?"#;
+    let mut command = Command::new("unshare");
+    command
+        .args(["--pid", "--fork", "--mount-proc", "sh", "-c", script])
+        .arg(last_pid.to_string())
+        .arg(&exe)
+        .args([
+            "--ignored",
+            "--exact",
+            "peer_main",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "create-and-hold")
+        .env(DIR, dir.path())
+        .env(NAME, "s")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(error) => {
+            eprintln!("SKIPPED: cannot run unshare ({error})");
+            return;
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !dir.path().join("ready").exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut stderr = String::new();
+            use std::io::Read as _;
+            let _ = child.stderr.take().unwrap().read_to_string(&mut stderr);
+            eprintln!(
+                "SKIPPED: no pid namespace here ({status}: {})",
+                stderr.trim()
+            );
+            return;
+        }
+        assert!(Instant::now() < deadline, "the creator never got ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let recorded = std::fs::read_to_string(dir.path().join("ready")).unwrap();
+    assert_eq!(
+        recorded,
+        (last_pid + 1).to_string(),
+        "the creator runs as the pid picked for it in its namespace"
+    );
+    assert!(
+        !Path::new(&format!("/proc/{recorded}")).exists(),
+        "its pid names no process here"
+    );
+    let taken = ShmSegment::create(dir.path(), "s", &segment_config(256, 4)).map(|_| ());
+    let still_there = dir.path().join("s").exists();
+    std::fs::write(dir.path().join("done"), b"").unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(
+        taken,
+        Err(ShmError::AlreadyExists),
+        "a live creator's segment is not stale"
+    );
+    assert!(still_there, "a live creator's segment keeps its name");
+    assert!(status.success());
+    // Once the creator is gone, its segment is stale, whatever namespace it ran in.
+    let segment = ShmSegment::create(dir.path(), "s", &segment_config(256, 4))
+        .expect("the dead creator's file is replaced");
     drop(segment);
 }
 

@@ -196,7 +196,7 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
     let mut next_nudge = Instant::now();
     loop {
         let mut mirrors: Vec<libc::pollfd> = Vec::new();
-        let mut waiting_for: Vec<u32> = Vec::new();
+        let mut waiting_for: Vec<san_shm::NamespacedPid> = Vec::new();
         for item in draining.iter_mut().filter(|item| !item.done) {
             let mut slot = lock(item.index);
             if drain_step(item, &mut slot) {
@@ -222,8 +222,8 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
             // A peer that makes no socket call answers through its responder thread.
             waiting_for.sort_unstable();
             waiting_for.dedup();
-            for &pid in &waiting_for {
-                super::nudge::nudge(pid);
+            for &peer in &waiting_for {
+                super::nudge::nudge(peer);
             }
             next_nudge = Instant::now() + super::nudge::NUDGE_INTERVAL;
         }

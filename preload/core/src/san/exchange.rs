@@ -21,6 +21,17 @@
 //! only looks once it sees the attach), and discards the others. A squatter that fills the
 //! backlog makes the acceptor's connect fail instead: the acceptor stays on TCP, and so does
 //! the client, which never sees an attach.
+//!
+//! **Who the peer is.** The exchange is also where each side learns the other process as the
+//! kernel names it to *it* ([`peer_process`]), which the pid recorded in the segment cannot do
+//! for a peer in another pid namespace (a container sharing `/dev/shm` and the network
+//! namespace): `SO_PEERCRED`'s pid, which the kernel translates into the reader's namespace
+//! (0 when the peer has no pid there), and a pidfd, which names the process in any
+//! namespace. The acceptor passes a pidfd of itself along with its mirror end and the words
+//! page (`SCM_RIGHTS`); the client's pidfd comes from `SO_PEERPIDFD` (Linux 6.5) or from
+//! `pidfd_open` on the translated pid. An acceptor that can get neither for its client
+//! declines (the client's pid namespace is not below its own and the kernel is older): both
+//! stay on TCP.
 
 use core::fmt::Write as _;
 use core::mem::size_of;
@@ -35,6 +46,27 @@ use crate::mirror::MirrorWords;
 pub(crate) const MIRROR_END: u8 = b'K';
 /// The payload byte sent with the words page.
 pub(crate) const WORDS_PAGE: u8 = b'W';
+/// The payload byte sent with the acceptor's pidfd of itself.
+pub(crate) const PIDFD: u8 = b'P';
+
+/// `SO_PEERPIDFD` (Linux 6.5) where its value is the generic one; elsewhere the pidfd is
+/// opened from the translated pid.
+#[cfg(any(
+    target_arch = "x86_64",
+    target_arch = "x86",
+    target_arch = "aarch64",
+    target_arch = "arm",
+    target_arch = "riscv64"
+))]
+const SO_PEERPIDFD: Option<libc::c_int> = Some(77);
+#[cfg(not(any(
+    target_arch = "x86_64",
+    target_arch = "x86",
+    target_arch = "aarch64",
+    target_arch = "arm",
+    target_arch = "riscv64"
+)))]
+const SO_PEERPIDFD: Option<libc::c_int> = None;
 
 /// Offsets of the two sides' words in the page (separate cache lines).
 const WORDS_OFFSETS: [usize; 2] = [0, 128];
@@ -140,11 +172,14 @@ pub(crate) struct Offer {
     pub(crate) their_end: OwnedFd,
     /// The words page's memfd.
     pub(crate) page: OwnedFd,
+    /// The acceptor's pidfd of itself (absent on kernels without pidfds).
+    pub(crate) their_pidfd: Option<OwnedFd>,
 }
 
 /// Client, once the acceptor attached: the acceptor's connection among those queued on
 /// `listener` (nonblocking): the first of our user that carries a mirror end and then a words
-/// page. Every connection before it is closed unread (see "Who may connect").
+/// page (then, optionally, the acceptor's pidfd). Every connection before it is closed unread
+/// (see "Who may connect").
 pub(crate) fn accept_offer(listener: BorrowedFd<'_>) -> Option<Offer> {
     for _ in 0..MOST_QUEUED {
         // Nothing (more) queued: no acceptor.
@@ -155,10 +190,12 @@ pub(crate) fn accept_offer(listener: BorrowedFd<'_>) -> Option<Offer> {
             continue;
         };
         if let Some(page) = receive(link.as_fd(), WORDS_PAGE) {
+            let their_pidfd = receive(link.as_fd(), PIDFD);
             return Some(Offer {
                 link,
                 their_end,
                 page,
+                their_pidfd,
             });
         }
     }
@@ -180,8 +217,9 @@ fn accept(listener: BorrowedFd<'_>) -> Option<Option<OwnedFd>> {
     owned(fd).map(|socket| Some(socket).filter(|socket| peer_is_same_user(socket.as_fd())))
 }
 
-/// `SO_PEERCRED` says the other end runs under our effective uid.
-fn peer_is_same_user(socket: BorrowedFd<'_>) -> bool {
+/// `SO_PEERCRED` of the other end: its uid, and its pid as the kernel translates it into our
+/// pid namespace (0 when it has none here).
+fn peer_credentials(socket: BorrowedFd<'_>) -> Option<libc::ucred> {
     // SAFETY: plain data, zero is valid.
     let mut cred: libc::ucred = unsafe { core::mem::zeroed() };
     let mut len = size_of::<libc::ucred>() as libc::socklen_t;
@@ -195,7 +233,55 @@ fn peer_is_same_user(socket: BorrowedFd<'_>) -> bool {
             &mut len,
         )
     };
-    rc == 0 && cred.uid == effective_uid()
+    (rc == 0).then_some(cred)
+}
+
+/// `SO_PEERCRED` says the other end runs under our effective uid.
+fn peer_is_same_user(socket: BorrowedFd<'_>) -> bool {
+    peer_credentials(socket).is_some_and(|cred| cred.uid == effective_uid())
+}
+
+/// The process at the other end of exchange connection `socket`, as the kernel names it to
+/// us (see "Who the peer is"): the translated pid, and `passed` (a pidfd the peer sent) or
+/// else one of our own making. Says nothing (`is_known` false) when the peer has no pid
+/// in our namespace and no pidfd could be had.
+pub(crate) fn peer_process(
+    socket: BorrowedFd<'_>,
+    passed: Option<OwnedFd>,
+) -> san_shm::PeerProcess {
+    let pid = peer_credentials(socket)
+        .and_then(|cred| u32::try_from(cred.pid).ok())
+        .filter(|&pid| pid != 0);
+    let pidfd = passed
+        .or_else(|| peer_pidfd(socket))
+        .or_else(|| pid.and_then(san_shm::pidfd_open));
+    san_shm::PeerProcess { pid, pidfd }
+}
+
+/// `SO_PEERPIDFD`: a pidfd of the process at the other end (`None` before Linux 6.5).
+fn peer_pidfd(socket: BorrowedFd<'_>) -> Option<OwnedFd> {
+    let option = SO_PEERPIDFD?;
+    let mut fd: libc::c_int = -1;
+    let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: the kernel writes at most `len` bytes into `fd`.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    owned(fd)
+}
+
+/// A pidfd of this process, to pass to the peer (`None` on kernels without pidfds).
+pub(crate) fn own_pidfd() -> Option<OwnedFd> {
+    san_shm::pidfd_open(std::process::id())
 }
 
 /// Receives one descriptor tagged `tag` (nonblocking): `None` if nothing is queued yet or

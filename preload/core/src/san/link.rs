@@ -12,13 +12,21 @@ use san_api::{
     Capabilities, Completion, LocalSegment, PostError, RecvSlot, RemoteDescriptor, SanConnection,
     SlotConfig, WrId,
 };
-use san_shm::{ShmConnection, WaitResult};
+use san_shm::{NamespacedPid, ShmConnection, WaitResult};
 
 use super::provider::{provider, rendezvous_enabled};
 use super::registrations::SharedRegistrations;
 use super::tunables::setup_timeout;
 use super::verbs::link::VerbsLink;
 use crate::record::DataPath;
+
+/// This process, as [`Link::peer_own_pid`] names a peer.
+pub(crate) fn own_pid() -> NamespacedPid {
+    NamespacedPid {
+        namespace: san_shm::pid_namespace(),
+        pid: std::process::id(),
+    }
+}
 
 /// A verbs completion channel that is not armed: drive the session again rather than block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,14 +172,30 @@ impl Link {
         }
     }
 
-    /// The peer's pid when it is on this host (shm only).
-    pub(crate) fn peer_pid(&self) -> Option<u32> {
+    /// The peer's pid as its own pid namespace numbers it, with that namespace, when it is on
+    /// this host (shm only): what names its nudge address and tells an in-process peer. Not a
+    /// pid of ours unless the namespace is (liveness and CMA are the provider's business).
+    pub(crate) fn peer_own_pid(&self) -> Option<NamespacedPid> {
         match self {
-            Link::Shm(conn) => conn.segment().peer_pid(),
+            Link::Shm(conn) => conn.segment().peer_own_pid(),
             Link::Verbs(_) => None,
             // Both ends are in this process: the in-process assist drives the other one.
             #[cfg(test)]
-            Link::Sim(_) => Some(std::process::id()),
+            Link::Sim(_) => Some(own_pid()),
+        }
+    }
+
+    /// Client, at its switch: the acceptor as the exchange named it (shm only; see
+    /// `ShmConnection::identify_peer`). False when its death could not be noticed.
+    pub(crate) fn identify_peer(&mut self, peer: san_shm::PeerProcess) -> bool {
+        match self {
+            Link::Shm(conn) => {
+                conn.identify_peer(peer);
+                conn.peer_identified()
+            }
+            Link::Verbs(_) => true,
+            #[cfg(test)]
+            Link::Sim(_) => true,
         }
     }
 

@@ -466,6 +466,13 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
                 decline(&provider.dir, &name);
             }
         }
+        Err(SocketSetupError::PeerPidNamespace) => {
+            COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+            record
+                .bypass
+                .store(Bypass::PeerPidNamespace as u32, Ordering::Release);
+            decline(&provider.dir, &name);
+        }
     }
 }
 

@@ -9,12 +9,18 @@
 //! and the fork used to wait its whole budget and leave the connection to the parent.
 //!
 //! So every process with an intra-host SAN connection keeps one **responder** thread, blocked
-//! in `recvmsg` on an abstract Unix datagram socket named `\0sandirect/<euid>/N/<pid>`: it
+//! in `recvmsg` on an abstract Unix datagram socket named `\0sandirect/<euid>/N/<pid ns>/<pid>`: it
 //! costs nothing until a nudge arrives (no timer, no spinning), and then services every SAN
 //! socket of the process once (`service::service_all`: the same work an application call or a wait
-//! slice does), which answers a pending `Downgrade`. A forking process nudges the pid of every
-//! peer it waits for, again every [`NUDGE_INTERVAL`] while the answer is missing (an answer
-//! may need several rounds when credits are short).
+//! slice does), which answers a pending `Downgrade`. A forking process nudges every peer it
+//! waits for, again every [`NUDGE_INTERVAL`] while the answer is missing (an answer may need
+//! several rounds when credits are short).
+//!
+//! **Pid namespaces.** A peer is addressed by what it recorded in the segment: its pid as its
+//! own pid namespace numbers it, and that namespace. The name holds both, so a peer in
+//! another pid namespace (sharing the network namespace, hence the abstract names) is reached
+//! as well, and two processes with the same pid in different namespaces never share a name.
+//! No pid is translated, signalled or opened: the name is all a nudge needs.
 //!
 //! **Trust.** The socket has `SO_PASSCRED`: a datagram whose sender is not our effective uid
 //! is dropped unread. Anyone may bind a free abstract name, so a squatter can take nudges
@@ -31,14 +37,17 @@ use core::sync::atomic::{AtomicI32, Ordering};
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
+use san_shm::NamespacedPid;
+
 use crate::discovery::{effective_uid, nudge_address};
 use crate::real;
 
 /// How often a forking process repeats its nudge while a peer has not answered.
 pub(crate) const NUDGE_INTERVAL: Duration = Duration::from_millis(20);
 
-/// The bound, credential-passing socket of process `pid`, or the call that failed.
-pub(super) fn bind_nudge_socket(pid: u32) -> Result<OwnedFd, &'static str> {
+/// The bound, credential-passing socket of process `process` (this one), or the call that
+/// failed.
+pub(super) fn bind_nudge_socket(process: NamespacedPid) -> Result<OwnedFd, &'static str> {
     // SAFETY: plain socket(2) through the real symbol.
     let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
@@ -61,7 +70,7 @@ pub(super) fn bind_nudge_socket(pid: u32) -> Result<OwnedFd, &'static str> {
     if rc != 0 {
         return Err("setsockopt(SO_PASSCRED)");
     }
-    let (address, len) = nudge_address(effective_uid(), pid);
+    let (address, len) = nudge_address(effective_uid(), process);
     // SAFETY: bind(2) reads `len` bytes of `address`.
     let rc = unsafe { real::bind(fd, (&address as *const libc::sockaddr_un).cast(), len) };
     if rc != 0 {
@@ -147,13 +156,13 @@ fn libc_cmsg_len(payload: usize) -> usize {
     unsafe { libc::CMSG_LEN(payload as u32) as usize }
 }
 
-/// Asks process `pid` (of our user, on this host) to service its SAN sockets now. Best effort:
-/// a process without a responder just does not answer sooner.
-pub(crate) fn nudge(pid: u32) {
+/// Asks process `peer` (of our user, on this host) to service its SAN sockets now. Best
+/// effort: a process without a responder just does not answer sooner.
+pub(crate) fn nudge(peer: NamespacedPid) {
     let Some(fd) = sender() else {
         return;
     };
-    let (address, len) = nudge_address(effective_uid(), pid);
+    let (address, len) = nudge_address(effective_uid(), peer);
     // SAFETY: sendto(2) reads one byte and `len` bytes of `address`.
     unsafe {
         real::sendto(

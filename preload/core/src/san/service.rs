@@ -240,7 +240,7 @@ pub(crate) fn ensure_responder() {
     {
         return;
     }
-    match bind_nudge_socket(pid) {
+    match bind_nudge_socket(super::link::own_pid()) {
         Ok(socket) => {
             let raw = socket.into_raw_fd();
             RESPONDER_FD.store(raw, Ordering::Release);

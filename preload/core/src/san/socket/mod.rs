@@ -26,7 +26,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use san_shm::{ConnectionConfig, Doorbell, ShmConnection, ShmSegment};
+use san_shm::{ConnectionConfig, Doorbell, NamespacedPid, PeerProcess, ShmConnection, ShmSegment};
 use switch::error::{RecvError, SendError};
 use switch::mr_cache::OwnerId;
 use switch::session::{
@@ -34,8 +34,8 @@ use switch::session::{
 };
 
 use super::budget::Charge;
-use super::exchange::{self, SideWords, WordsPage, MIRROR_END, WORDS_PAGE};
-use super::link::Link;
+use super::exchange::{self, SideWords, WordsPage, MIRROR_END, PIDFD, WORDS_PAGE};
+use super::link::{own_pid, Link};
 use super::provider::{rdma_read_offered, rendezvous_enabled};
 use super::registrations::SharedRegistrations;
 use super::tunables::{
@@ -150,6 +150,9 @@ pub(crate) enum SocketSetupError {
     PeerPlain,
     /// A resource or system call failed.
     Resource,
+    /// Acceptor: the client runs in a pid namespace where we cannot name it (no pid of ours,
+    /// no pidfd; see `exchange`, "Who the peer is"), so its death could not be noticed.
+    PeerPidNamespace,
 }
 
 /// A SAN socket.
@@ -340,7 +343,7 @@ impl SanSocket {
         let reserve = SwitchReserve::new(listener.as_fd())?;
         let segment = ShmSegment::create(dir, name.as_str(), &shm_segment_config())
             .map_err(|_| SocketSetupError::Resource)?;
-        let (conn, peer) = shm_connection(segment, registrations)?;
+        let (conn, peer) = shm_connection(segment, registrations, None)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
         socket.exchange = Some(listener);
         socket.reserve = Some(reserve);
@@ -359,6 +362,10 @@ impl SanSocket {
         charge: Charge,
     ) -> Result<SanSocket, SocketSetupError> {
         let (link, our_mirror, page) = offer_mirror(name)?;
+        let client = exchange::peer_process(link.as_fd(), None);
+        if !client.is_known() {
+            return Err(SocketSetupError::PeerPidNamespace);
+        }
         // Attach last: the client switches when it sees the attach, and by then everything
         // it needs is queued on the exchange.
         let segment = ShmSegment::attach(dir, name.as_str()).map_err(|error| match error {
@@ -369,7 +376,7 @@ impl SanSocket {
             _ => SocketSetupError::PeerPlain,
         })?;
         let _ = segment.unlink();
-        let (conn, peer) = shm_connection(segment, registrations)?;
+        let (conn, peer) = shm_connection(segment, registrations, Some(client))?;
         let session = Session::new(
             Role::Passive,
             session_config(rendezvous_enabled()),
@@ -552,20 +559,22 @@ impl SanSocket {
         self.conn.as_ref().is_some_and(Link::is_intra_host)
     }
 
-    /// The peer's pid when it is another process on this host (the one to nudge).
-    pub(crate) fn peer_process(&self) -> Option<u32> {
+    /// The peer when it is another process on this host (the one to nudge), named as its own
+    /// pid namespace numbers it.
+    pub(crate) fn peer_process(&self) -> Option<NamespacedPid> {
         self.conn
             .as_ref()
-            .and_then(Link::peer_pid)
-            .filter(|&pid| pid != std::process::id())
+            .and_then(Link::peer_own_pid)
+            .filter(|&peer| peer != own_pid())
     }
 
-    /// True when the peer is this very process (both ends of an in-process connection).
+    /// True when the peer is this very process (both ends of an in-process connection): same
+    /// pid in the same pid namespace.
     pub(crate) fn peer_in_process(&self) -> bool {
         self.conn
             .as_ref()
-            .and_then(Link::peer_pid)
-            .is_some_and(|pid| pid == std::process::id())
+            .and_then(Link::peer_own_pid)
+            .is_some_and(|peer| peer == own_pid())
     }
 
     /// Verbs, pending client: we declined the acceptor's connect for want of resources
@@ -610,14 +619,14 @@ impl Drop for SanSocket {
 pub(super) struct SwitchReserve {
     /// The client's mirror socketpair.
     pub(super) ends: MirrorEnds,
-    /// Numbers held above the application's for the descriptors the switch receives (the
-    /// exchange connection, the acceptor's raising end, the words page): closed right before
-    /// they are received.
+    /// Numbers held above the application's for the descriptors the switch receives:
+    /// closed right before they are received.
     pub(super) spare: [OwnedFd; SWITCH_RECEIVES],
 }
 
-/// Descriptors a pending shm client receives at its switch (see [`SwitchReserve`]).
-const SWITCH_RECEIVES: usize = 3;
+/// Descriptors a pending shm client receives at its switch (see [`SwitchReserve`]): the
+/// exchange connection, the acceptor's raising end, the words page and the acceptor's pidfd.
+const SWITCH_RECEIVES: usize = 4;
 
 impl SwitchReserve {
     fn new(like: BorrowedFd<'_>) -> Result<SwitchReserve, SocketSetupError> {
@@ -633,14 +642,14 @@ impl SwitchReserve {
         };
         Ok(SwitchReserve {
             ends,
-            spare: [spare(0)?, spare(1)?, spare(2)?],
+            spare: [spare(0)?, spare(1)?, spare(2)?, spare(3)?],
         })
     }
 }
 
 /// The accepting side's half of the exchange: connects to the client's exchange listener
-/// and passes the client its end of our mirror and the words page. Returns the exchange
-/// connection, our mirror end and the page.
+/// and passes the client its end of our mirror, the words page and a pidfd of this process
+/// (when the kernel has pidfds). Returns the exchange connection, our mirror end and the page.
 fn offer_mirror(
     name: &SegmentName,
 ) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SocketSetupError> {
@@ -656,17 +665,25 @@ fn offer_mirror(
     {
         return Err(SocketSetupError::Resource);
     }
+    // Without one (no pidfds in this kernel) the client names us by its translated pid.
+    if let Some(pidfd) = exchange::own_pidfd() {
+        if !exchange::send(link.as_fd(), pidfd.as_fd(), PIDFD) {
+            return Err(SocketSetupError::Resource);
+        }
+    }
     Ok((link, our_mirror, page))
 }
 
 /// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known
-/// once the exchange delivered its end: the returned [`PeerMirror`]).
+/// once the exchange delivered its end: the returned [`PeerMirror`]); `process`: the peer as
+/// the exchange named it (the client learns it at its switch).
 fn shm_connection(
     segment: ShmSegment,
     registrations: &super::registrations::SharedRegistrations,
+    process: Option<PeerProcess>,
 ) -> Result<(ShmConnection, Arc<PeerMirror>), SocketSetupError> {
     let peer = Arc::new(PeerMirror::default());
-    let conn = ShmConnection::with_doorbell(
+    let conn = ShmConnection::with_peer(
         segment,
         registrations
             .lock()
@@ -674,6 +691,7 @@ fn shm_connection(
             .ok_or(SocketSetupError::Resource)?,
         connection_config(),
         Box::new(MirrorDoorbell(peer.clone())),
+        process,
     )
     .map_err(|_| SocketSetupError::Resource)?;
     Ok((conn, peer))

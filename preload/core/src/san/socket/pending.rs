@@ -43,8 +43,16 @@ impl SanSocket {
             link,
             their_end,
             page,
+            their_pidfd,
         } = exchange::accept_offer(listener.as_fd()).ok_or(())?;
         drop(listener);
+        // The acceptor as the kernel names it to us, not by the pid it recorded (see
+        // `exchange`, "Who the peer is"). One we cannot name (another pid namespace on a
+        // kernel without pidfds) could die unnoticed: the connection cannot go on.
+        let acceptor = exchange::peer_process(link.as_fd(), their_pidfd);
+        if !self.conn.as_mut().ok_or(())?.identify_peer(acceptor) {
+            return Err(());
+        }
         let page = WordsPage::map(page).map(Arc::new).ok_or(())?;
         let (our_mirror, our_end) =
             Mirror::with_ends(SideWords::new(page.clone(), CLIENT_WORDS), reserve.ends)

@@ -243,8 +243,8 @@ impl SanSocket {
         }
         self.data_to_announce = true;
         self.service();
-        if let Some(pid) = self.conn.as_ref().and_then(Link::peer_pid) {
-            crate::san::nudge::nudge(pid);
+        if let Some(peer) = self.peer_process() {
+            crate::san::nudge::nudge(peer);
         }
         true
     }
