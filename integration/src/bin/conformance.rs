@@ -1576,8 +1576,8 @@ fn close_with_unsent_data() -> CaseResult {
         unsafe { libc::fcntl(client.raw(), libc::F_GETFL) } as isize,
         "F_GETFL",
     )? as c_int;
-    // SAFETY: plain fcntl: back to blocking, the case a lingering close would wait in.
     check(
+        // SAFETY: plain fcntl: back to blocking, the case a lingering close would wait in.
         unsafe { libc::fcntl(client.raw(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } as isize,
         "F_SETFL",
     )?;
@@ -1623,8 +1623,8 @@ fn close_while_blocked_in_recv() -> CaseResult {
     let reader = std::thread::spawn(move || read_some(fd, 16).1);
     std::thread::sleep(std::time::Duration::from_millis(200));
     let mut pipe = [0 as c_int; 2];
-    // SAFETY: a two-element array for socketpair(2).
     check(
+        // SAFETY: a two-element array for socketpair(2).
         unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, pipe.as_mut_ptr()) }
             as isize,
         "socketpair",

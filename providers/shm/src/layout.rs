@@ -436,7 +436,7 @@ impl Geometry {
             && ring_entries <= u32::from(slots.recv_slots) + MAX_RING_EXTRA
             && (MIN_WINDOW_SIZE..=MAX_WINDOW_SIZE).contains(&window_size)
             && (PAGE as u32..=MAX_JOURNAL_SIZE).contains(&journal_size)
-            && journal_size as usize % PAGE == 0;
+            && (journal_size as usize).is_multiple_of(PAGE);
         if !sizes_ok {
             return Err(CorruptSegment::SizeOutOfRange);
         }
