@@ -206,7 +206,9 @@ pub fn wait_for_port(port: u16, server: &mut ProcessGuard, timeout: Duration) {
 // ---------------------------------------------------------------------------------------------
 
 /// A test's private world: a temporary directory (removed on drop) holding the stats directory
-/// the preloaded processes publish into, the segment directory, and any files the test makes.
+/// the preloaded processes publish into and any files the test makes, and a segment directory
+/// on `/dev/shm` where the machine has it (where users' segments live: a tmpfs, whose
+/// mappings cost what they cost users; a disk-backed file's dirty pages make every unmap slow).
 #[derive(Debug)]
 pub struct Sandbox {
     root: PathBuf,
@@ -225,7 +227,13 @@ impl Sandbox {
         ));
         let _ = std::fs::remove_dir_all(&root);
         let stat_dir = root.join("stat");
-        let segment_dir = root.join("segments");
+        let shm = Path::new("/dev/shm");
+        let segment_dir = if shm.is_dir() {
+            shm.join(root.file_name().unwrap_or_default())
+        } else {
+            root.join("segments")
+        };
+        let _ = std::fs::remove_dir_all(&segment_dir);
         for dir in [&root, &stat_dir, &segment_dir] {
             std::fs::create_dir_all(dir)
                 .unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
@@ -247,6 +255,11 @@ impl Sandbox {
     /// Where the preloaded processes publish their socket records.
     pub fn stat_dir(&self) -> &Path {
         &self.stat_dir
+    }
+
+    /// Where the preloaded processes keep their segment files.
+    pub fn segment_dir(&self) -> &Path {
+        &self.segment_dir
     }
 
     /// A command for `program` with a clean sandirect environment, run through
@@ -422,6 +435,7 @@ impl Drop for Sandbox {
     fn drop(&mut self) {
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.root);
+            let _ = std::fs::remove_dir_all(&self.segment_dir);
         } else {
             eprintln!("sandbox kept for inspection: {}", self.root.display());
         }

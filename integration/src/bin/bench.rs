@@ -309,7 +309,7 @@ struct Context {
 
 impl Context {
     fn segment_dir(&self) -> PathBuf {
-        self.sandbox.path().join("segments")
+        self.sandbox.segment_dir().to_path_buf()
     }
 
     /// `program` with the benchmark's private sandirect environment, preloaded or not, in a

@@ -66,6 +66,8 @@ const WINDOW: usize = 1;
 const MAX_QUEUED_RDMA: usize = 1024;
 /// Bytes of one cross-memory copy between two checks of the peer's key.
 const CMA_CHUNK: u64 = 1 << 20;
+/// The journal's pages are allocated in this many chunks, each at its first use.
+const JOURNAL_CHUNKS: usize = 32;
 
 /// How long the liveness check after a hang-up waits for the peer's exit to show (see
 /// [`ShmConnection::check_liveness_soon`]). Paid once per hang-up, and only while the peer
@@ -315,8 +317,10 @@ pub struct ShmConnection {
     peer_gone: AtomicBool,
     /// How the peer ended, once the connection went down for it.
     peer_end: Option<PeerEnd>,
-    /// Our journal's pages are allocated (at creation, or at its first use).
-    journal_ready: bool,
+    /// Which of our journal's [`JOURNAL_CHUNKS`] chunks have their pages allocated (all at
+    /// creation on kernels that cannot allocate them through the mapping; else each at its
+    /// first use, so a connection that holds back a few bytes allocates a few pages).
+    journal_ready: u32,
     /// Our bell as of the start of the last `poll_completions`: `wait` reports anything the
     /// peer published since then, even if it landed before `wait` was called.
     bell_seen: AtomicU32,
@@ -404,7 +408,7 @@ impl ShmConnection {
             hangup_seen: false,
             peer_gone: AtomicBool::new(false),
             peer_end: None,
-            journal_ready: !sys::can_populate(),
+            journal_ready: if sys::can_populate() { 0 } else { u32::MAX },
             bell_seen: AtomicU32::new(0),
             counters: Counters::default(),
             segment,
@@ -481,20 +485,44 @@ impl ShmConnection {
             return Err(JournalUnavailable);
         }
         let me = self.me.index();
-        if !self.journal_ready {
-            self.segment
-                .map()
-                .populate(self.geometry.journal(me, 0), size)
-                .map_err(|_| JournalUnavailable)?;
-            self.journal_ready = true;
-        }
         // NOTE(cast): the remainder is below `size`, a u32.
         let pos = (offset % size as u64) as usize;
         let first = bytes.len().min(size - pos);
+        self.journal_allocate(pos, first)?;
+        self.journal_allocate(0, bytes.len() - first)?;
         let map = self.segment.map();
         map.copy_in(self.geometry.journal(me, pos), &bytes[..first]);
         map.copy_in(self.geometry.journal(me, 0), &bytes[first..]);
         Ok(())
+    }
+
+    /// Allocates the pages of the journal chunks under `[pos, pos + len)` not allocated yet.
+    fn journal_allocate(&mut self, pos: usize, len: usize) -> Result<(), JournalUnavailable> {
+        if len == 0 {
+            return Ok(());
+        }
+        let chunk = self.journal_chunk();
+        let me = self.me.index();
+        for index in pos / chunk..=(pos + len - 1) / chunk {
+            if self.journal_ready & (1 << index) != 0 {
+                continue;
+            }
+            let start = index * chunk;
+            let end = (start + chunk).min(self.journal_size());
+            self.segment
+                .map()
+                .populate(self.geometry.journal(me, start), end - start)
+                .map_err(|_| JournalUnavailable)?;
+            self.journal_ready |= 1 << index;
+        }
+        Ok(())
+    }
+
+    /// Bytes of one journal chunk: a 32nd of the journal, whole pages.
+    fn journal_chunk(&self) -> usize {
+        self.journal_size()
+            .div_ceil(JOURNAL_CHUNKS)
+            .next_multiple_of(4096)
     }
 
     /// Publishes that our stream ends at `head` (every byte up to it that the peer's slots

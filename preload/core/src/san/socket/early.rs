@@ -11,25 +11,20 @@ use switch::error::SendError;
 use switch::session::{SendFlags, SessionState};
 
 impl SanSocket {
-    /// Moves early bytes into an established session; true when any moved.
-    pub(super) fn flush_early(&mut self) -> bool {
-        let Some(session) = self.session.as_mut() else {
-            return false;
-        };
+    /// Moves early bytes into an established session: the bytes moved (`None` when none
+    /// did), for the journal after the drive that transmits them.
+    pub(super) fn flush_early(&mut self) -> Option<Vec<u8>> {
+        let session = self.session.as_mut()?;
         if session.state() != SessionState::Established {
-            return false;
+            return None;
         }
         match session.send(&self.early, SendFlags::default()) {
-            Ok(n) if n > 0 => {
-                let moved: Vec<u8> = self.early.drain(..n).collect();
-                self.journal_accepted(&moved, true);
-                true
-            }
+            Ok(n) if n > 0 => Some(self.early.drain(..n).collect()),
             Err(SendError::Downgraded) => {
                 self.early_to_tcp();
-                false
+                None
             }
-            _ => false,
+            _ => None,
         }
     }
 

@@ -22,14 +22,14 @@ impl SanSocket {
     pub(crate) fn journal_sent(&mut self, piece: &[u8]) {
         let n = core::mem::take(&mut self.just_accepted).min(piece.len());
         if n > 0 {
-            self.journal_accepted(&piece[..n], false);
+            self.journal_accepted(&piece[..n]);
         }
     }
 
-    /// `accepted` just entered the session (after the drive that followed, when
-    /// `all_queued` is false; before any drive when it is true): writes the part still
-    /// queued here into the journal and publishes the stream's new end.
-    pub(super) fn journal_accepted(&mut self, accepted: &[u8], all_queued: bool) {
+    /// `accepted` just entered the session, and the drive that followed transmitted what it
+    /// could: writes the part still queued here into the journal and publishes the stream's
+    /// new end.
+    pub(super) fn journal_accepted(&mut self, accepted: &[u8]) {
         let (Some(session), Some(Link::Shm(conn))) = (self.session.as_ref(), self.conn.as_mut())
         else {
             return;
@@ -38,11 +38,7 @@ impl SanSocket {
         if self.journal_lost {
             return;
         }
-        let queued = if all_queued {
-            accepted.len()
-        } else {
-            session.send_queue_len() + conn.queued_send_bytes()
-        };
+        let queued = session.send_queue_len() + conn.queued_send_bytes();
         let keep = queued.min(accepted.len());
         if keep > 0 {
             let from = self.stream_accepted - keep as u64;
