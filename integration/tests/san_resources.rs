@@ -175,12 +175,13 @@ fn a_journal_the_full_directory_cannot_hold_moves_the_connection_to_tcp() {
     let server = reports(&out, "server", count, bytes);
     for (i, (c, s)) in client.iter().zip(&server).enumerate() {
         assert_eq!(
-            (c.0, c.1),
-            (s.0, s.1),
-            "connection {i}: both ends agree on bytes and path:\n{out}"
+            c.0, s.0,
+            "connection {i}: both ends agree on the bytes:\n{out}"
         );
+        // (An end that finished its stream before the other's downgrade reached it still
+        // shows the SAN.)
         assert!(
-            c.1.eq_ignore_ascii_case("tcp"),
+            c.1.eq_ignore_ascii_case("tcp") || s.1.eq_ignore_ascii_case("tcp"),
             "connection {i} ends on TCP:\n{out}"
         );
     }
@@ -435,9 +436,9 @@ fn check_memory_budget_reports(out: &str, limited: &str, count: usize, other_rea
     }
 }
 
-/// A SAN connection is charged about 5.6 MiB (its 1.6 MiB segment and its 4 MiB send
-/// buffer): 12 MiB fits two.
-const TWO_CONNECTIONS_MB: u64 = 12;
+/// A SAN connection is charged about 10 MiB (its 1.6 MiB segment, the 4.5 MiB journal it
+/// writes and its 4 MiB send buffer): 21 MiB fits two.
+const TWO_CONNECTIONS_MB: u64 = 21;
 
 #[test]
 fn a_client_past_its_san_memory_budget_keeps_new_connections_on_tcp() {

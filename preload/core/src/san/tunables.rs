@@ -37,14 +37,15 @@ pub(super) const STALL_BEFORE_REJECT: Duration = Duration::from_millis(50);
 /// The longest sleep of a blocked sender while the peer's data waits unread.
 pub(super) const STALL_POLL: Duration = Duration::from_millis(5);
 
-/// Inline bytes a shm socket buffers on the sending side beyond what is in the peer's slots
-/// (512 KiB more). Programs count on TCP absorbing megabytes before the peer reads (a client
-/// that writes a whole 3 MB request before reading an echoing server's answer works on
-/// loopback TCP): beyond this buffer the receiver takes such bytes in (see
-/// `SanSocket::absorb_if_stalled`), as a kernel receive buffer does. The bytes held here
-/// are also kept in the segment's journal (see `socket::journal`), which this bounds. The
-/// ring grows only as far as it is filled.
-pub(super) const SHM_SEND_BUFFER: usize = 1 << 20;
+/// Inline bytes a shm socket buffers on the sending side: the kernel's largest autotuned send
+/// buffer (`tcp_wmem` max, 4 MiB). Programs count on TCP absorbing megabytes before the peer
+/// reads: two ends that each write 3 MB before reading pass on loopback TCP, also when they
+/// wait in `poll()` (Python's socket timeouts), where no blocked send can take the peer's
+/// bytes in (`SanSocket::absorb_if_stalled`); with a 1 MiB buffer they deadlocked. The bytes
+/// held here are also kept in the segment's journal (see `socket::journal`), whose pages are
+/// allocated only as far as a connection holds bytes back. The ring grows only as far as it
+/// is filled.
+pub(super) const SHM_SEND_BUFFER: usize = 4 << 20;
 
 /// Each side's outbound journal: the send buffer plus the messages the provider may hold
 /// (its send slots), every byte of a stream that may not have reached the peer's slots.
@@ -57,7 +58,7 @@ pub(super) const SHM_JOURNAL: u32 =
 /// Measured side by side (`scripts/bench.sh`): inline copies through the rings stream at
 /// 2.4-6x kernel TCP for every size; a rendezvous per 64-256 KiB send fell to 0.6-1.1x (a
 /// round trip per send); from 1 MiB on it is about 3x.
-pub(super) const SHM_RENDEZVOUS_THRESHOLD: u32 = 4 << 20;
+pub(super) const SHM_RENDEZVOUS_THRESHOLD: u32 = SHM_SEND_BUFFER as u32;
 
 /// The segment of every shm connection.
 pub(super) fn shm_segment_config() -> san_shm::SegmentConfig {
