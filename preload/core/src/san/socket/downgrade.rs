@@ -32,6 +32,16 @@ impl SanSocket {
     /// peer answers with its own `Downgrade` and sends on TCP after it. False when this
     /// connection cannot downgrade (not switched, or a peer without the capability).
     pub(crate) fn begin_downgrade(&mut self) -> bool {
+        if !self.want_downgrade() {
+            return false;
+        }
+        self.service();
+        true
+    }
+
+    /// [`SanSocket::begin_downgrade`] without the drive that lets our `Downgrade` out (for a
+    /// caller inside a drive, which lets it out itself).
+    pub(super) fn want_downgrade(&mut self) -> bool {
         if self.phase != Phase::Switched {
             return false;
         }
@@ -50,7 +60,6 @@ impl SanSocket {
         }
         self.downgrade_wanted = true;
         self.data_to_announce = true;
-        self.service();
         true
     }
 

@@ -23,6 +23,9 @@ impl SanSocket {
         let n = core::mem::take(&mut self.just_accepted).min(piece.len());
         if n > 0 {
             self.journal_accepted(&piece[..n]);
+            if self.downgrade_wanted {
+                self.service();
+            }
         }
     }
 
@@ -49,9 +52,10 @@ impl SanSocket {
                 // The file system is full: the journal's end stays where it was (what it
                 // covers is still whole) and the connection moves to kernel TCP, which
                 // keeps everything sent from now on.
+                // (A drive may be under way: it lets our `Downgrade` out itself.)
                 tracing::debug!(name = %self.name, "journal unavailable: downgrading to TCP");
                 self.journal_lost = true;
-                self.begin_downgrade();
+                self.want_downgrade();
                 return;
             }
         }
