@@ -43,7 +43,58 @@ fn finish(child: Child, what: &str) -> String {
 }
 
 fn conversation(mode: &str) -> (String, String) {
-    let (stat, shm) = sandbox(mode);
+    conversation_with(mode, false)
+}
+
+/// Makes `command`'s process bind, before it runs, the abstract name a nudge responder would
+/// take if its name were predictable from the uid, the pid namespace and the pid alone (as
+/// another user watching pids could do before the process binds it).
+fn squat_predictable_nudge_name(command: &mut Command) {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: plain geteuid.
+    let uid = unsafe { libc::geteuid() };
+    let namespace = std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino());
+    let prefix = format!("sandirect/{uid}/N/{namespace}/");
+    // SAFETY: between fork and exec the closure only formats into a stack buffer and makes
+    // two system calls (no allocation, no lock).
+    unsafe {
+        command.pre_exec(move || {
+            let mut addr: libc::sockaddr_un = core::mem::zeroed();
+            addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            let mut len = 1; // sun_path[0] = 0: an abstract name
+            for &b in prefix.as_bytes() {
+                addr.sun_path[len] = b as libc::c_char;
+                len += 1;
+            }
+            let mut digits = [0u8; 10];
+            let (mut pid, mut n) = (libc::getpid() as u32, 0);
+            loop {
+                digits[n] = b'0' + (pid % 10) as u8;
+                n += 1;
+                pid /= 10;
+                if pid == 0 {
+                    break;
+                }
+            }
+            for &b in digits[..n].iter().rev() {
+                addr.sun_path[len] = b as libc::c_char;
+                len += 1;
+            }
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM, 0);
+            let size = (core::mem::size_of::<libc::sa_family_t>() + len) as libc::socklen_t;
+            libc::bind(fd, (&addr as *const libc::sockaddr_un).cast(), size);
+            Ok(())
+        });
+    }
+}
+
+fn conversation_with(mode: &str, squat_client_nudges: bool) -> (String, String) {
+    let (stat, shm) = if squat_client_nudges {
+        sandbox(&format!("{mode}-squatted"))
+    } else {
+        sandbox(mode)
+    };
     let mut server = command(&stat, &shm).args(["server", mode]).spawn().unwrap();
     let mut reader = BufReader::new(server.stdout.take().unwrap());
     let mut first = String::new();
@@ -53,10 +104,12 @@ fn conversation(mode: &str) -> (String, String) {
         .strip_prefix("port ")
         .expect("port line")
         .to_owned();
-    let client = command(&stat, &shm)
-        .args(["client", &port, mode])
-        .spawn()
-        .unwrap();
+    let mut client = command(&stat, &shm);
+    client.args(["client", &port, mode]);
+    if squat_client_nudges {
+        squat_predictable_nudge_name(&mut client);
+    }
+    let client = client.spawn().unwrap();
     let client_report = finish(client, "client");
     server.stdout = Some(reader.into_inner());
     let server_report = finish(server, "server");
@@ -145,6 +198,18 @@ fn fork_ms(server: &str) -> u64 {
 #[test]
 fn a_forked_child_takes_over_a_connection_whose_peer_is_idle() {
     let (server, client) = conversation("idle-peer");
+    assert_server_was_on_san(&server);
+    let fork_ms = fork_ms(&server);
+    assert!(fork_ms < 500, "fork took {fork_ms} ms: {server}");
+    assert_downgraded_after_san(&client);
+}
+
+/// As above, with the name a nudge responder would take, were it predictable from the pid,
+/// taken first: the peer still answers at once (its responder's name holds a random value
+/// only the processes that share its segments learn).
+#[test]
+fn a_squatter_on_the_predictable_nudge_name_takes_no_nudge_away() {
+    let (server, client) = conversation_with("idle-peer", true);
     assert_server_was_on_san(&server);
     let fork_ms = fork_ms(&server);
     assert!(fork_ms < 500, "fork took {fork_ms} ms: {server}");

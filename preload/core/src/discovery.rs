@@ -330,8 +330,8 @@ pub(crate) fn abstract_address(name: &[u8]) -> (libc::sockaddr_un, libc::socklen
 }
 
 /// Capacity of a [`nudge_address`] name: `sandirect/` + uid (10) + `/N/` + pid namespace
-/// (20) + `/` + pid (10).
-const NUDGE_NAME_CAPACITY: usize = 64;
+/// (20) + `/` + pid (10) + `/` + contact (16).
+const NUDGE_NAME_CAPACITY: usize = 96;
 
 /// The abstract address where process `process` of user `uid` takes nudges (see
 /// `san::nudge`). The pid namespace is part of the name: abstract names are shared by every
@@ -344,8 +344,8 @@ pub(crate) fn nudge_address(
     // Cannot fail: the capacity covers the longest uid, namespace and pid.
     let _ = write!(
         name,
-        "sandirect/{uid}/N/{}/{}",
-        process.namespace, process.pid
+        "sandirect/{uid}/N/{}/{}/{:016x}",
+        process.namespace, process.pid, process.contact
     );
     abstract_address(name.as_bytes())
 }

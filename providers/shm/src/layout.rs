@@ -190,6 +190,9 @@ pub struct Identity {
     /// `pid`). `pid` is the owner's number *in that namespace*: the peer uses it as a pid
     /// only when its own namespace is the same nonzero value (see `ShmSegment::peer_pid`).
     pub pid_ns: AtomicU64,
+    /// A value the owner's process chose for its peers to find it by, secret to the processes
+    /// that may open this segment (same publication as `pid`; see `crate::set_contact`).
+    pub contact: AtomicU64,
 }
 
 /// The control words of one side area (see the module docs for who writes what).

@@ -60,7 +60,8 @@ pub use domain::{DomainConfig, ShmDomain, MAX_RDMA_LEN};
 pub use error::{CorruptSegment, PermissionProblem, ShmError};
 pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_SETUP_DATA};
 pub use segment::{
-    ensure_private_dir, AccessPolicy, NamespacedPid, SegmentConfig, ShmSegment, Side,
+    contact, ensure_private_dir, set_contact, AccessPolicy, NamespacedPid, SegmentConfig,
+    ShmSegment, Side,
 };
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{

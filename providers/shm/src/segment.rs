@@ -163,6 +163,23 @@ pub struct NamespacedPid {
     pub namespace: u64,
     /// The process's pid in `namespace`.
     pub pid: u32,
+    /// The value the process publishes for its peers to find it by ([`set_contact`]).
+    pub contact: u64,
+}
+
+/// What this process publishes in every segment side it owns from now on for its peers to
+/// find it by (the preload names its nudge responder after it: a random value, so that no
+/// other user can take the name first). 0 until set.
+static CONTACT: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the value [`NamespacedPid::contact`] carries for this process.
+pub fn set_contact(contact: u64) {
+    CONTACT.store(contact, Ordering::Relaxed);
+}
+
+/// This process's [`NamespacedPid::contact`].
+pub fn contact() -> u64 {
+    CONTACT.load(Ordering::Relaxed)
 }
 
 impl core::fmt::Debug for ShmSegment {
@@ -424,6 +441,8 @@ impl ShmSegment {
         let me = &map.get::<SideControl>(geometry.control(0)).identity.0;
         me.pid.store(std::process::id(), Ordering::Relaxed);
         me.pid_ns.store(sys::pid_namespace(), Ordering::Relaxed);
+        me.contact
+            .store(CONTACT.load(Ordering::Relaxed), Ordering::Relaxed);
         me.uid.store(uid, Ordering::Relaxed);
         me.gid.store(gid, Ordering::Relaxed);
         me.base_addr.store(map.base_addr(), Ordering::Relaxed);
@@ -532,6 +551,8 @@ impl ShmSegment {
         let me = &control.identity.0;
         me.pid.store(std::process::id(), Ordering::Relaxed);
         me.pid_ns.store(sys::pid_namespace(), Ordering::Relaxed);
+        me.contact
+            .store(CONTACT.load(Ordering::Relaxed), Ordering::Relaxed);
         me.uid.store(uid, Ordering::Relaxed);
         me.gid.store(gid, Ordering::Relaxed);
         me.base_addr.store(map.base_addr(), Ordering::Relaxed);
@@ -593,6 +614,7 @@ impl ShmSegment {
         Some(NamespacedPid {
             namespace: peer.pid_ns.load(Ordering::Relaxed),
             pid: peer.pid.load(Ordering::Relaxed),
+            contact: peer.contact.load(Ordering::Relaxed),
         })
     }
 

@@ -25,6 +25,7 @@ pub(crate) fn own_pid() -> NamespacedPid {
     NamespacedPid {
         namespace: san_shm::pid_namespace(),
         pid: std::process::id(),
+        contact: san_shm::contact(),
     }
 }
 

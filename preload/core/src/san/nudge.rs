@@ -9,12 +9,18 @@
 //! and the fork used to wait its whole budget and leave the connection to the parent.
 //!
 //! So every process with an intra-host SAN connection keeps one **responder** thread, blocked
-//! in `recvmsg` on an abstract Unix datagram socket named `\0sandirect/<euid>/N/<pid ns>/<pid>`: it
+//! in `recvmsg` on an abstract Unix datagram socket named
+//! `\0sandirect/<euid>/N/<pid ns>/<pid>/<contact>`: it
 //! costs nothing until a nudge arrives (no timer, no spinning), and then services every SAN
 //! socket of the process once (`service::service_all`: the same work an application call or a wait
 //! slice does), which answers a pending `Downgrade`. A forking process nudges every peer it
 //! waits for, again every [`NUDGE_INTERVAL`] while the answer is missing (an answer may need
 //! several rounds when credits are short).
+//!
+//! **The contact.** The last part is a random value each process draws once and records in
+//! every segment side it owns (`san_shm::set_contact`): only processes that share a segment
+//! with it learn it, so nobody can take the name before its owner binds it (a name made of
+//! the uid and the pid alone could be, by anyone watching pids).
 //!
 //! **Pid namespaces.** A peer is addressed by what it recorded in the segment: its pid as its
 //! own pid namespace numbers it, and that namespace. The name holds both, so a peer in

@@ -60,6 +60,9 @@ pub(super) fn provider() -> Option<&'static Provider> {
     let _init = hold_init();
     PROVIDER
         .get_or_init(|| {
+            // The name our nudge responder takes carries it: unpredictable, so that nobody
+            // can take the name first (see `nudge`).
+            san_shm::set_contact(random_u64());
             let override_dir = crate::settings::shm_dir();
             match SegmentDir::open(override_dir.as_deref()) {
                 Ok(dir) => Some(Provider {
@@ -103,4 +106,18 @@ pub(super) fn hold_init() -> MutexGuard<'static, ()> {
 /// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
 pub fn enabled() -> bool {
     crate::settings::san_enabled()
+}
+
+/// Eight random bytes from the kernel (`getrandom`); the time and pid when it has none.
+fn random_u64() -> u64 {
+    let mut value = 0u64;
+    // SAFETY: getrandom(2) writes at most 8 bytes into `value`.
+    let n = unsafe { libc::getrandom((&mut value as *mut u64).cast(), 8, libc::GRND_NONBLOCK) };
+    if n != 8 {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        value = now ^ (u64::from(std::process::id()) << 32);
+    }
+    value
 }
