@@ -4,8 +4,10 @@
 //! send can take the peer's bytes in. Over the SAN the send buffer must hold it.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
+
+use integration::apps::Sandbox;
 
 const SCRIPT: &str = r#"
 import os, socket, sys
@@ -35,29 +37,16 @@ except OSError as error:
 "#;
 
 fn run(preload: bool) -> String {
-    let dir = std::env::temp_dir().join(format!(
-        "sandirect-buffering-{}-{preload}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = dir.join("both_write_first.py");
+    let sandbox = Sandbox::new(&format!("buffering-{preload}"));
+    let script = sandbox.path().join("both_write_first.py");
     std::fs::write(&script, SCRIPT).unwrap();
     let python = |role: &[&str]| {
-        let mut command = Command::new("python3");
+        let mut command = sandbox.command("python3", preload);
         command
             .arg(&script)
             .args(role)
-            .env_remove("LD_PRELOAD")
-            .env_remove("SANDIRECT_CONFIG")
-            .env_remove("SANDIRECT_MODE")
-            .env_remove("SANDIRECT_SAN")
-            .env("SANDIRECT_STAT_DIR", &dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if preload {
-            command.env("LD_PRELOAD", &integration::apps::products().library);
-        }
         command
     };
     let mut server = python(&["server"]).spawn().unwrap();
@@ -68,7 +57,6 @@ fn run(preload: bool) -> String {
     let client_out = integration::finish_child(client, "client", Duration::from_secs(60));
     server.stdout = Some(reader.into_inner());
     let server_out = integration::finish_child(server, "server", Duration::from_secs(60));
-    let _ = std::fs::remove_dir_all(&dir);
     format!("{} / {}", client_out.trim(), server_out.trim())
 }
 

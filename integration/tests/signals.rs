@@ -4,8 +4,10 @@
 //! progress, so the program's handler runs and its write loop goes on; a language runtime
 //! that runs handlers only between calls (Python) depends on it.
 
-use std::process::Command;
+use std::process::Stdio;
 use std::time::Duration;
+
+use integration::apps::Sandbox;
 
 /// One process: the main thread sends 16 MiB in one `sendall`; a second thread reads 100
 /// bytes, then signals the main thread until its (Python-level) handler has run, up to 10 s,
@@ -44,34 +46,19 @@ print("handler ran during the send:", in_time, "; every byte arrived:", intact)
 "#;
 
 fn run(preload: bool) -> String {
-    let dir = std::env::temp_dir().join(format!(
-        "sandirect-signals-{}-{preload}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let script = dir.join("interrupted_send.py");
+    let sandbox = Sandbox::new(&format!("signals-{preload}"));
+    let script = sandbox.path().join("interrupted_send.py");
     std::fs::write(&script, SCRIPT).unwrap();
-    let mut command = Command::new("python3");
+    let mut command = sandbox.command("python3", preload);
     command
         .arg(&script)
-        .env_remove("LD_PRELOAD")
-        .env_remove("SANDIRECT_CONFIG")
-        .env_remove("SANDIRECT_MODE")
-        .env_remove("SANDIRECT_SAN")
-        .env("SANDIRECT_STAT_DIR", &dir)
-        .env("SANDIRECT_SHM_DIR", &dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    if preload {
-        command.env("LD_PRELOAD", &integration::apps::products().library);
-    }
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let out = integration::finish_child(
         command.spawn().unwrap(),
         "interrupted send",
         Duration::from_secs(60),
     );
-    let _ = std::fs::remove_dir_all(&dir);
     out.trim().to_owned()
 }
 
