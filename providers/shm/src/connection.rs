@@ -55,13 +55,15 @@ use crate::layout::{
     Geometry, RingEntry, SideControl, ASLEEP, ENTRY_MESSAGE, ENTRY_WINDOW_WRITE, MAGIC, RUNNING,
     WAKING,
 };
-use crate::segment::{ShmSegment, Side};
+use crate::segment::{ShmSegment, Side, READY_SLOTS};
 use crate::sys::{self, CmaDirection, FutexWait, GrantedRange};
 
 /// Index of the ring counters in `SideControl::inbound_head`/`inbound_tail`.
 const RING: usize = 0;
 /// Index of the window counters.
 const WINDOW: usize = 1;
+/// Bytes of the peer's write window allocated at a time, on its first pass.
+const WINDOW_CHUNK: u64 = 64 << 10;
 /// Bound on RDMA operations waiting in the outbound queue.
 const MAX_QUEUED_RDMA: usize = 1024;
 /// Bytes of one cross-memory copy between two checks of the peer's key.
@@ -289,6 +291,15 @@ pub struct ShmConnection {
     multi_cpu: bool,
     // Receive side (our area).
     posted: VecDeque<(u16, WrId)>,
+    /// Receives the session posted into slots whose pages are not allocated yet, in the
+    /// order posted: published once their slots are (see [`ShmConnection::grow_slots`]).
+    held_back: VecDeque<(u16, WrId)>,
+    /// Our receive slots `[0, slots_ready)` have their pages allocated.
+    slots_ready: usize,
+    /// Allocating more receive slots failed (full file system): we use those we have.
+    slots_capped: bool,
+    /// Bytes `[0, peer_window_ready)` of the peer's write window have their pages allocated.
+    peer_window_ready: u64,
     slot_state: Vec<SlotState>,
     my_post_head: u64,
     my_ring_tail: u64,
@@ -384,8 +395,20 @@ impl ShmConnection {
             domain: domain.shared().clone(),
             config,
             doorbell,
-            multi_cpu: std::thread::available_parallelism().is_ok_and(|n| n.get() > 1),
+            multi_cpu: sys::multi_cpu(),
             posted: VecDeque::with_capacity(usize::from(geometry.slots.recv_slots)),
+            held_back: VecDeque::new(),
+            slots_ready: if sys::can_populate() {
+                READY_SLOTS.min(usize::from(geometry.slots.recv_slots))
+            } else {
+                usize::from(geometry.slots.recv_slots)
+            },
+            slots_capped: false,
+            peer_window_ready: if sys::can_populate() {
+                0
+            } else {
+                u64::from(geometry.window_size)
+            },
             slot_state: vec![SlotState::Idle; usize::from(geometry.slots.recv_slots)],
             my_post_head: 0,
             my_ring_tail: 0,
@@ -894,6 +917,9 @@ impl ShmConnection {
                 addr: granted.addr + *done,
                 len: chunk,
             };
+            if let Err(error) = self.window_allocate(pos, chunk) {
+                return Step::Down(error);
+            }
             // NOTE(cast): `pos < window_size <= u32::MAX`.
             let offset = self.geometry.window(peer, pos as usize);
             if let Err(status) = self.copy_granted(CmaDirection::Read, source, offset) {
@@ -1107,6 +1133,7 @@ impl ShmConnection {
             return false;
         }
         self.posted.pop_front();
+        self.grow_slots();
         self.slot_state[usize::from(expected)] = SlotState::Holding(len);
         self.completions.push_back(Completion {
             wr_id,
@@ -1205,6 +1232,81 @@ impl ShmConnection {
         }
     }
 
+    /// Hands a posted receive to the peer: its slot id goes into our post FIFO.
+    fn publish_recv(&mut self, slot: u16, wr_id: WrId) {
+        let me = self.me.index();
+        let fifo_index = (self.my_post_head % self.recv_slots()) as usize;
+        self.segment
+            .map()
+            .get::<AtomicU32>(self.geometry.fifo_entry(me, fifo_index))
+            .store(u32::from(slot), Ordering::Relaxed);
+        self.my_post_head += 1;
+        self.my_control()
+            .post_head
+            .0
+            .store(self.my_post_head, Ordering::SeqCst);
+        self.posted.push_back((slot, wr_id));
+    }
+
+    /// Allocates more of our receive slots (twice as many as are ready) when the peer has
+    /// used up every slot we published, and publishes the receives held back for them.
+    /// Request/response traffic never gets here and keeps the few slots allocated at
+    /// creation; a stream grows to the whole pool in a few steps. When the file system is
+    /// full, the connection carries on with the slots it has.
+    fn grow_slots(&mut self) {
+        if self.held_back.is_empty() || self.slots_capped {
+            return;
+        }
+        let taken = self.my_control().post_tail.0.load(Ordering::Acquire);
+        if taken != self.my_post_head {
+            return;
+        }
+        let all = usize::from(self.geometry.slots.recv_slots);
+        let target = (self.slots_ready * 2).clamp(1, all);
+        let (start, end) = self
+            .geometry
+            .slot_pages(self.me.index(), self.slots_ready, target);
+        if self.segment.map().populate(start, end - start).is_err() {
+            self.slots_capped = true;
+            return;
+        }
+        self.slots_ready = target;
+        let ready = self.slots_ready;
+        let (publish, keep): (VecDeque<_>, VecDeque<_>) = core::mem::take(&mut self.held_back)
+            .into_iter()
+            .partition(|&(slot, _)| usize::from(slot) < ready);
+        self.held_back = keep;
+        for (slot, wr_id) in publish {
+            self.publish_recv(slot, wr_id);
+        }
+        self.notify_peer_if_waiting_for_space();
+    }
+
+    /// Allocates the pages of the peer's write window under `[pos, pos + len)` before we
+    /// write there for the first time (the window is a ring: its first pass allocates it).
+    fn window_allocate(&mut self, pos: u64, len: u64) -> Result<(), CompletionError> {
+        let end = pos + len;
+        if end <= self.peer_window_ready {
+            return Ok(());
+        }
+        let window = u64::from(self.geometry.window_size);
+        let upto = end.next_multiple_of(WINDOW_CHUNK).min(window);
+        let peer = self.me.peer().index();
+        // NOTE(cast): both below `window_size`, a u32.
+        let start = self.geometry.window(peer, self.peer_window_ready as usize) / 4096 * 4096;
+        let stop = self
+            .geometry
+            .window(peer, upto as usize)
+            .next_multiple_of(4096)
+            .min(self.geometry.window_pages(peer).1);
+        self.segment
+            .map()
+            .populate(start, stop - start)
+            .map_err(|_| CompletionError::Fatal)?;
+        self.peer_window_ready = upto;
+        Ok(())
+    }
+
     /// Enters the error state: every outstanding request completes, the first with `first`.
     fn go_down(&mut self, first: CompletionError) {
         if !self.up {
@@ -1217,7 +1319,9 @@ impl ShmConnection {
             self.completions.push_back(op.completion(status()));
         }
         self.queued_rdma = 0;
-        for (slot, wr_id) in core::mem::take(&mut self.posted) {
+        let posted = core::mem::take(&mut self.posted);
+        let held_back = core::mem::take(&mut self.held_back);
+        for (slot, wr_id) in posted.into_iter().chain(held_back) {
             self.slot_state[usize::from(slot)] = SlotState::Idle;
             self.completions.push_back(Completion {
                 wr_id,
@@ -1522,19 +1626,12 @@ impl SanConnection for ShmConnection {
             Some(SlotState::Posted) => return Err(PostError::QueueFull),
             Some(_) => {}
         }
-        let me = self.me.index();
-        let fifo_index = (self.my_post_head % self.recv_slots()) as usize;
-        self.segment
-            .map()
-            .get::<AtomicU32>(self.geometry.fifo_entry(me, fifo_index))
-            .store(u32::from(slot.0), Ordering::Relaxed);
-        self.my_post_head += 1;
-        self.my_control()
-            .post_head
-            .0
-            .store(self.my_post_head, Ordering::SeqCst);
         self.slot_state[index] = SlotState::Posted;
-        self.posted.push_back((slot.0, wr_id));
+        if index >= self.slots_ready {
+            self.held_back.push_back((slot.0, wr_id));
+            return Ok(());
+        }
+        self.publish_recv(slot.0, wr_id);
         self.notify_peer_if_waiting_for_space();
         Ok(())
     }
@@ -1622,16 +1719,20 @@ mod tests {
     }
 
     fn pair(tag: &str) -> Pair {
-        let dir = std::path::PathBuf::from(format!(
-            "/dev/shm/san-shm-unit-{tag}-{}",
-            std::process::id()
-        ));
-        crate::segment::ensure_private_dir(&dir).unwrap();
         let slots = SlotConfig {
             send_slots: 4,
             recv_slots: 4,
             slot_size: 128,
         };
+        pair_with(tag, slots)
+    }
+
+    fn pair_with(tag: &str, slots: SlotConfig) -> Pair {
+        let dir = std::path::PathBuf::from(format!(
+            "/dev/shm/san-shm-unit-{tag}-{}",
+            std::process::id()
+        ));
+        crate::segment::ensure_private_dir(&dir).unwrap();
         let domain = ShmDomain::default();
         let segment = ShmSegment::create(&dir, "s", &SegmentConfig::new(slots)).unwrap();
         let mut creator =
@@ -1650,6 +1751,68 @@ mod tests {
         let mut out = Vec::new();
         conn.poll_completions(&mut out, usize::MAX);
         out
+    }
+
+    /// Delivers what reached the attacher and posts each slot again, as the session does
+    /// once it took the bytes; returns the payloads in order.
+    fn receive_and_repost(conn: &mut ShmConnection) -> Vec<Vec<u8>> {
+        let mut got = Vec::new();
+        for completion in poll(conn) {
+            let CompletionKind::Recv { slot, len } = completion.kind else {
+                continue;
+            };
+            assert_eq!(completion.status, Ok(()));
+            got.push(conn.recv_slot(slot, len).to_vec());
+            conn.post_recv(completion.wr_id, slot).unwrap();
+        }
+        got
+    }
+
+    #[test]
+    fn receive_slots_are_allocated_as_the_sender_needs_them() {
+        let slots = SlotConfig {
+            send_slots: 32,
+            recv_slots: 32,
+            slot_size: 4096,
+        };
+        let mut p = pair_with("grow", slots);
+        if !sys::can_populate() {
+            return; // Every page was allocated at creation.
+        }
+        for slot in 0..32u16 {
+            p.attacher
+                .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                .unwrap();
+        }
+        assert_eq!(p.attacher.posted.len(), READY_SLOTS, "published at first");
+        // Request/response: one message in flight circulates through the first slots.
+        for i in 0..100u64 {
+            let message = i.to_le_bytes();
+            p.creator.post_send(WrId(1000 + i), &message).unwrap();
+            poll(&mut p.creator);
+            assert_eq!(receive_and_repost(&mut p.attacher), vec![message.to_vec()]);
+        }
+        assert_eq!(
+            p.attacher.slots_ready, READY_SLOTS,
+            "no slot allocated for it"
+        );
+        // A stream: the sender keeps every published slot busy, the pool grows.
+        let mut sent = 0u64;
+        let mut received = Vec::new();
+        for _ in 0..50 {
+            while sent < 400 && p.creator.post_send(WrId(sent), &sent.to_le_bytes()).is_ok() {
+                sent += 1;
+            }
+            poll(&mut p.creator);
+            received.extend(receive_and_repost(&mut p.attacher));
+        }
+        poll(&mut p.creator);
+        received.extend(receive_and_repost(&mut p.attacher));
+        assert_eq!(p.attacher.slots_ready, 32, "the whole pool in use");
+        assert!(p.attacher.held_back.is_empty());
+        let expected: Vec<Vec<u8>> = (0..sent).map(|i| i.to_le_bytes().to_vec()).collect();
+        assert_eq!(received.len(), expected.len(), "every message once");
+        assert!(received == expected, "every message intact, in order");
     }
 
     #[test]

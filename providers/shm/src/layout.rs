@@ -1,4 +1,4 @@
-//! The shared segment layout (layout version 3): `#[repr(C)]`, offsets only, no pointers.
+//! The shared segment layout (layout version 4): `#[repr(C)]`, offsets only, no pointers.
 //!
 //! ```text
 //! 0        SegmentHeader (one 4 KiB page: magic, version, sizes, side offsets, state;
@@ -35,7 +35,7 @@ use san_api::SlotConfig;
 /// `b"SANSHM01"` little-endian: identifies a segment file.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SANSHM01");
 /// The layout described in this module.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 /// Bytes reserved for the header (one page, so the side areas are page aligned).
 pub const HEADER_SIZE: usize = 4096;
 /// Entries in each side's exposure table; an rkey's low [`RKEY_INDEX_BITS`] bits index it.
@@ -557,6 +557,31 @@ impl Geometry {
     /// Offset of byte `pos` (< window_size) of side `side`'s write window.
     pub fn window(&self, side: usize, pos: usize) -> usize {
         self.side_base(side) + self.window_off + pos
+    }
+
+    /// The page-aligned range `[start, end)` holding receive slots `[first, end_slot)` of side
+    /// `side` (whole pages: the ends are widened to page bounds, within the side's slots).
+    pub fn slot_pages(&self, side: usize, first: usize, end_slot: usize) -> (usize, usize) {
+        let start = self.slot(side, first) / PAGE * PAGE;
+        let end = self
+            .slot(side, end_slot)
+            .next_multiple_of(PAGE)
+            .min(self.side_base(side) + self.window_off.next_multiple_of(PAGE));
+        (start, end.max(start))
+    }
+
+    /// What a side needs allocated before its first use, page-aligned: its control words,
+    /// post FIFO, inbound ring, exposure table and its first `ready_slots` receive slots
+    /// (the other slots and the write window are allocated when first used).
+    pub fn eager_range(&self, side: usize, ready_slots: usize) -> (usize, usize) {
+        let ready = ready_slots.min(usize::from(self.slots.recv_slots));
+        (self.side_base(side), self.slot_pages(side, ready, ready).1)
+    }
+
+    /// The page-aligned range of side `side`'s write window.
+    pub fn window_pages(&self, side: usize) -> (usize, usize) {
+        let start = self.window(side, 0) / PAGE * PAGE;
+        (start, self.side_base(side) + self.side_size)
     }
 
     /// Offset of byte `pos` (< journal_size) of side `side`'s outbound journal.

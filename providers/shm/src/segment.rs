@@ -193,6 +193,27 @@ impl core::fmt::Debug for ShmSegment {
     }
 }
 
+/// Receive slots of each side allocated at creation; the others are allocated by their
+/// receiver before it first posts them (`ShmConnection::post_recv`), when its sender has
+/// used up all it could post: request/response traffic never needs more than these.
+pub(crate) const READY_SLOTS: usize = 4;
+
+/// The ranges of a new segment every connection uses: the header, each side's control words,
+/// rings, exposure table and first [`READY_SLOTS`] receive slots, and the write windows
+/// where CMA is unlikely to be allowed (see [`sys::cma_likely`]). Allocating the rest of the
+/// ~1.6 MiB up front made the file system's page allocation most of a connection's set-up
+/// time, and kept pages no short or request/response connection ever touches.
+fn first_use_ranges(geometry: &Geometry) -> Vec<(usize, usize)> {
+    let mut ranges = vec![(0, HEADER_SIZE)];
+    for side in 0..2 {
+        ranges.push(geometry.eager_range(side, READY_SLOTS));
+        if !sys::cma_likely() {
+            ranges.push(geometry.window_pages(side));
+        }
+    }
+    ranges
+}
+
 fn validate_name(name: &str) -> Result<(), ShmError> {
     let ok = !name.is_empty()
         && name.len() <= 200
@@ -388,14 +409,14 @@ impl ShmSegment {
         }
         // Every page is allocated before the first write through the mapping: a full
         // directory must fail the set-up (the connection stays on TCP), not raise SIGBUS.
-        // The journals only when they are used (most connections never need them), where
-        // the kernel can allocate them through the mapping then.
+        // Where the kernel can allocate pages through the mapping, only what every
+        // connection uses is allocated here (see `first_use_ranges`).
         let allocated = if sys::can_populate() {
-            geometry.journals_off
+            first_use_ranges(&geometry)
         } else {
-            geometry.total_size
+            vec![(0, geometry.total_size)]
         };
-        sys::allocate_file_start(file.as_fd(), allocated, geometry.total_size)
+        sys::allocate_file_ranges(file.as_fd(), &allocated, geometry.total_size)
             .map_err(|e| ShmError::io("allocate segment", &e))?;
         let map = Mapping::map_shared(file, geometry.total_size)
             .map_err(|e| ShmError::io("map segment", &e))?;
@@ -527,6 +548,13 @@ impl ShmSegment {
             STATE_CREATED => {}
             STATE_ATTACHING | STATE_ATTACHED => return Err(ShmError::AlreadyAttached),
             _ => return Err(ShmError::Corrupt(CorruptSegment::BadState)),
+        }
+        // Writing through a window the creator left unallocated (it expected CMA) cannot
+        // raise SIGBUS later: where we expect no CMA, we allocate both windows now.
+        if sys::can_populate() && !sys::cma_likely() {
+            let windows = [geometry.window_pages(0), geometry.window_pages(1)];
+            sys::allocate_file_ranges(file.as_fd(), &windows, geometry.total_size)
+                .map_err(|e| ShmError::io("allocate segment windows", &e))?;
         }
         let map = Mapping::map_shared(&file, geometry.total_size)
             .map_err(|e| ShmError::io("map segment", &e))?;

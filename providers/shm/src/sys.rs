@@ -332,6 +332,29 @@ pub(crate) fn cma_probe(pid: u32, remote: u64) -> io::Result<u64> {
     }
 }
 
+/// Whether this process may run on more than one CPU (then a short spin for the peer can pay
+/// off). Asked once: the standard library's answer reads the cgroup's CPU quota files, a
+/// dozen system calls that once made a tenth of a connection's set-up.
+pub(crate) fn multi_cpu() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() > 1))
+}
+
+/// Whether CMA between this process and a same-user peer is likely to be allowed: the kernel
+/// lets this process read its own memory that way (seccomp filters such as Docker's default
+/// refuse it) and Yama does not restrict ptrace to descendants. Where it is not, peers write
+/// through the segments' write windows, which are then allocated at set-up (a full file
+/// system keeps the connection on TCP); where it is, a window is allocated only if it is used.
+pub(crate) fn cma_likely() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| {
+        let marker = 0x5a5a_5a5a_5a5a_5a5au64;
+        let own = cma_probe(std::process::id(), core::ptr::from_ref(&marker) as u64);
+        let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope");
+        own.is_ok_and(|word| word == marker) && yama.map_or(true, |scope| scope.trim() == "0")
+    })
+}
+
 /// Copies between a granted range of this process and the shared mapping without the kernel,
 /// for when CMA on our own pid is refused (seccomp). Faults on an unmapped granted range would
 /// crash here, which is why [`cma_copy`] on our own pid is always tried first.
@@ -372,33 +395,34 @@ pub(crate) fn plain_copy_granted(
 /// `ENOMEM`) the caller can act on. On a file system without `fallocate` (`EOPNOTSUPP`) the
 /// file is only sized, as before it had to be.
 pub fn allocate_file(fd: BorrowedFd<'_>, len: usize) -> io::Result<()> {
-    allocate_file_start(fd, len, len)
+    allocate_file_ranges(fd, &[(0, len)], len)
 }
 
-/// As [`allocate_file`], allocating only the first `allocated` of the file's `len` bytes;
-/// the rest stays a hole, to be allocated before it is written.
-pub(crate) fn allocate_file_start(
+/// As [`allocate_file`], allocating only the byte ranges `allocated` (`[start, end)` each) of
+/// the file's `len` bytes; the rest stays a hole, to be allocated before it is written.
+pub(crate) fn allocate_file_ranges(
     fd: BorrowedFd<'_>,
-    allocated: usize,
+    allocated: &[(usize, usize)],
     len: usize,
 ) -> io::Result<()> {
-    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-    let allocated =
-        libc::off_t::try_from(allocated).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-    loop {
-        // SAFETY: plain fallocate(2) (mode 0: allocate and extend) on a descriptor we hold.
-        if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, allocated) } == 0 {
-            if allocated == len {
-                return Ok(());
+    let off = |value: usize| {
+        libc::off_t::try_from(value).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))
+    };
+    let len = off(len)?;
+    'ranges: for &(start, end) in allocated.iter().filter(|(start, end)| end > start) {
+        let (start, count) = (off(start)?, off(end - start)?);
+        loop {
+            // SAFETY: plain fallocate(2) (mode 0: allocate and extend) on a descriptor we hold.
+            if unsafe { libc::fallocate(fd.as_raw_fd(), 0, start, count) } == 0 {
+                continue 'ranges;
             }
-            break;
-        }
-        let error = io::Error::last_os_error();
-        match error.raw_os_error() {
-            // tmpfs gives up an allocation for a pending signal.
-            Some(libc::EINTR) => continue,
-            Some(libc::EOPNOTSUPP) => break,
-            _ => return Err(error),
+            let error = io::Error::last_os_error();
+            match error.raw_os_error() {
+                // tmpfs gives up an allocation for a pending signal.
+                Some(libc::EINTR) => continue,
+                Some(libc::EOPNOTSUPP) => break 'ranges,
+                _ => return Err(error),
+            }
         }
     }
     // SAFETY: plain ftruncate(2) on a descriptor we hold.
