@@ -96,9 +96,10 @@
 //!   first drives the other end, since it may be the only thread that ever would.
 
 // The files, bottom-up: each imports only from the groups above its own.
-// The ground: kernel calls, tunables, the memory budget, the exchange, registrations,
-// stashes, nudges, the stream operations' typed result.
+// The ground: kernel calls, tunables, the memory budget, ephemeral ports, the exchange,
+// registrations, stashes, nudges, the stream operations' typed result.
 mod budget;
+mod ephemeral;
 mod exchange;
 mod kernel;
 mod nudge;
@@ -279,12 +280,7 @@ pub fn before_connect(
             return ClientPlan::Failed;
         };
         if local.port() == 0 {
-            let (storage, len) = crate::discovery::socket_addr_to_raw(SocketAddr::new(source, 0));
-            // SAFETY: `storage` holds a valid address of length `len`.
-            let rc = unsafe {
-                crate::real::bind(fd, (&storage as *const libc::sockaddr_storage).cast(), len)
-            };
-            if rc != 0 {
+            if !ephemeral::bind_ephemeral(fd, source) {
                 return ClientPlan::Failed;
             }
             match socket_name(fd) {

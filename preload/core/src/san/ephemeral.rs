@@ -1,0 +1,167 @@
+//! A pending client's local port, chosen before its SYN leaves (the acceptor finds the
+//! client's exchange by the connection's addresses, so the port must be known first).
+//!
+//! `bind` to port 0 makes the kernel search the local port range for a port no socket uses,
+//! TIME_WAIT ones included, walking from a random start. Where connections churn, most of
+//! the range is in TIME_WAIT (`connect` may reuse such ports towards other peers; `bind`
+//! may not), and that walk cost a connection's set-up some 200 µs. A few binds to random
+//! ports of the range find a free one in a few microseconds; the kernel's search is the
+//! fallback. Ports the administrator reserved (`ip_local_reserved_ports`) are never chosen.
+
+use core::cell::Cell;
+use core::ffi::c_int;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::OnceLock;
+
+/// Random ports tried before the kernel's own search.
+const TRIES: usize = 16;
+
+/// The automatic port range and the reserved ports, read once.
+struct Ports {
+    low: u16,
+    high: u16,
+    reserved: Vec<(u16, u16)>,
+}
+
+fn ports() -> Option<&'static Ports> {
+    static PORTS: OnceLock<Option<Ports>> = OnceLock::new();
+    PORTS
+        .get_or_init(|| {
+            let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+            let reserved =
+                std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports").ok()?;
+            parse(&range, &reserved)
+        })
+        .as_ref()
+}
+
+/// `ip_local_port_range` ("32768\t60999") and `ip_local_reserved_ports` ("", or
+/// "8080,9000-9010"); `None` for anything unexpected (the kernel then chooses).
+fn parse(range: &str, reserved: &str) -> Option<Ports> {
+    let mut bounds = range.split_whitespace().map(str::parse::<u16>);
+    let (Some(Ok(low)), Some(Ok(high)), None) = (bounds.next(), bounds.next(), bounds.next())
+    else {
+        return None;
+    };
+    if low == 0 || low > high {
+        return None;
+    }
+    let mut spans = Vec::new();
+    for item in reserved.trim().split(',').filter(|item| !item.is_empty()) {
+        let (first, last) = item.split_once('-').unwrap_or((item, item));
+        let (first, last) = (first.trim().parse().ok()?, last.trim().parse().ok()?);
+        spans.push((first, last));
+    }
+    Some(Ports {
+        low,
+        high,
+        reserved: spans,
+    })
+}
+
+impl Ports {
+    fn is_reserved(&self, port: u16) -> bool {
+        self.reserved
+            .iter()
+            .any(|&(first, last)| (first..=last).contains(&port))
+    }
+
+    /// A port of the range from a random value.
+    fn pick(&self, random: u64) -> u16 {
+        let span = u64::from(self.high - self.low) + 1;
+        // NOTE(cast): below `span`, which fits the range's u16 width.
+        self.low + (random % span) as u16
+    }
+}
+
+thread_local! {
+    static STATE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// A per-thread xorshift stream, seeded from the kernel once (the ports need no secrecy,
+/// only spread: two threads must not keep trying the same ones).
+fn next_random() -> u64 {
+    STATE.with(|state| {
+        let mut x = state.get();
+        if x == 0 {
+            let mut seed = 0u64;
+            // SAFETY: getrandom(2) writes at most 8 bytes into `seed`.
+            unsafe { libc::getrandom((&mut seed as *mut u64).cast(), 8, libc::GRND_NONBLOCK) };
+            x = seed | 1;
+        }
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        state.set(x);
+        x
+    })
+}
+
+fn bind_to(fd: c_int, address: SocketAddr) -> Result<(), i32> {
+    let (storage, len) = crate::discovery::socket_addr_to_raw(address);
+    // SAFETY: `storage` holds a valid address of length `len`.
+    let rc =
+        unsafe { crate::real::bind(fd, (&storage as *const libc::sockaddr_storage).cast(), len) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(crate::errno::get())
+    }
+}
+
+/// Binds the unbound socket `fd` to `source` and a free ephemeral port; false when no port
+/// could be had (the connection then stays on TCP and `connect` picks its own).
+pub(super) fn bind_ephemeral(fd: c_int, source: IpAddr) -> bool {
+    if let Some(ports) = ports() {
+        for _ in 0..TRIES {
+            let port = ports.pick(next_random());
+            if ports.is_reserved(port) {
+                continue;
+            }
+            match bind_to(fd, SocketAddr::new(source, port)) {
+                Ok(()) => return true,
+                Err(libc::EADDRINUSE) => continue,
+                Err(_) => break,
+            }
+        }
+    }
+    bind_to(fd, SocketAddr::new(source, 0)).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_port_range_and_reserved_ports_parse_as_the_kernel_prints_them() {
+        let ports = parse("32768\t60999\n", "8080,9000-9010\n").unwrap();
+        assert_eq!((ports.low, ports.high), (32768, 60999));
+        assert!(ports.is_reserved(8080) && ports.is_reserved(9005) && !ports.is_reserved(9011));
+        assert!(parse("32768\t60999\n", "\n").unwrap().reserved.is_empty());
+        assert!(parse("60999 32768", "").is_none());
+        assert!(parse("0 10", "").is_none());
+        assert!(parse("1 2", "x").is_none());
+    }
+
+    #[test]
+    fn picked_ports_stay_in_the_range() {
+        let ports = parse("40000 40009", "").unwrap();
+        for _ in 0..1000 {
+            assert!((40000..=40009).contains(&ports.pick(next_random())));
+        }
+    }
+
+    #[test]
+    fn a_port_is_bound_and_the_reserved_ones_are_left_alone() {
+        // SAFETY: plain socket creation; closed below.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+        assert!(fd >= 0);
+        assert!(bind_ephemeral(fd, IpAddr::from([127, 0, 0, 1])));
+        let bound = super::super::kernel::socket_name(fd).unwrap();
+        let ports = ports().unwrap();
+        assert!((ports.low..=ports.high).contains(&bound.port()));
+        assert!(!ports.is_reserved(bound.port()));
+        // SAFETY: closing the socket made above.
+        unsafe { libc::close(fd) };
+    }
+}
