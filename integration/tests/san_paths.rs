@@ -745,6 +745,42 @@ fn san_connections_leave_the_application_its_descriptor_numbers() {
     assert_eq!(dirs.leftover_segments(), Vec::<String>::new());
 }
 
+/// What a SAN socket costs in descriptors of the preload's own (the limit the application
+/// sets counts them): the mirror's watched end and the peer's raising end, plus what the
+/// connections share (one pidfd per peer process, the words page closed once mapped).
+#[test]
+fn a_san_socket_holds_at_most_three_descriptors_of_its_own() {
+    let dirs = Dirs::new("fd-count");
+    let open = |preload: bool, connections: usize| -> usize {
+        let output = command(SAN_FDS, preload, &dirs)
+            .arg(connections.to_string())
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        let report = String::from_utf8_lossy(&output.stdout).into_owned();
+        if preload {
+            assert!(
+                !report.to_lowercase().contains("tcp"),
+                "every connection switched: {report}"
+            );
+        }
+        report
+            .lines()
+            .find_map(|l| l.strip_prefix("open: "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no open line in {report}"))
+    };
+    // Four more connections (both ends in the process: eight more SAN sockets); the
+    // difference leaves out what the process holds once (listener marker, nudge responder).
+    let native = open(false, 8) - open(false, 4);
+    let preloaded = open(true, 8) - open(true, 4);
+    let own_per_socket = (preloaded - native) as f64 / 8.0;
+    assert!(
+        own_per_socket <= 3.0,
+        "{own_per_socket} descriptors of the preload's own per SAN socket"
+    );
+}
+
 #[test]
 fn san_off_keeps_everything_on_tcp() {
     let dirs = Dirs::new("san-off");

@@ -12,6 +12,7 @@
 //! ```text
 //! fds: <every socket's number minus the listener's, in the order opened>
 //! paths: <the data path published for each connected socket, in the same order>
+//! open: <how many descriptors the process holds, the preload's own included>
 //! ```
 //!
 //! Natively the numbers are consecutive. Programs rely on that (wrk sizes its event loop by
@@ -64,5 +65,6 @@ fn main() -> std::io::Result<()> {
         .map(|&fd| integration::published_path_of_fd(fd))
         .collect();
     println!("paths: {}", paths.join(" "));
+    println!("open: {}", std::fs::read_dir("/proc/self/fd")?.count());
     Ok(())
 }

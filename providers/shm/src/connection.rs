@@ -231,7 +231,8 @@ enum Step {
 struct Peer {
     /// A pid of our namespace (`None`: the peer has none here, or it is unknown).
     pid: Option<u32>,
-    pidfd: Option<OwnedFd>,
+    /// Shared by every connection to the same process ([`sys::shared_pidfd`]).
+    pidfd: Option<Arc<OwnedFd>>,
 }
 
 /// The peer process as the kernel named it to the caller (see **Peer identity** above).
@@ -666,6 +667,7 @@ impl ShmConnection {
         self.cma_permitted = !self.domain.config.force_window
             && base.checked_add(8).is_some()
             && pid.is_some_and(|pid| sys::cma_probe(pid, base).is_ok_and(|word| word == MAGIC));
+        let pidfd = sys::shared_pidfd(pid, pidfd);
         self.peer = Some(Peer { pid, pidfd });
         self.last_liveness_check = Instant::now();
     }

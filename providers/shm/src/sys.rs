@@ -19,6 +19,7 @@ use core::sync::atomic::{AtomicU32, AtomicU64};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Marker for types that may live in memory shared with another process.
@@ -583,6 +584,37 @@ pub(crate) fn pidfd_exited_within(pidfd: &OwnedFd, timeout_ms: libc::c_int) -> b
     // SAFETY: one valid pollfd; a bounded timeout.
     let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
     rc > 0 && pfd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// One pidfd per peer process, however many connections it has with us: each connection
+/// holding its own made a server with a thousand connections from one client hold a
+/// thousand pidfds. Keyed by the pid in our namespace; an entry whose process is still
+/// alive names the process that has that pid now (a pid is not reused while its process
+/// lives), so `fresh` is closed in favour of it. Peers with no pid here keep their own.
+///
+/// The cache's lock is only tried: a child forked while another thread held it shares
+/// nothing, and never waits.
+pub(crate) fn shared_pidfd(pid: Option<u32>, fresh: Option<OwnedFd>) -> Option<Arc<OwnedFd>> {
+    type Cache = std::sync::Mutex<Vec<(u32, std::sync::Weak<OwnedFd>)>>;
+    static CACHE: Cache = std::sync::Mutex::new(Vec::new());
+    let fresh = fresh?;
+    let (Some(pid), Ok(mut cache)) = (pid, CACHE.try_lock()) else {
+        return Some(Arc::new(fresh));
+    };
+    cache.retain(|(_, entry)| entry.strong_count() > 0);
+    let known = cache
+        .iter()
+        .find(|(entry_pid, _)| *entry_pid == pid)
+        .and_then(|(_, entry)| entry.upgrade());
+    if let Some(known) = known {
+        if !pidfd_exited_within(&known, 0) {
+            return Some(known);
+        }
+        cache.retain(|(entry_pid, _)| *entry_pid != pid);
+    }
+    let shared = Arc::new(fresh);
+    cache.push((pid, Arc::downgrade(&shared)));
+    Some(shared)
 }
 
 /// True unless `kill(pid, 0)` says no such process (`EPERM` means it exists).

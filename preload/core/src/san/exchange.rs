@@ -299,11 +299,11 @@ pub(crate) fn send(socket: BorrowedFd<'_>, fd: BorrowedFd<'_>, tag: u8) -> bool 
     matches!(crate::mirror::send_fd(socket, fd, &[tag]), Ok(1))
 }
 
-/// The page both processes map, holding the two sides' [`MirrorWords`].
+/// The page both processes map, holding the two sides' [`MirrorWords`]. Its memfd is closed
+/// once mapped (the mapping keeps the page): a SAN socket holds one descriptor fewer.
 #[derive(Debug)]
 pub(crate) struct WordsPage {
     base: *mut u8,
-    memfd: OwnedFd,
 }
 
 // SAFETY: the page holds only atomics; the pointer is valid until drop.
@@ -312,19 +312,27 @@ unsafe impl Send for WordsPage {}
 unsafe impl Sync for WordsPage {}
 
 impl WordsPage {
-    /// A fresh zeroed page (the acceptor creates it; all-zero words are the initial state).
-    pub(crate) fn create() -> Option<WordsPage> {
-        // SAFETY: NUL-terminated name; plain memfd_create(2).
-        let fd =
-            owned(unsafe { libc::memfd_create(c"sandirect-mirror".as_ptr(), libc::MFD_CLOEXEC) })?;
+    /// A fresh zeroed page (the acceptor creates it; all-zero words are the initial state),
+    /// with its memfd for the peer (to pass on, then close).
+    pub(crate) fn create() -> Option<(WordsPage, OwnedFd)> {
+        // SAFETY: NUL-terminated name; plain memfd_create(2). Not moved to a high number:
+        // it is closed before the hook returns.
+        let fd = unsafe { libc::memfd_create(c"sandirect-mirror".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: just returned by the kernel, owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         // Allocated, not only sized: the words are written through a shared mapping, where
         // a page the kernel cannot supply would be SIGBUS instead of a failed set-up.
         san_shm::allocate_file(fd.as_fd(), PAGE).ok()?;
-        WordsPage::map(fd)
+        let page = WordsPage::map(fd.as_fd())?;
+        Some((page, fd))
     }
 
-    /// Maps a page received from the acceptor; refuses anything that is not a page-sized memfd.
-    pub(crate) fn map(memfd: OwnedFd) -> Option<WordsPage> {
+    /// Maps a page received from the acceptor (the caller closes the memfd afterwards);
+    /// refuses anything that is not a page-sized memfd.
+    pub(crate) fn map(memfd: BorrowedFd<'_>) -> Option<WordsPage> {
         // SAFETY: plain data, zero is valid.
         let mut stat: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: fstat writes a whole `struct stat`.
@@ -348,15 +356,7 @@ impl WordsPage {
         if base == libc::MAP_FAILED {
             return None;
         }
-        Some(WordsPage {
-            base: base.cast(),
-            memfd,
-        })
-    }
-
-    /// The memfd, to pass to the peer.
-    pub(crate) fn memfd(&self) -> BorrowedFd<'_> {
-        self.memfd.as_fd()
+        Some(WordsPage { base: base.cast() })
     }
 
     fn words(&self, side: usize) -> &MirrorWords {

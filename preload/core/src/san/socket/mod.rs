@@ -477,7 +477,9 @@ impl SanSocket {
     /// Creates the mirror (both ends local: the raising end stays with the link, for the service thread)
     /// and the session.
     pub(super) fn start_verbs_session(&mut self, role: Role) -> Result<(), SocketSetupError> {
-        let page = Arc::new(WordsPage::create().ok_or(SocketSetupError::Resource)?);
+        // Both words are ours: the memfd is not passed on.
+        let (page, _memfd) = WordsPage::create().ok_or(SocketSetupError::Resource)?;
+        let page = Arc::new(page);
         let (mirror, k) =
             Mirror::new(SideWords::new(page.clone(), 0)).map_err(|_| SocketSetupError::Resource)?;
         let link = self
@@ -657,11 +659,12 @@ fn offer_mirror(
         exchange::ConnectError::NoListener => SocketSetupError::PeerPlain,
         exchange::ConnectError::Resource => SocketSetupError::Resource,
     })?;
-    let page = Arc::new(WordsPage::create().ok_or(SocketSetupError::Resource)?);
+    let (page, memfd) = WordsPage::create().ok_or(SocketSetupError::Resource)?;
+    let page = Arc::new(page);
     let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
         .map_err(|_| SocketSetupError::Resource)?;
     if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
-        || !exchange::send(link.as_fd(), page.memfd(), WORDS_PAGE)
+        || !exchange::send(link.as_fd(), memfd.as_fd(), WORDS_PAGE)
     {
         return Err(SocketSetupError::Resource);
     }

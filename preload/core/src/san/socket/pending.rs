@@ -53,7 +53,9 @@ impl SanSocket {
         if !self.conn.as_mut().ok_or(())?.identify_peer(acceptor) {
             return Err(());
         }
-        let page = WordsPage::map(page).map(Arc::new).ok_or(())?;
+        let words = WordsPage::map(page.as_fd()).map(Arc::new).ok_or(())?;
+        drop(page); // The mapping keeps the page.
+        let page = words;
         let (our_mirror, our_end) =
             Mirror::with_ends(SideWords::new(page.clone(), CLIENT_WORDS), reserve.ends)
                 .map_err(|_| ())?;
