@@ -539,7 +539,7 @@ pub fn internal_fd_floor() -> libc::c_int {
 /// limit is tiny) the descriptor stays where it is.
 pub fn relocate_internal_fd(fd: OwnedFd) -> OwnedFd {
     let raw = fd.as_raw_fd();
-    match move_up(raw) {
+    match move_up(raw, internal_fd_floor()) {
         Some(moved) => {
             drop(fd);
             moved
@@ -553,15 +553,15 @@ pub fn relocate_internal_fd(fd: OwnedFd) -> OwnedFd {
 /// (`EMFILE`), so that a connection never takes a number from the application's half (the
 /// connection then stays on TCP).
 pub fn move_internal_fd(fd: OwnedFd) -> io::Result<OwnedFd> {
-    if fd.as_raw_fd() >= internal_fd_floor() {
+    let floor = internal_fd_floor();
+    if fd.as_raw_fd() >= floor {
         return Ok(fd);
     }
-    move_up(fd.as_raw_fd()).ok_or_else(|| io::Error::from_raw_os_error(libc::EMFILE))
+    move_up(fd.as_raw_fd(), floor).ok_or_else(|| io::Error::from_raw_os_error(libc::EMFILE))
 }
 
-/// A copy of `fd` at or above the floor (close-on-exec), when one is needed and can be had.
-fn move_up(fd: libc::c_int) -> Option<OwnedFd> {
-    let floor = internal_fd_floor();
+/// A copy of `fd` at or above `floor` (close-on-exec), when one is needed and can be had.
+fn move_up(fd: libc::c_int, floor: libc::c_int) -> Option<OwnedFd> {
     if fd >= floor {
         return None;
     }
