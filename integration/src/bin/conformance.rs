@@ -773,6 +773,97 @@ fn epoll_two_sets_and_nested() -> CaseResult {
     Ok(format!("outer={nested:?} first={in_first:?} second={in_second:?} loop-add={loop_rc} after-close={after_close}"))
 }
 
+/// A level-triggered epoll registration after its reader drained the socket (what event
+/// loops do between requests): no event without data — also not through an epoll instance
+/// nested in another, nor once the registration turns one-shot — and an event as soon as
+/// data comes.
+fn epoll_level_triggered_after_drain() -> CaseResult {
+    let (client, server) = pair()?;
+    check(
+        // SAFETY: F_SETFL on a valid fd.
+        unsafe { libc::fcntl(server.raw(), libc::F_SETFL, libc::O_NONBLOCK) } as isize,
+        "O_NONBLOCK",
+    )?;
+    let epfd = epoll_new()?;
+    check(
+        epoll_add(
+            epfd.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            libc::EPOLLIN as u32,
+            5,
+        ),
+        "epoll_ctl",
+    )?;
+    let mut report = Vec::new();
+    for round in 0..3 {
+        write_all(client.raw(), format!("request {round}").as_bytes())?;
+        let ready = epoll_collect(epfd.raw(), 2000)?;
+        let (n, bytes) = read_some(server.raw(), 256);
+        let drained = outcome(read_some(server.raw(), 256).0);
+        let idle_now = epoll_collect(epfd.raw(), 0)?.len();
+        let idle_later = epoll_collect(epfd.raw(), 50)?.len();
+        let polled = revents_text(poll_one(server.raw(), libc::POLLIN, 0)?);
+        report.push(format!(
+            "{ready:?} read {n} {:?} then {drained}; idle {idle_now}+{idle_later}, poll {polled}",
+            String::from_utf8_lossy(&bytes)
+        ));
+    }
+    let outer = epoll_new()?;
+    check(
+        epoll_add(
+            outer.raw(),
+            libc::EPOLL_CTL_ADD,
+            epfd.raw(),
+            libc::EPOLLIN as u32,
+            9,
+        ),
+        "nest",
+    )?;
+    let outer_idle = epoll_collect(outer.raw(), 50)?.len();
+    write_all(client.raw(), b"nested")?;
+    let outer_ready = epoll_collect(outer.raw(), 2000)?;
+    let inner_ready = epoll_collect(epfd.raw(), 0)?;
+    let (n, _) = read_some(server.raw(), 256);
+    let outer_after = epoll_collect(outer.raw(), 50)?.len();
+    report.push(format!(
+        "nested: idle {outer_idle}, then {outer_ready:?} {inner_ready:?}, read {n}, idle {outer_after}"
+    ));
+    let (client2, server2) = pair()?;
+    let epfd2 = epoll_new()?;
+    check(
+        epoll_add(
+            epfd2.raw(),
+            libc::EPOLL_CTL_ADD,
+            server2.raw(),
+            libc::EPOLLIN as u32,
+            6,
+        ),
+        "epoll_ctl",
+    )?;
+    write_all(client2.raw(), b"before")?;
+    let before = epoll_collect(epfd2.raw(), 2000)?.len();
+    let (n, _) = read_some(server2.raw(), 256);
+    check(
+        epoll_add(
+            epfd2.raw(),
+            libc::EPOLL_CTL_MOD,
+            server2.raw(),
+            (libc::EPOLLIN | libc::EPOLLONESHOT) as u32,
+            6,
+        ),
+        "oneshot",
+    )?;
+    let oneshot_idle = epoll_collect(epfd2.raw(), 50)?.len();
+    write_all(client2.raw(), b"after")?;
+    let oneshot = epoll_collect(epfd2.raw(), 2000)?;
+    let disarmed = epoll_collect(epfd2.raw(), 50)?.len();
+    report.push(format!(
+        "one-shot: {before} read {n}, idle {oneshot_idle}, then {oneshot:?}, disarmed {disarmed}"
+    ));
+    Ok(report.join("; "))
+}
+
 fn poll_and_select() -> CaseResult {
     let (client, server) = pair()?;
     let idle = revents_text(poll_one(server.raw(), libc::POLLIN, 50)?);
@@ -2005,6 +2096,10 @@ const CASES: &[Case] = &[
     ("epoll-rdhup", epoll_rdhup),
     ("epoll-exclusive", epoll_exclusive),
     ("epoll-two-sets-and-nested", epoll_two_sets_and_nested),
+    (
+        "epoll-level-triggered-after-drain",
+        epoll_level_triggered_after_drain,
+    ),
     ("poll-and-select", poll_and_select),
     ("fortify-poll", fortify_poll),
     ("fortify-poll-overflow", fortify_poll_overflow),

@@ -37,6 +37,8 @@ impl FdEntry {
     const EPOLL_TAG: u32 = 1 << 30;
     const CLOEXEC: u32 = 1 << 29;
     const INDEX_MASK: u32 = Self::CLOEXEC - 1;
+    /// Epoll entries only (they have no index): registered in another epoll instance.
+    const NESTED_EPOLL: u32 = 1;
     /// Largest socket index an entry can name.
     pub const MAX_SOCKET_INDEX: u32 = Self::INDEX_MASK - 1;
 
@@ -73,6 +75,20 @@ impl FdEntry {
     /// True for a tracked epoll instance.
     pub const fn is_epoll(self) -> bool {
         self.0 & Self::EPOLL_TAG != 0
+    }
+
+    /// An epoll instance registered in another epoll instance (its readiness is watched).
+    pub const fn is_nested_epoll(self) -> bool {
+        self.is_epoll() && self.0 & Self::NESTED_EPOLL != 0
+    }
+
+    /// The same epoll entry, marked as registered in another epoll instance.
+    pub const fn with_nested_epoll(self) -> FdEntry {
+        if self.is_epoll() {
+            FdEntry(self.0 | Self::NESTED_EPOLL)
+        } else {
+            self
+        }
     }
 
     /// The per-fd close-on-exec flag.

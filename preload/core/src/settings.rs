@@ -8,7 +8,7 @@
 //! default is used; nothing here can fail the host program.
 
 use core::ffi::c_int;
-use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::ffi::CStr;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -50,6 +50,8 @@ pub const STAT_DIR_C: &CStr = c"SANDIRECT_STAT_DIR";
 pub const SAN: &str = "SANDIRECT_SAN";
 /// `SANDIRECT_WAIT_SLICE_MS`.
 pub const WAIT_SLICE_MS: &str = "SANDIRECT_WAIT_SLICE_MS";
+/// `SANDIRECT_POLL_US`.
+pub const POLL_US: &str = "SANDIRECT_POLL_US";
 /// `SANDIRECT_SHM_DIR`.
 pub const SHM_DIR: &str = "SANDIRECT_SHM_DIR";
 /// `SANDIRECT_SAN_RENDEZVOUS`.
@@ -171,6 +173,13 @@ pub const KNOBS: &[Knob] = &[
         values: "1..=600000",
         default: "239",
         effect: "longest kernel wait between two safety-net services of every SAN socket; not read when privileged",
+        privileged: false,
+    },
+    Knob {
+        name: POLL_US,
+        values: "0..=1000",
+        default: "50",
+        effect: "longest time an epoll wait looks for the next message of a SAN socket it just reported, before it sleeps (adaptive below it; 0: never); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -325,6 +334,14 @@ pub fn load(argv0: Option<&CStr>) {
             ),
         }
     }
+    if let Some(value) = var(POLL_US) {
+        match value.parse::<u32>() {
+            Ok(us) if us <= 1000 => POLL.store(us, Ordering::Relaxed),
+            _ => {
+                eprintln!("sandirect: {POLL_US}={value:?} is not 0..=1000; using {DEFAULT_POLL_US}")
+            }
+        }
+    }
     let _ = SETTINGS.set(Settings {
         mode,
         program,
@@ -377,6 +394,19 @@ static WAIT_SLICE: AtomicI32 = AtomicI32::new(DEFAULT_WAIT_SLICE_MS);
 /// interrupt the wait.
 pub fn wait_slice_ms() -> c_int {
     WAIT_SLICE.load(Ordering::Relaxed)
+}
+
+/// The default of [`poll_us`].
+const DEFAULT_POLL_US: u32 = 50;
+
+static POLL: AtomicU32 = AtomicU32::new(DEFAULT_POLL_US);
+
+/// Longest time, in microseconds, an epoll wait looks at the SAN sockets whose data it just
+/// handed out for their next message before it sleeps (0: never). Waking a sleeping thread
+/// costs tens of microseconds on virtual machines, more than a request/response round trip
+/// over shared memory; the wait adapts below this bound to how often looking pays off.
+pub fn poll_us() -> u32 {
+    POLL.load(Ordering::Relaxed)
 }
 
 /// [`wait_slice_ms`] as a duration.

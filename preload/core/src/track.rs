@@ -320,6 +320,16 @@ pub(crate) fn track_epoll_instance(epfd: c_int, cloexec: bool) {
     }
 }
 
+/// Epoll instance `inner` was registered in another: marked, so SAN sockets it watches keep
+/// their mirrors exact (see `san::registration_kinds`). Returns true when it was not yet.
+pub(crate) fn note_nested_epoll(inner: c_int) -> bool {
+    let entry = table().lookup(inner);
+    if !entry.is_epoll() || entry.is_nested_epoll() {
+        return false;
+    }
+    table().replace(inner, entry.with_nested_epoll()).is_ok()
+}
+
 /// Records an epoll registration of a tracked socket.
 pub(crate) fn note_registration(record: &SocketRecord, epfd: c_int, event: libc::epoll_event) {
     if !record.register_epoll(epfd, event.events, event.u64) {

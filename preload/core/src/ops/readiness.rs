@@ -117,6 +117,7 @@ unsafe fn epoll_wait_with_san(
     // busy neighbour).
     let slice = std::time::Duration::from_millis(crate::settings::wait_slice_ms() as u64);
     let mut serviced = start;
+    let mut deferred = crate::san::Deferred::default();
     loop {
         {
             let _errno = errno::Preserved::save();
@@ -135,10 +136,33 @@ unsafe fn epoll_wait_with_san(
             // SAFETY: the kernel just wrote `n` events there.
             let returned = unsafe { core::slice::from_raw_parts_mut(events, n as usize) };
             // (A panic of ours: the kernel's events as they are.)
-            let kept = guard::contained(|| crate::san::correct_epoll_events(epfd, returned))
-                .unwrap_or(n as usize);
+            let may_look = timeout_ms != 0;
+            let kept = guard::contained(|| {
+                crate::san::correct_epoll_events(epfd, returned, may_look.then_some(&mut deferred))
+            })
+            .unwrap_or(n as usize);
             if kept > 0 {
                 return kept as c_int;
+            }
+            if !deferred.is_empty() {
+                // Only sockets raised without data: look for their next message before
+                // sleeping (see `san::look_for_messages`); found, the next kernel wait
+                // reports it at once.
+                let budget = look_budget(deadline);
+                let found = if budget.is_zero() {
+                    0
+                } else {
+                    guard::contained(|| crate::san::look_for_messages(&deferred, budget, returned))
+                        .unwrap_or(0)
+                };
+                note_look(!budget.is_zero(), found > 0);
+                if found > 0 {
+                    deferred.clear();
+                    return found as c_int;
+                }
+                let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                deferred.clear();
+                continue;
             }
             if serviced.elapsed() >= slice {
                 let _ = guard::contained(crate::san::service_all);
@@ -152,6 +176,80 @@ unsafe fn epoll_wait_with_san(
             return 0;
         }
     }
+}
+
+/// How a thread's recent looks for the next message went: the budget of the next look, in
+/// microseconds, halved by every look that found nothing (down to none, then a short look
+/// once every [`PROBE_EVERY`] waits), back to the whole [`crate::settings::poll_us`] once one
+/// pays off. A thread whose peers answer slowly, or share its CPU, soon stops looking.
+#[derive(Clone, Copy)]
+struct LookPolicy {
+    budget_us: u32,
+    skipped: u32,
+}
+
+const PROBE_EVERY: u32 = 16;
+
+thread_local! {
+    static LOOK: core::cell::Cell<LookPolicy> = const {
+        core::cell::Cell::new(LookPolicy { budget_us: u32::MAX, skipped: 0 })
+    };
+}
+
+/// This machine has more than one CPU for us (looking while the peer cannot run is waste).
+fn multi_cpu() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() > 1))
+}
+
+/// The next look's budget, within the time left until `deadline`.
+fn look_budget(deadline: Option<std::time::Instant>) -> std::time::Duration {
+    let most = crate::settings::poll_us();
+    if most == 0 || !multi_cpu() {
+        return std::time::Duration::ZERO;
+    }
+    let budget_us = LOOK.with(|look| {
+        let mut policy = look.get();
+        let budget = if policy.budget_us == u32::MAX {
+            most
+        } else if policy.budget_us == 0 {
+            policy.skipped += 1;
+            if policy.skipped.is_multiple_of(PROBE_EVERY) {
+                most / 8
+            } else {
+                0
+            }
+        } else {
+            policy.budget_us.min(most)
+        };
+        look.set(policy);
+        budget
+    });
+    let budget = std::time::Duration::from_micros(u64::from(budget_us));
+    deadline.map_or(budget, |d| {
+        budget.min(d.saturating_duration_since(std::time::Instant::now()))
+    })
+}
+
+/// Records how a look went (`looked`: it had a budget).
+fn note_look(looked: bool, found: bool) {
+    if !looked {
+        return;
+    }
+    LOOK.with(|look| {
+        let mut policy = look.get();
+        policy.budget_us = if found {
+            crate::settings::poll_us()
+        } else if policy.budget_us == u32::MAX {
+            crate::settings::poll_us() / 2
+        } else {
+            policy.budget_us / 2
+        };
+        if found {
+            policy.skipped = 0;
+        }
+        look.set(policy);
+    });
 }
 
 /// `epoll_wait(2)`.
@@ -388,6 +486,16 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
     };
     // SAFETY: forwarded.
     let rc = unsafe { real::epoll_ctl(epfd, op, target, event) };
+    if let (0, libc::EPOLL_CTL_ADD, Some(entry)) = (rc, op, entry) {
+        if entry.is_epoll() {
+            bookkeeping(|| {
+                if crate::track::note_nested_epoll(fd) {
+                    crate::san::epoll_instance_nested(fd);
+                }
+            });
+            return rc;
+        }
+    }
     if let (0, Some(entry)) = (rc, entry) {
         // SAFETY: the kernel accepted `event` (required for ADD/MOD) just now.
         let registered = (!event.is_null()).then(|| unsafe { event.read_unaligned() });

@@ -150,7 +150,10 @@ pub(crate) use downgrade::{pass_on, stash_of};
 pub use kernel::RawBuf;
 pub use outcome::SanCall;
 pub use provider::enabled;
-pub use readiness::{correct_epoll_events, poll_fds, readable_bytes, select_via_poll};
+pub use readiness::{
+    correct_epoll_events, look_for_messages, lower_deferred, poll_fds, readable_bytes,
+    select_via_poll, Deferred,
+};
 pub use recv::recv_iov;
 pub use send::send_iov;
 pub use service::service_all;
@@ -637,10 +640,23 @@ pub fn epoll_registrations_changed(index: u32) {
     let Some(record) = registry().get(index) else {
         return;
     };
-    let edge_triggered = record
-        .epoll_registrations()
-        .any(|(_, events, _)| events & libc::EPOLLET as u32 != 0);
-    if let Some(SanObject::Socket(socket)) = lock(index).as_ref() {
-        socket.set_edge_per_arrival(edge_triggered);
+    if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        socket.registrations_changed(record);
+    }
+}
+
+/// Epoll instance `epfd` was registered in another: the SAN sockets it watches give up lazy
+/// lowering.
+pub fn epoll_instance_nested(epfd: c_int) {
+    let mut watched = Vec::new();
+    registry().for_each_live(|index, record| {
+        if record.flags() & flags::SAN != 0
+            && record.epoll_registrations().any(|(e, _, _)| e == epfd)
+        {
+            watched.push(index);
+        }
+    });
+    for index in watched {
+        epoll_registrations_changed(index);
     }
 }

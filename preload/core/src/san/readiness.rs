@@ -139,7 +139,16 @@ fn correct_revents(entry: &mut libc::pollfd) {
 /// IN bit dropped, as `correct_revents` does for `poll`; events left empty are removed.
 /// Returns the new count. A level-triggered reader then never sees readiness without data
 /// (strict clients such as wrk treat that `EAGAIN` as an error).
-pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> usize {
+///
+/// With `deferred`, a socket under lazy lowering (see `SanSocket::lazy_lowering`) is not
+/// lowered here: its event is dropped and its index noted, for the wait to look for its next
+/// message first ([`look_for_messages`]) and lower it only before it sleeps
+/// ([`lower_deferred`]).
+pub fn correct_epoll_events(
+    epfd: c_int,
+    events: &mut [libc::epoll_event],
+    mut deferred: Option<&mut Deferred>,
+) -> usize {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("correct_epoll_events");
     if LIVE.load(Ordering::Relaxed) == 0 {
@@ -180,9 +189,14 @@ pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> us
                     }
                     socket.service();
                     let readiness = socket.readiness();
-                    if !readiness.readable && !socket.tcp_bytes_pending() && socket.lower_readable()
-                    {
-                        event.events &= !(libc::EPOLLIN as u32);
+                    if !readiness.readable && !socket.tcp_bytes_pending() {
+                        let defer = socket.lazy_lowering
+                            && deferred
+                                .as_mut()
+                                .is_some_and(|list| list.push(index, event));
+                        if defer || socket.lower_readable() {
+                            event.events &= !(libc::EPOLLIN as u32);
+                        }
                     }
                     if readiness.error {
                         event.events |= libc::EPOLLERR as u32;
@@ -197,6 +211,134 @@ pub fn correct_epoll_events(epfd: c_int, events: &mut [libc::epoll_event]) -> us
         }
     }
     kept
+}
+
+/// Most sockets one epoll wait looks at before it sleeps; any beyond are lowered at once.
+const DEFERRED: usize = 16;
+
+/// The SAN sockets an epoll wait found raised without data (lazy lowering): looked at for
+/// their next message before the wait sleeps, then lowered.
+pub struct Deferred {
+    indices: [u32; DEFERRED],
+    /// The kernel's event for each (the IN bit included), to hand out when its data comes.
+    events: [libc::epoll_event; DEFERRED],
+    len: usize,
+}
+
+impl Default for Deferred {
+    fn default() -> Deferred {
+        Deferred {
+            indices: [0; DEFERRED],
+            events: [libc::epoll_event { events: 0, u64: 0 }; DEFERRED],
+            len: 0,
+        }
+    }
+}
+
+impl Deferred {
+    fn push(&mut self, index: u32, event: libc::epoll_event) -> bool {
+        if self.len == DEFERRED || self.indices[..self.len].contains(&index) {
+            return false;
+        }
+        self.indices[self.len] = index;
+        self.events[self.len] = event;
+        self.len += 1;
+        true
+    }
+
+    /// No socket was deferred.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets the sockets (after they were looked at and lowered).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn indices(&self) -> &[u32] {
+        &self.indices[..self.len]
+    }
+}
+
+/// # Looking before sleeping
+///
+/// An event loop that just served a request over the SAN usually gets the next one (or the
+/// answer it waits for) within microseconds: the peer is running on another CPU. Sleeping in
+/// the kernel in between costs a wake-up (tens of microseconds on a virtual machine) and two
+/// token system calls (our lowering read, the peer's raising write). So an epoll wait that
+/// finds only sockets raised without data looks at their sessions for up to `budget` (the
+/// caller adapts it) and returns true as soon as one has data, a FIN or an error: the
+/// mirror is still raised, so the kernel would report it again; the sockets found are handed
+/// out directly instead, with the kernel's own event for them (only plain level-triggered
+/// registrations are ever deferred, so reporting such an event again is what the kernel
+/// would do; another descriptor that became ready meanwhile is reported by the next wait).
+/// Returns how many events it wrote to `out` (0: nothing came within `budget`). Now and then
+/// it yields the CPU, so a peer sharing it can run.
+pub fn look_for_messages(
+    deferred: &Deferred,
+    budget: std::time::Duration,
+    out: &mut [libc::epoll_event],
+) -> usize {
+    let start = std::time::Instant::now();
+    let mut looks = 0u32;
+    loop {
+        let mut found = 0;
+        for (&index, event) in deferred.indices().iter().zip(&deferred.events) {
+            if found == out.len() {
+                break;
+            }
+            if orphaned(index) {
+                continue;
+            }
+            let mut slot = lock(index);
+            let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+                continue;
+            };
+            socket.service();
+            let readiness = socket.readiness();
+            if readiness.readable
+                || readiness.read_hup
+                || readiness.error
+                || socket.tcp_bytes_pending()
+            {
+                let mut event = *event;
+                if readiness.error {
+                    event.events |= libc::EPOLLERR as u32;
+                }
+                event.events = socket.correct_close_bits(event.events);
+                out[found] = event;
+                found += 1;
+            }
+        }
+        if found > 0 {
+            return found;
+        }
+        if start.elapsed() >= budget {
+            return 0;
+        }
+        looks += 1;
+        if looks.is_multiple_of(32) {
+            // SAFETY: sched_yield(2) takes no arguments.
+            unsafe { libc::sched_yield() };
+        } else {
+            core::hint::spin_loop();
+        }
+    }
+}
+
+/// Lowers the deferred sockets that still have nothing to read, before the wait sleeps.
+pub fn lower_deferred(deferred: &Deferred) {
+    for &index in deferred.indices() {
+        if orphaned(index) {
+            continue;
+        }
+        if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+            if !socket.readiness().readable && !socket.tcp_bytes_pending() {
+                let _ = socket.lower_readable();
+            }
+        }
+    }
 }
 
 /// FIONREAD on a SAN socket; `None` when the kernel's answer is the right one (pending).

@@ -253,7 +253,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                             continue;
                         }
                         if nonblocking && !in_handshake {
-                            if socket.lower_readable() {
+                            // Under lazy lowering the mirror stays raised: the epoll wait
+                            // lowers it before it sleeps, after looking for the next message.
+                            if socket.lazy_lowering || socket.lower_readable() {
                                 return Some(partial(done, libc::EAGAIN));
                             }
                             continue;

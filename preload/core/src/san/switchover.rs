@@ -47,10 +47,7 @@ pub(super) fn switch_if_attached(
         COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
         move_epoll_registrations(index, fd, socket);
         if let Some(record) = registry().get(index) {
-            let edge_triggered = record
-                .epoll_registrations()
-                .any(|(_, events, _)| events & libc::EPOLLET as u32 != 0);
-            socket.set_edge_per_arrival(edge_triggered);
+            socket.registrations_changed(record);
         }
         Ok(())
     } else {

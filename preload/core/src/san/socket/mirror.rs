@@ -5,7 +5,9 @@
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 use super::{Phase, SanSocket};
+use crate::fdtable::table;
 use crate::mirror::{self, ReadLowering, WriteLowering};
+use crate::record::SocketRecord;
 use crate::san::link::Link;
 use crate::san::tunables::EARLY_LIMIT;
 use switch::session::{ResetCause, Session, SessionState};
@@ -79,9 +81,10 @@ impl SanSocket {
     }
 
     /// After a read: if nothing more is readable, lowers the watched end so level-triggered waiters and
-    /// `poll()` stop reporting it (no system call when it is already low).
+    /// `poll()` stop reporting it (no system call when it is already low). Left raised under
+    /// [`SanSocket::lazy_lowering`]: the next epoll wait lowers it if nothing came by then.
     pub(crate) fn settle_readable(&mut self) {
-        if self.watched && !self.readiness().readable {
+        if self.watched && !self.lazy_lowering && !self.readiness().readable {
             let _ = self.lower_readable();
         }
     }
@@ -138,6 +141,21 @@ impl SanSocket {
         }
     }
 
+    /// The epoll registrations watching this socket (`record`'s) changed: while one has
+    /// `EPOLLET` the peer raises on every arrival; lazy lowering (see
+    /// [`SanSocket::lazy_lowering`]) while all are plain level-triggered ones, unchanged when
+    /// none is left (an event loop that removes its registration adds one back soon).
+    /// Leaving lazy lowering lowers a mirror left raised.
+    pub(crate) fn registrations_changed(&mut self, record: &SocketRecord) {
+        let (edge_triggered, lazy) = registration_kinds(record);
+        self.set_edge_per_arrival(edge_triggered);
+        let lazy = lazy.unwrap_or(self.lazy_lowering);
+        let was_lazy = core::mem::replace(&mut self.lazy_lowering, lazy);
+        if was_lazy && !lazy {
+            self.settle_readable();
+        }
+    }
+
     /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
     pub(super) fn raise_own_mirror(&self) {
         let Some(conn) = self.conn.as_ref().filter(|conn| !conn.is_intra_host()) else {
@@ -171,4 +189,25 @@ impl SanSocket {
             self.raise_own_mirror();
         }
     }
+}
+
+/// `record`'s epoll registrations: whether one is edge-triggered, and whether there are
+/// some and all are plain level-triggered ones (what [`SanSocket::lazy_lowering`]
+/// needs: a one-shot registration must not be handed a raised mirror without data), or
+/// there are none (`None`: lazy lowering may go on, as event loops remove and add their
+/// registrations between requests).
+fn registration_kinds(record: &SocketRecord) -> (bool, Option<bool>) {
+    let special = (libc::EPOLLET | libc::EPOLLONESHOT) as u32;
+    let mut any = false;
+    let mut edge_triggered = false;
+    let mut all_plain = true;
+    for (epfd, events, _) in record.epoll_registrations() {
+        any = true;
+        edge_triggered |= events & libc::EPOLLET as u32 != 0;
+        // A nested instance's readiness is watched by the outer one: a mirror raised
+        // without data would make it readable without an event.
+        all_plain &= events & special == 0 && !table().lookup(epfd).is_nested_epoll();
+    }
+    let lazy = all_plain && crate::settings::poll_us() > 0;
+    (edge_triggered, any.then_some(lazy))
 }

@@ -212,6 +212,12 @@ pub(crate) struct SanSocket {
     /// `poll`/`select`/`epoll` watch this socket's mirror: its readability must then be kept
     /// exact after every read (costs two system calls per emptied queue, so only then).
     pub watched: bool,
+    /// Only plain level-triggered epoll registrations watch this socket (no `EPOLLET`, no
+    /// `EPOLLONESHOT`): a read that empties the queue then leaves the mirror raised, and the
+    /// epoll wait that next finds it raised without data looks for the next message before it
+    /// lowers it and sleeps (`san::readiness`, "Looking before sleeping"). A raised mirror also
+    /// spares the peer its token write for that message.
+    pub lazy_lowering: bool,
     /// An eventfd the blocked threads also poll: a thread whose call made progress (consumed
     /// the mirror token, took in credits or data) rings it so the others re-check.
     local_bell: Option<OwnedFd>,
@@ -309,6 +315,7 @@ impl SanSocket {
             marker_owed: false,
             waiters: 0,
             watched: false,
+            lazy_lowering: false,
             local_bell: None,
             pending_bell: None,
             released: Vec::new(),
