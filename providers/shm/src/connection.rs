@@ -1622,11 +1622,11 @@ mod tests {
     }
 
     fn pair(tag: &str) -> Pair {
-        let dir = std::path::PathBuf::from(format!(
+        let path = std::path::PathBuf::from(format!(
             "/dev/shm/san-shm-unit-{tag}-{}",
             std::process::id()
         ));
-        crate::segment::ensure_private_dir(&dir).unwrap();
+        let dir = crate::dir::ShmDir::open(&path).unwrap();
         let slots = SlotConfig {
             send_slots: 4,
             recv_slots: 4,
@@ -1640,7 +1640,7 @@ mod tests {
         let attacher = ShmConnection::new(attached, &domain, ConnectionConfig::default()).unwrap();
         creator.poll_completions(&mut Vec::new(), 0);
         Pair {
-            dir,
+            dir: path,
             creator,
             attacher,
         }
