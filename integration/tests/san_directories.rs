@@ -338,3 +338,39 @@ fn a_segment_directory_swapped_under_running_processes_is_not_followed() {
         .collect();
     assert!(left.is_empty(), "segment files left behind: {left:?}");
 }
+
+#[test]
+fn a_stats_directory_swapped_under_running_processes_is_not_followed() {
+    let dirs = Dirs::new("stat");
+    let rounds = 2;
+    // Round 1: both processes publish their records (their stats files exist).
+    let mut echo = EchoRounds::start(&dirs, rounds);
+    let pids = [echo.server.id(), echo.client.id()];
+    let original = dirs.beside("stat-original");
+    swap_in_directory(&dirs.stat, &original);
+    // Files under the names the processes' own files have, in what was put at the path.
+    let planted = b"not a stats file: the processes must leave it alone\n";
+    for pid in pids {
+        std::fs::write(dirs.stat.join(pid.to_string()), planted).unwrap();
+    }
+    echo.next_round();
+    let (server, client) = echo.finish();
+    // Each report's path is read back from the stats file by its path, which now names the
+    // planted file: only bytes and checksums count here.
+    check_reports(&server, &client, rounds, None);
+    for pid in pids {
+        assert_eq!(
+            std::fs::read(dirs.stat.join(pid.to_string())).unwrap(),
+            planted,
+            "the file planted under process {pid}'s name was changed or removed"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(&original)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "each process removes its own stats file, from the directory it published in: {left:?} left"
+    );
+}
