@@ -249,3 +249,52 @@ fn stat_lists_a_live_connection_of_a_preloaded_process() {
     );
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
 }
+
+/// A pid no process can have (above any `pid_max`): its files are a dead process's.
+const DEAD_PID: &str = "2147483646";
+
+/// What a process killed before it wrote its stats file's header leaves: the header's bytes,
+/// all zero.
+fn unfinished_stats_file() -> Vec<u8> {
+    vec![0u8; 4096]
+}
+
+#[test]
+fn stat_reads_no_directory_through_a_symbolic_link() {
+    let dir = temp_dir("stat-link");
+    let target = dir.join("target");
+    std::fs::create_dir(&target).unwrap();
+    std::fs::write(target.join(DEAD_PID), unfinished_stats_file()).unwrap();
+    let link = dir.join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let output = sandirect(&["stat"], &[("SANDIRECT_STAT_DIR", link.to_str().unwrap())]);
+    assert!(!output.status.success(), "{output:?}");
+    assert!(
+        text(&output.stderr).contains("symbolic link"),
+        "{}",
+        text(&output.stderr)
+    );
+    assert!(
+        target.join(DEAD_PID).exists(),
+        "nothing is removed through the link"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn stat_removes_what_dead_publishers_left_and_nothing_else() {
+    let dir = temp_dir("stat-stale");
+    let other_dead_pid = "2147483645";
+    std::fs::write(dir.join(DEAD_PID), unfinished_stats_file()).unwrap();
+    std::fs::write(dir.join(other_dead_pid), b"a file of the user's own\n").unwrap();
+    std::fs::write(dir.join("notes"), b"another\n").unwrap();
+    let output = sandirect(&["stat"], &[("SANDIRECT_STAT_DIR", dir.to_str().unwrap())]);
+    assert!(output.status.success(), "{output:?}");
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, [other_dead_pid, "notes"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -2,10 +2,16 @@
 //! switch-over tests. It knows nothing of sandirect: run it natively and under the preload.
 //!
 //! ```text
-//! san_echo server PROTOCOL            # prints "port N", serves one connection, prints a report
-//! san_echo client PORT PROTOCOL BYTES # prints a report
-//! san_echo inprocess PROTOCOL BYTES   # both ends in one process (threads)
+//! san_echo server PROTOCOL [CONNECTIONS]     # prints "port N", serves CONNECTIONS (default 1)
+//!                                            # connections one after another, a report each
+//! san_echo client PORT PROTOCOL BYTES [ROUNDS] # ROUNDS (default 1) connections one after
+//!                                            # another, a report each
+//! san_echo inprocess PROTOCOL BYTES          # both ends in one process (threads)
 //! ```
+//!
+//! With several rounds the client reads one line on stdin before each round after the first
+//! (and stops, failing, at end of input): the test decides when the next connection is made,
+//! e.g. after it changed something under the running processes.
 //!
 //! Protocols:
 //! * `client-first`: the client streams BYTES of a seeded pattern and shuts down writing; the
@@ -173,7 +179,7 @@ fn set_read_timeout_inherited(listener: &TcpListener) -> std::io::Result<()> {
     Ok(())
 }
 
-fn serve_timeouts(listener: TcpListener) -> std::io::Result<String> {
+fn serve_timeouts(listener: &TcpListener) -> std::io::Result<String> {
     let (mut stream, peer) = listener.accept()?;
     // One byte each way first: the connection has switched (over the SAN) before the
     // timeouts are tried (the switch-over window is not what this checks).
@@ -290,7 +296,7 @@ fn client_timeouts(mut stream: TcpStream, port: u16, bytes: usize) -> std::io::R
     ))
 }
 
-fn serve(listener: TcpListener, protocol: &str) -> std::io::Result<String> {
+fn serve(listener: &TcpListener, protocol: &str) -> std::io::Result<String> {
     if protocol == "timeouts" {
         return serve_timeouts(listener);
     }
@@ -421,6 +427,14 @@ fn check_echo(
     ))
 }
 
+/// An optional count argument: 1 when absent.
+fn count_or_one(arg: &str) -> std::io::Result<usize> {
+    if arg.is_empty() {
+        return Ok(1);
+    }
+    arg.parse().map_err(std::io::Error::other)
+}
+
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or_default();
@@ -428,14 +442,30 @@ fn main() -> std::io::Result<()> {
         "server" => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
             prepare_listener(&listener, arg(2))?;
+            let connections = count_or_one(arg(3))?;
             println!("port {}", listener.local_addr()?.port());
             std::io::stdout().flush()?;
-            println!("{}", serve(listener, arg(2))?);
+            for _ in 0..connections {
+                println!("{}", serve(&listener, arg(2))?);
+                std::io::stdout().flush()?;
+            }
         }
         "client" => {
             let port = arg(2).parse().map_err(std::io::Error::other)?;
             let bytes = arg(4).parse().map_err(std::io::Error::other)?;
-            println!("{}", client(port, arg(3), bytes)?);
+            let rounds = count_or_one(arg(5))?;
+            for round in 0..rounds {
+                if round > 0 {
+                    let mut line = String::new();
+                    if std::io::stdin().read_line(&mut line)? == 0 {
+                        return Err(std::io::Error::other(format!(
+                            "no go-ahead for round {round} of {rounds}"
+                        )));
+                    }
+                }
+                println!("{}", client(port, arg(3), bytes)?);
+                std::io::stdout().flush()?;
+            }
         }
         "inprocess" => {
             let listener = TcpListener::bind("127.0.0.1:0")?;
@@ -443,7 +473,7 @@ fn main() -> std::io::Result<()> {
             let protocol = arg(2).to_owned();
             prepare_listener(&listener, &protocol)?;
             let bytes = arg(3).parse().map_err(std::io::Error::other)?;
-            let server = std::thread::spawn(move || serve(listener, &protocol));
+            let server = std::thread::spawn(move || serve(&listener, &protocol));
             println!("{}", client(port, arg(2), bytes)?);
             let report = server
                 .join()

@@ -13,7 +13,8 @@
 //!   repeated connections to a plain server skip even the probe. Lock-free.
 //! * [`ConnectionKey`] — the canonical 4-tuple and its file-name encoding ([`SegmentName`]),
 //!   identical on both ends of the connection.
-//! * [`SegmentDir`] — the per-user 0700 directory segment files live in, checked before use.
+//! * [`SegmentDir`] — the per-user 0700 directory segment files live in, checked once through
+//!   its open descriptor and used only through it.
 //!
 //! **Identity.** Names and directories use the *effective* uid: segment files are created with
 //! it, and "only the same user may attach" is a statement about it.
@@ -28,12 +29,13 @@
 
 use core::fmt::{self, Write as _};
 use core::hash::Hash;
-use core::mem::{size_of, MaybeUninit};
-use std::ffi::CString;
+use core::mem::size_of;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+
+use san_shm::PermissionProblem;
 
 use crate::errno;
 
@@ -708,18 +710,19 @@ impl ConnectionKey {
 // Segment directory
 // ---------------------------------------------------------------------------------------------
 
-/// The per-user directory segment files live in, verified private.
+/// The per-user directory segment files live in, verified private, held open.
 ///
-/// Opened with `O_NOFOLLOW|O_DIRECTORY` and checked with `fstat` on the open descriptor, so
-/// the check is about the directory itself, not whatever a path resolves to later. The
-/// segment layer reopens files by path under it; in the default location (`/dev/shm`, sticky)
-/// no other user can rename or replace our directory, and with an override in a place others
-/// can write, the segment's own checks (owner and mode of each file, `O_NOFOLLOW`) still refuse
-/// what is not ours.
+/// Opened once with `O_NOFOLLOW|O_DIRECTORY` and checked with `fstat` on the open descriptor
+/// ([`san_shm::ShmDir`]), so the check is about the directory itself, not whatever the path
+/// names later; the shm provider then reaches every segment relative to that descriptor
+/// (`openat`, `linkat`, `unlinkat`, `fstatat`). Whoever may rename the directory away and put
+/// another directory or a symbolic link at its path (an override in a place others can
+/// write) changes nothing for this process: its segments stay in the directory it checked.
+/// A peer process opens and checks the path itself: if the path named another directory
+/// when it did, the two do not find each other's segments and the connection stays on TCP.
 #[derive(Debug)]
 pub struct SegmentDir {
-    path: PathBuf,
-    fd: OwnedFd,
+    dir: san_shm::ShmDir,
 }
 
 impl SegmentDir {
@@ -737,76 +740,58 @@ impl SegmentDir {
     /// system-call failures.
     pub fn open(override_path: Option<&Path>) -> Result<SegmentDir, DiscoveryError> {
         let path = override_path.map_or_else(SegmentDir::default_path, Path::to_path_buf);
+        if path.as_os_str().is_empty() || path.as_os_str().as_bytes().contains(&0) {
+            return Err(DiscoveryError::InvalidPath);
+        }
         let refuse = |problem| DiscoveryError::UnsafeDirectory {
             path: path.clone(),
             problem,
         };
-        let c_path = CString::new(path.as_os_str().as_bytes())
-            .ok()
-            .filter(|c| !c.as_bytes().is_empty())
-            .ok_or(DiscoveryError::InvalidPath)?;
-        // SAFETY: NUL-terminated path. An existing entry is examined below, whatever it is.
-        if unsafe { libc::mkdir(c_path.as_ptr(), 0o700) } != 0 && errno::get() != libc::EEXIST {
-            return Err(DiscoveryError::last_os("create segment directory"));
+        match san_shm::ShmDir::open(&path) {
+            Ok(dir) => Ok(SegmentDir { dir }),
+            Err(san_shm::ShmError::PermissionDenied(problem)) => Err(match problem {
+                PermissionProblem::Symlink => refuse(DirectoryProblem::Symlink),
+                PermissionProblem::WrongOwner { uid } => {
+                    refuse(DirectoryProblem::WrongOwner { uid })
+                }
+                PermissionProblem::ModeTooOpen { mode } => {
+                    refuse(DirectoryProblem::ModeTooOpen { mode })
+                }
+                PermissionProblem::NotADirectory | PermissionProblem::NotRegularFile => {
+                    refuse(DirectoryProblem::NotADirectory)
+                }
+                // The kernel refused (EACCES or EPERM; which one is not kept).
+                _ => DiscoveryError::Os {
+                    op: "open segment directory",
+                    errno: libc::EACCES,
+                },
+            }),
+            Err(san_shm::ShmError::NotFound) => Err(DiscoveryError::Os {
+                op: "create segment directory",
+                errno: libc::ENOENT,
+            }),
+            Err(san_shm::ShmError::Io { op, errno }) => Err(DiscoveryError::Os { op, errno }),
+            Err(_) => Err(DiscoveryError::Os {
+                op: "open segment directory",
+                errno: libc::EINVAL,
+            }),
         }
-        let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-        // SAFETY: NUL-terminated path.
-        let raw = unsafe { libc::open(c_path.as_ptr(), flags) };
-        if raw < 0 {
-            return Err(match errno::get() {
-                libc::ELOOP => refuse(DirectoryProblem::Symlink),
-                // O_DIRECTORY|O_NOFOLLOW on a symlink also reports ENOTDIR on some kernels:
-                // tell the two apart with lstat.
-                libc::ENOTDIR => refuse(if is_symlink(&c_path) {
-                    DirectoryProblem::Symlink
-                } else {
-                    DirectoryProblem::NotADirectory
-                }),
-                _ => DiscoveryError::last_os("open segment directory"),
-            });
-        }
-        // SAFETY: `raw` was just returned by open() and is owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let mut stat = MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: fstat writes a whole `struct stat` on success.
-        if unsafe { libc::fstat(fd.as_raw_fd(), stat.as_mut_ptr()) } != 0 {
-            return Err(DiscoveryError::last_os("fstat segment directory"));
-        }
-        // SAFETY: fstat succeeded.
-        let stat = unsafe { stat.assume_init() };
-        if stat.st_mode & libc::S_IFMT != libc::S_IFDIR {
-            return Err(refuse(DirectoryProblem::NotADirectory));
-        }
-        if stat.st_uid != effective_uid() {
-            return Err(refuse(DirectoryProblem::WrongOwner { uid: stat.st_uid }));
-        }
-        if stat.st_mode & 0o077 != 0 {
-            return Err(refuse(DirectoryProblem::ModeTooOpen {
-                mode: stat.st_mode & 0o7777,
-            }));
-        }
-        Ok(SegmentDir { path, fd })
     }
 
-    /// The directory's path (what the shm provider's `create`/`attach` take).
+    /// The path the directory was opened by (for messages: segments are reached through the
+    /// open directory, see [`SegmentDir::handle`]).
     pub fn path(&self) -> &Path {
-        &self.path
+        self.dir.path()
+    }
+
+    /// The open directory, as the shm provider's `create`/`attach` take it.
+    pub fn handle(&self) -> &san_shm::ShmDir {
+        &self.dir
     }
 }
 
 impl AsFd for SegmentDir {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.dir.as_fd()
     }
-}
-
-fn is_symlink(path: &CString) -> bool {
-    let mut stat = MaybeUninit::<libc::stat>::uninit();
-    // SAFETY: NUL-terminated path; lstat writes a whole `struct stat` on success.
-    if unsafe { libc::lstat(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
-        return false;
-    }
-    // SAFETY: lstat succeeded.
-    let stat = unsafe { stat.assume_init() };
-    stat.st_mode & libc::S_IFMT == libc::S_IFLNK
 }

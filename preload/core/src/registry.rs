@@ -10,13 +10,20 @@
 //! `HEADER_BYTES + k * CHUNK_BYTES`). Readers skip files whose pid is dead or whose recorded
 //! start time differs from the live process's (pid reuse).
 //!
+//! **The directory is held open** ([`StatsDir`]): opened once per program image (not
+//! following a symbolic link), checked through the descriptor, and every later file operation
+//! (create, reopen to grow, the fork child's own file, the removal at exit) is relative to it.
+//! Whoever may rename the directory away and put another one, or a symbolic link, at its path
+//! (an override in a place others can write) cannot make this process create, replace or
+//! remove a file anywhere else.
+//!
 //! Everything here is lock-free and allocation-free (syscalls only), because records are
 //! claimed from hooks, possibly before our constructor ran or in a forked child. Chunk memory
 //! is never unmapped, so a record reference stays valid forever (a reused record is told apart
 //! by its `generation`).
 
 use core::ffi::c_int;
-use core::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 use crate::record::{flags, Bypass, SocketRecord, SocketState};
 use crate::{errno, real};
@@ -246,24 +253,13 @@ impl Registry {
     }
 
     fn init_file(&self) -> bool {
-        let mut path = PathBuf::new();
-        if !stats_path(&mut path, own_pid()) {
+        let Some(dir) = StatsDir::open_configured() else {
             return false;
-        }
-        // A stale file of a dead process with our pid (or of our pre-exec image) goes away.
-        // SAFETY: path is NUL-terminated.
-        unsafe { libc::unlink(path.as_ptr()) };
-        // SAFETY: path is NUL-terminated; the flags create a fresh private file.
-        let fd = unsafe {
-            libc::open(
-                path.as_ptr(),
-                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-                0o600,
-            )
         };
-        if fd < 0 {
+        let Some(fd) = dir.create_file(own_pid()) else {
+            dir.close();
             return false;
-        }
+        };
         // SAFETY: fd is our fresh file; the header range must exist before it is touched.
         let allocated = unsafe { libc::fallocate(fd, 0, 0, HEADER_BYTES as libc::off_t) } == 0;
         let header = if allocated {
@@ -292,9 +288,11 @@ impl Registry {
         }
         // SAFETY: closing the fd we opened; the mappings stay.
         unsafe { real::close(fd) };
-        if !ok {
-            // SAFETY: as above.
-            unsafe { libc::unlink(path.as_ptr()) };
+        if ok {
+            dir.keep();
+        } else {
+            dir.remove_file(own_pid());
+            dir.close();
         }
         ok
     }
@@ -306,20 +304,10 @@ impl Registry {
             return false;
         }
         if self.is_published() {
-            let mut path = PathBuf::new();
-            if stats_path(&mut path, own_pid()) {
-                // SAFETY: NUL-terminated path; existing file only.
-                let fd = unsafe {
-                    libc::open(
-                        path.as_ptr(),
-                        libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-                    )
-                };
-                if fd >= 0 {
-                    self.map_chunk_from(fd, next);
-                    // SAFETY: our own fd.
-                    unsafe { real::close(fd) };
-                }
+            if let Some(fd) = StatsDir::kept().and_then(|dir| dir.open_file(own_pid())) {
+                self.map_chunk_from(fd, next);
+                // SAFETY: our own fd.
+                unsafe { real::close(fd) };
             }
         }
         if self.chunks[next].load(Ordering::Acquire).is_null() {
@@ -394,23 +382,13 @@ impl Registry {
     }
 
     fn republish_for_child(&'static self) -> bool {
-        let mut path = PathBuf::new();
-        if !stats_path(&mut path, own_pid()) {
+        // The parent's directory, through the descriptor the child inherited.
+        let Some(dir) = StatsDir::kept() else {
             return self.privatize_all();
-        }
-        // SAFETY: NUL-terminated path.
-        unsafe { libc::unlink(path.as_ptr()) };
-        // SAFETY: as in init_file.
-        let fd = unsafe {
-            libc::open(
-                path.as_ptr(),
-                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW,
-                0o600,
-            )
         };
-        if fd < 0 {
+        let Some(fd) = dir.create_file(own_pid()) else {
             return self.privatize_all();
-        }
+        };
         let chunks = self.mapped_chunks();
         let total = HEADER_BYTES + chunks * CHUNK_BYTES;
         // SAFETY: fd is our fresh file.
@@ -431,8 +409,7 @@ impl Registry {
         // SAFETY: our own fd.
         unsafe { real::close(fd) };
         if !ok {
-            // SAFETY: NUL-terminated path.
-            unsafe { libc::unlink(path.as_ptr()) };
+            dir.remove_file(own_pid());
             return self.privatize_all();
         }
         if !header.is_null() {
@@ -474,10 +451,8 @@ impl Registry {
         if owner != own_pid() as u32 {
             return;
         }
-        let mut path = PathBuf::new();
-        if stats_path(&mut path, own_pid()) {
-            // SAFETY: NUL-terminated path.
-            unsafe { libc::unlink(path.as_ptr()) };
+        if let Some(dir) = StatsDir::kept() {
+            dir.remove_file(own_pid());
         }
     }
 }
@@ -603,9 +578,9 @@ impl Default for PathBuf {
     }
 }
 
-/// Builds the directory path into `path` and makes sure it is a directory owned by us (0700).
-/// False when publication is off or the directory is unusable.
-pub fn stats_dir(path: &mut PathBuf) -> bool {
+/// Builds the configured stats directory's path into `path` (`SANDIRECT_STAT_DIR`, or
+/// `/dev/shm/sandirect-$UID`). False when publication is off or the path does not fit.
+fn stats_dir_path(path: &mut PathBuf) -> bool {
     let custom =
         if crate::settings::honoured(crate::settings::STAT_DIR, crate::settings::privileged()) {
             // SAFETY: getenv with a NUL-terminated name; the result is only read, right away.
@@ -616,34 +591,194 @@ pub fn stats_dir(path: &mut PathBuf) -> bool {
     if custom.is_null() {
         // SAFETY: getuid has no preconditions.
         let uid = unsafe { libc::getuid() };
-        if !(path.push(b"/dev/shm/sandirect-") && path.push_decimal(u64::from(uid))) {
-            return false;
-        }
+        path.push(b"/dev/shm/sandirect-") && path.push_decimal(u64::from(uid))
     } else {
         // SAFETY: getenv returned a NUL-terminated string.
         let bytes = unsafe { core::ffi::CStr::from_ptr(custom) }.to_bytes();
-        if bytes == b"off" || bytes.is_empty() || !path.push(bytes) {
-            return false;
-        }
+        bytes != b"off" && !bytes.is_empty() && path.push(bytes)
     }
-    // SAFETY: NUL-terminated path; mkdir fails harmlessly if it exists.
-    unsafe { libc::mkdir(path.as_ptr(), 0o700) };
-    let mut st = core::mem::MaybeUninit::<libc::stat>::zeroed();
-    // SAFETY: lstat writes into `st`.
-    if unsafe { libc::lstat(path.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return false;
-    }
-    // SAFETY: lstat succeeded.
-    let st = unsafe { st.assume_init() };
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc::getuid() };
-    // Another user could have created the directory first: never publish into it.
-    st.st_mode & libc::S_IFMT == libc::S_IFDIR && st.st_uid == uid && st.st_mode & 0o022 == 0
 }
 
-/// Builds `DIR/PID` into `path`.
-pub fn stats_path(path: &mut PathBuf, pid: c_int) -> bool {
-    stats_dir(path) && path.push(b"/") && path.push_decimal(pid as u64)
+/// The stats directory's descriptor (-1: not open), kept for the process's lifetime (a
+/// forked child uses the one it inherited), and the directory's device and inode.
+static KEPT_DIR: AtomicI32 = AtomicI32::new(-1);
+static KEPT_DEV: AtomicU64 = AtomicU64::new(0);
+static KEPT_INO: AtomicU64 = AtomicU64::new(0);
+
+/// The stats directory, held open: checked once through its descriptor, then every stats
+/// file is created, reopened and removed relative to it (see the module's "The directory is
+/// held open"). Syscalls only: usable from hooks and in a fork child.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatsDir {
+    fd: c_int,
+    identity: (u64, u64),
+}
+
+impl StatsDir {
+    /// Opens the configured directory ([`StatsDir::open`]); `None` when publication is off.
+    fn open_configured() -> Option<StatsDir> {
+        let mut path = PathBuf::new();
+        if !stats_dir_path(&mut path) {
+            return None;
+        }
+        StatsDir::open(&path)
+    }
+
+    /// Opens the directory at `path`, creating it (0700) if missing, and checks the open
+    /// directory (`fstat`): not a symbolic link (`O_NOFOLLOW`), a directory, owned by our real
+    /// uid (another user could have created it first: never publish into it), writable by
+    /// nobody else. The descriptor goes above the application's numbers (close-on-exec). The
+    /// caller owns it.
+    pub fn open(path: &PathBuf) -> Option<StatsDir> {
+        // SAFETY: NUL-terminated path; mkdir fails harmlessly if it exists.
+        unsafe { libc::mkdir(path.as_ptr(), 0o700) };
+        // SAFETY: NUL-terminated path.
+        let fd = unsafe {
+            libc::open(
+                path.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return None;
+        }
+        let fd = relocate_high(fd);
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        match identity_of(fd) {
+            Some((st_mode, st_uid, identity))
+                if st_mode & libc::S_IFMT == libc::S_IFDIR
+                    && st_uid == uid
+                    && st_mode & 0o022 == 0 =>
+            {
+                Some(StatsDir { fd, identity })
+            }
+            _ => {
+                // SAFETY: the descriptor opened above, ours.
+                unsafe { real::close(fd) };
+                None
+            }
+        }
+    }
+
+    /// Closes the descriptor (a directory not kept).
+    pub fn close(self) {
+        // SAFETY: the descriptor this value owns; not used after.
+        unsafe { real::close(self.fd) };
+    }
+
+    /// Keeps this directory as the process's stats directory (for [`StatsDir::kept`]).
+    fn keep(self) {
+        KEPT_DEV.store(self.identity.0, Ordering::Relaxed);
+        KEPT_INO.store(self.identity.1, Ordering::Relaxed);
+        KEPT_DIR.store(self.fd, Ordering::Release);
+    }
+
+    /// The process's stats directory, if one was kept and its descriptor still is that
+    /// directory (a program that closed it and reused the number is not written through).
+    fn kept() -> Option<StatsDir> {
+        let fd = KEPT_DIR.load(Ordering::Acquire);
+        if fd < 0 {
+            return None;
+        }
+        let kept = StatsDir {
+            fd,
+            identity: (
+                KEPT_DEV.load(Ordering::Relaxed),
+                KEPT_INO.load(Ordering::Relaxed),
+            ),
+        };
+        kept.is_intact().then_some(kept)
+    }
+
+    /// Whether the descriptor still is the directory that was checked.
+    pub fn is_intact(&self) -> bool {
+        identity_of(self.fd).is_some_and(|(_, _, identity)| identity == self.identity)
+    }
+
+    /// The descriptor.
+    pub fn fd(&self) -> c_int {
+        self.fd
+    }
+
+    /// Creates the stats file of process `pid`, fresh (a stale file of a dead process with
+    /// that pid, or of our pre-exec image, is removed first). The caller owns the descriptor.
+    pub fn create_file(&self, pid: c_int) -> Option<c_int> {
+        let name = file_name(pid)?;
+        if !self.is_intact() {
+            return None;
+        }
+        // SAFETY: NUL-terminated name relative to our directory descriptor.
+        unsafe { libc::unlinkat(self.fd, name.as_ptr(), 0) };
+        // SAFETY: as above; the flags create a fresh private file, never through a link.
+        let fd = unsafe {
+            libc::openat(
+                self.fd,
+                name.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+                0o600 as libc::c_uint,
+            )
+        };
+        (fd >= 0).then_some(fd)
+    }
+
+    /// Opens the existing stats file of process `pid`. The caller owns the descriptor.
+    pub fn open_file(&self, pid: c_int) -> Option<c_int> {
+        let name = file_name(pid)?;
+        // SAFETY: NUL-terminated name relative to our directory descriptor; existing file only.
+        let fd = unsafe {
+            libc::openat(
+                self.fd,
+                name.as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            )
+        };
+        (fd >= 0).then_some(fd)
+    }
+
+    /// Removes the stats file of process `pid`.
+    pub fn remove_file(&self, pid: c_int) {
+        if let Some(name) = file_name(pid).filter(|_| self.is_intact()) {
+            // SAFETY: NUL-terminated name relative to our directory descriptor.
+            unsafe { libc::unlinkat(self.fd, name.as_ptr(), 0) };
+        }
+    }
+}
+
+/// The stats file name of process `pid`: its number.
+fn file_name(pid: c_int) -> Option<PathBuf> {
+    let mut name = PathBuf::new();
+    name.push_decimal(u64::try_from(pid).ok()?).then_some(name)
+}
+
+/// The mode, owner, and device and inode of what `fd` is open on (`fstat`).
+fn identity_of(fd: c_int) -> Option<(libc::mode_t, libc::uid_t, (u64, u64))> {
+    let mut st = core::mem::MaybeUninit::<libc::stat>::zeroed();
+    // SAFETY: fstat writes into `st`.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: fstat succeeded.
+    let st = unsafe { st.assume_init() };
+    Some((st.st_mode, st.st_uid, (st.st_dev, st.st_ino)))
+}
+
+/// Moves `fd` above the numbers the application uses, as the SAN's long-lived descriptors are
+/// (the floor of `san_shm::relocate_internal_fd`), close-on-exec; where no number there is
+/// free it stays. With the real `fcntl` and `close`: this runs from hooks.
+fn relocate_high(fd: c_int) -> c_int {
+    let floor = san_shm::internal_fd_floor();
+    if fd >= floor {
+        return fd;
+    }
+    // SAFETY: plain fcntl on our own descriptor; the result is a new descriptor.
+    let moved = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor as usize) };
+    if moved < 0 {
+        return fd;
+    }
+    // SAFETY: the original, ours, replaced by `moved`.
+    unsafe { real::close(fd) };
+    moved
 }
 
 /// This process's start time in clock ticks since boot, or 0 if unreadable.
@@ -703,6 +838,129 @@ mod tests {
         assert_eq!(parse_start_time(line), Some(987654));
         assert_eq!(parse_start_time(b"garbage"), None);
         assert!(own_start_time() > 0);
+    }
+
+    /// A fresh private directory for a stats-directory test, and its C path.
+    fn stats_test_dir(tag: &str) -> (std::path::PathBuf, PathBuf) {
+        let dir =
+            std::env::temp_dir().join(format!("sandirect-registry-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(dir.with_extension("original"));
+        let mut c_path = PathBuf::new();
+        assert!(c_path.push(std::os::unix::ffi::OsStrExt::as_bytes(dir.as_os_str())));
+        (dir, c_path)
+    }
+
+    fn names_in(dir: &std::path::Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_stats_directory_swapped_at_its_path_keeps_its_files() {
+        let (path, c_path) = stats_test_dir("swap");
+        let dir = StatsDir::open(&c_path).expect("a fresh private directory");
+        assert!(
+            dir.fd() >= san_shm::internal_fd_floor(),
+            "kept above the application's numbers"
+        );
+        // Renamed away, another directory at the path, then a symbolic link to it.
+        let original = path.with_extension("original");
+        std::fs::rename(&path, &original).unwrap();
+        let decoy = path.with_extension("decoy");
+        std::fs::create_dir_all(&decoy).unwrap();
+        std::os::unix::fs::symlink(&decoy, &path).unwrap();
+        std::fs::write(decoy.join("41"), b"planted").unwrap();
+
+        let fd = dir
+            .create_file(41)
+            .expect("created in the checked directory");
+        // SAFETY: our own descriptor.
+        unsafe { real::close(fd) };
+        assert_eq!(names_in(&original), ["41"]);
+        assert_eq!(std::fs::read(decoy.join("41")).unwrap(), b"planted");
+        let fd = dir
+            .open_file(41)
+            .expect("reopened in the checked directory");
+        // SAFETY: as above.
+        unsafe { real::close(fd) };
+        dir.remove_file(41);
+        assert_eq!(names_in(&original), Vec::<String>::new());
+        assert_eq!(names_in(&decoy), ["41"], "the planted file stays");
+        dir.close();
+        for dir in [&original, &decoy] {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_stats_directory_that_is_a_link_or_not_private_is_refused() {
+        let (path, c_path) = stats_test_dir("refuse");
+        let target = path.with_extension("target");
+        std::fs::create_dir_all(&target).unwrap();
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        assert_eq!(StatsDir::open(&c_path), None, "a symbolic link");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .unwrap();
+        assert_eq!(StatsDir::open(&c_path), None, "writable by others");
+        let _ = std::fs::remove_dir_all(&path);
+        let _ = std::fs::remove_dir_all(&target);
+    }
+
+    #[test]
+    fn a_stats_directory_descriptor_reused_for_something_else_is_not_written_through() {
+        let (path, c_path) = stats_test_dir("reused");
+        let dir = StatsDir::open(&c_path).unwrap();
+        let elsewhere = path.with_extension("elsewhere");
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        let other = std::fs::File::open(&elsewhere).unwrap();
+        // SAFETY: dup2 onto the directory's own number: the test plays a program that
+        // closed a descriptor it did not know and reused the number for a directory of its
+        // own.
+        assert!(unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&other), dir.fd()) } >= 0);
+        assert!(!dir.is_intact());
+        assert_eq!(dir.create_file(42), None);
+        dir.remove_file(42);
+        assert_eq!(names_in(&elsewhere), Vec::<String>::new());
+        dir.close();
+        let _ = std::fs::remove_dir_all(&path);
+        let _ = std::fs::remove_dir_all(&elsewhere);
+    }
+
+    #[test]
+    fn a_forked_child_publishes_in_the_directory_its_parent_checked() {
+        let (path, c_path) = stats_test_dir("fork");
+        let dir = StatsDir::open(&c_path).unwrap();
+        let original = path.with_extension("original");
+        std::fs::rename(&path, &original).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        // SAFETY: the child makes system calls only (through the inherited descriptor), then
+        // _exit: nothing of the test harness's threads is touched.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: getpid and _exit have no preconditions.
+            unsafe {
+                let created = dir.create_file(libc::getpid());
+                libc::_exit(i32::from(created.is_none()));
+            }
+        }
+        assert!(child > 0, "fork");
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+        assert_eq!(names_in(&original), [child.to_string()]);
+        assert_eq!(names_in(&path), Vec::<String>::new());
+        dir.close();
+        let _ = std::fs::remove_dir_all(&path);
+        let _ = std::fs::remove_dir_all(&original);
     }
 
     #[test]

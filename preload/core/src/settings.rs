@@ -102,7 +102,7 @@ pub const KNOBS: &[Knob] = &[
         name: STAT_DIR,
         values: "path, off",
         default: "/dev/shm/sandirect-$UID",
-        effect: "where live connections are published for `sandirect stat`; not read when privileged",
+        effect: "where live connections are published for `sandirect stat` (opened and checked once per process, then used through that descriptor); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -123,7 +123,7 @@ pub const KNOBS: &[Knob] = &[
         name: SHM_DIR,
         values: "path",
         default: "/dev/shm/sandirect-$UID",
-        effect: "directory of the shared-memory segments and listener markers; not read when privileged",
+        effect: "directory of the shared-memory segments (opened and checked once per process, then used through that descriptor); not read when privileged",
         privileged: false,
     },
     Knob {

@@ -4,9 +4,22 @@
 //! A reader takes a snapshot of the file, checks the header, and skips (or, with `remove_stale`,
 //! deletes) files whose process is gone or whose pid now belongs to a different process
 //! (start time mismatch).
+//!
+//! [`read_dir`] opens the directory once, not through a symbolic link (the publishers never
+//! publish through one), and lists, reads and removes its files relative to that descriptor:
+//! a directory swapped at the path while it reads (renamed away, another one or a link put
+//! there) cannot turn its removals onto files elsewhere. It removes only what a publisher
+//! leaves behind: a stats file of a process that is gone, or the start of one (zero bytes, no
+//! longer than a header) whose process was killed before it wrote its header; any other file
+//! is left alone.
 
-use std::io;
+use std::ffi::{CStr, CString, OsStr, OsString};
+use std::fs::File;
+use std::io::{self, Read as _};
 use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::record::{Bypass, Counter, DataPath, SocketRecord, SocketState};
@@ -56,7 +69,9 @@ pub enum Skipped {
     Stale,
 }
 
-/// Reads one stats file. `Err(Skipped)` explains files that hold no live process.
+/// Reads one stats file by its path (a process reading its own records; [`read_dir`] reads a
+/// whole directory through its descriptor). `Err(Skipped)` explains files that hold no live
+/// process.
 pub fn read_file(path: &Path) -> io::Result<Result<Vec<ConnectionInfo>, Skipped>> {
     let bytes = std::fs::read(path)?;
     Ok(parse_file(&bytes, process_start_time))
@@ -166,41 +181,137 @@ pub fn default_dir() -> Option<PathBuf> {
 }
 
 /// Every live connection published in `dir`, sorted by pid then fd. Stale files are removed
-/// when `remove_stale` (they belong to this user's dead processes).
+/// when `remove_stale` (they belong to this user's dead processes; see the module's doc for
+/// what counts). A missing directory publishes nothing; a symbolic link is refused.
 pub fn read_dir(dir: &Path, remove_stale: bool) -> io::Result<Vec<ConnectionInfo>> {
     let mut all = Vec::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
+    let directory = match open_directory(dir) {
+        Ok(directory) => directory,
         Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(all),
         Err(error) => return Err(error),
     };
-    for entry in entries {
-        let path = entry?.path();
-        let Some(pid) = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
+    for name in entry_names(&directory)? {
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
-        if process_start_time(pid).is_none() {
-            // Its process is gone (possibly killed before it finished writing the header).
-            if remove_stale {
-                let _ = std::fs::remove_file(&path);
-            }
+        // Vanished between listing and reading (its process exited), or not a regular file:
+        // nothing to show.
+        let Ok(Some(bytes)) = read_entry(&directory, &name) else {
             continue;
-        }
-        match read_file(&path) {
-            Ok(Ok(connections)) => all.extend(connections),
-            Ok(Err(Skipped::Stale)) if remove_stale => {
-                let _ = std::fs::remove_file(&path);
+        };
+        let stale = match parse_file(&bytes, process_start_time) {
+            Ok(connections) => {
+                all.extend(connections);
+                false
             }
-            // Vanished between listing and reading (its process exited): nothing to show.
-            Ok(Err(_)) | Err(_) => {}
+            Err(Skipped::Stale) => true,
+            // The start of a stats file whose process was killed before it wrote the header.
+            Err(Skipped::NotAStatsFile) => {
+                bytes.len() <= HEADER_BYTES
+                    && bytes.iter().all(|&b| b == 0)
+                    && process_start_time(pid).is_none()
+            }
+        };
+        if stale && remove_stale {
+            remove_entry(&directory, &name);
         }
     }
     all.sort_by_key(|c| (c.pid, c.fd));
     Ok(all)
+}
+
+/// `dir`, opened as a directory and not through a symbolic link.
+fn open_directory(dir: &Path) -> io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(|error| {
+            let link = error.raw_os_error() == Some(libc::ELOOP)
+                || std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink());
+            if link {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a symbolic link (processes never publish through one)",
+                )
+            } else {
+                error
+            }
+        })
+}
+
+/// The names in the open directory `directory` (`.` and `..` left out).
+fn entry_names(directory: &File) -> io::Result<Vec<OsString>> {
+    // fdopendir takes the descriptor it is given: a copy of ours.
+    let copy = directory.try_clone()?;
+    // SAFETY: `copy` is an open directory descriptor we own; fdopendir takes it over (closedir
+    // below closes it), so it is released from `copy` first.
+    let stream = unsafe { libc::fdopendir(std::os::fd::IntoRawFd::into_raw_fd(copy)) };
+    if stream.is_null() {
+        return Err(io::Error::last_os_error());
+    }
+    let mut names = Vec::new();
+    let result = loop {
+        crate::errno::set(0);
+        // SAFETY: `stream` is the open directory stream from fdopendir, used by this thread
+        // only; the entry is read before the next readdir on it.
+        let entry = unsafe { libc::readdir(stream) };
+        if entry.is_null() {
+            let errno = crate::errno::get();
+            break if errno == 0 {
+                Ok(names)
+            } else {
+                Err(io::Error::from_raw_os_error(errno))
+            };
+        }
+        // SAFETY: readdir returned an entry whose d_name is NUL-terminated.
+        let name = unsafe { CStr::from_ptr((*entry).d_name.as_ptr()) }.to_bytes();
+        if name != b"." && name != b".." {
+            names.push(OsString::from_vec(name.to_vec()));
+        }
+    };
+    // SAFETY: the stream opened above, closed once (with the descriptor it took).
+    unsafe { libc::closedir(stream) };
+    result
+}
+
+/// The whole content of the regular file `name` in `directory`, not through a symbolic
+/// link; `None` for anything but a regular file.
+fn read_entry(directory: &File, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
+    let name = c_name(name)?;
+    // SAFETY: a NUL-terminated name relative to a directory descriptor we hold. O_NONBLOCK:
+    // a FIFO or device in its place must not block us (it is skipped below).
+    let fd = unsafe {
+        libc::openat(
+            directory.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    let mut file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    if !file.metadata()?.file_type().is_file() {
+        return Ok(None);
+    }
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
+    Ok(Some(bytes))
+}
+
+/// Removes the entry `name` from `directory` (a failure leaves it, as a stale file stays
+/// until the next reader).
+fn remove_entry(directory: &File, name: &OsStr) {
+    if let Ok(name) = c_name(name) {
+        // SAFETY: a NUL-terminated name relative to a directory descriptor we hold.
+        unsafe { libc::unlinkat(directory.as_raw_fd(), name.as_ptr(), 0) };
+    }
+}
+
+fn c_name(name: &OsStr) -> io::Result<CString> {
+    CString::new(name.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
 #[cfg(test)]

@@ -719,3 +719,36 @@ fn default_segment_dir_is_per_user_in_dev_shm() {
         PathBuf::from(format!("/dev/shm/sandirect-{uid}"))
     );
 }
+
+#[test]
+fn segment_dir_swapped_at_its_path_keeps_its_segments() {
+    use std::os::fd::AsRawFd;
+    let temp = TempDir::new("swap");
+    let path = temp.0.join("segments");
+    let dir = SegmentDir::open(Some(&path)).unwrap();
+    assert!(
+        dir.as_fd().as_raw_fd() >= san_shm::internal_fd_floor(),
+        "kept above the application's numbers"
+    );
+    let config = san_shm::SegmentConfig::new(san_api::SlotConfig {
+        send_slots: 4,
+        recv_slots: 4,
+        slot_size: 256,
+    });
+    // Renamed away and a symbolic link put at the path, to a directory holding a file under
+    // the name the next segment takes.
+    let original = temp.0.join("original");
+    std::fs::rename(&path, &original).unwrap();
+    let decoy = temp.0.join("decoy");
+    std::fs::create_dir(&decoy).unwrap();
+    std::fs::write(decoy.join("seg"), b"planted").unwrap();
+    symlink(&decoy, &path).unwrap();
+
+    let segment = san_shm::ShmSegment::create(dir.handle(), "seg", &config).unwrap();
+    assert!(original.join("seg").is_file());
+    assert!(dir.handle().contains("seg"));
+    dir.handle().remove("seg").unwrap();
+    assert!(!original.join("seg").exists());
+    assert_eq!(std::fs::read(decoy.join("seg")).unwrap(), b"planted");
+    drop(segment);
+}

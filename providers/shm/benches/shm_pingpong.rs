@@ -7,7 +7,7 @@
 //!
 //! The binary re-executes itself as the peer (environment variable `SAN_SHM_BENCH_PEER`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,7 +16,9 @@ use san_api::{
     RemoteKey,
 };
 use san_api::{SanConnection, SanDomain, SlotConfig, WrId};
-use san_shm::{ConnectionConfig, SegmentConfig, ShmConnection, ShmDomain, ShmSegment, WaitResult};
+use san_shm::{
+    ConnectionConfig, SegmentConfig, ShmConnection, ShmDir, ShmDomain, ShmSegment, WaitResult,
+};
 
 const PEER_ENV: &str = "SAN_SHM_BENCH_PEER";
 const SPIN_ENV: &str = "SAN_SHM_BENCH_SPIN_US";
@@ -92,7 +94,7 @@ fn config(spin: Duration) -> ConnectionConfig {
     }
 }
 
-fn peer(dir: &Path, spin: Duration) {
+fn peer(dir: &ShmDir, spin: Duration) {
     let mut domain = ShmDomain::default();
     let segment = ShmSegment::attach(dir, "bench").expect("attach");
     let mut link =
@@ -123,7 +125,7 @@ fn peer(dir: &Path, spin: Duration) {
     link.conn.poll_completions(&mut link.completions, 64);
 }
 
-fn start(dir: &Path, spin: Duration) -> (Link, ShmDomain, std::process::Child) {
+fn start(dir: &ShmDir, spin: Duration) -> (Link, ShmDomain, std::process::Child) {
     let segment = ShmSegment::create(
         dir,
         "bench",
@@ -137,7 +139,7 @@ fn start(dir: &Path, spin: Duration) -> (Link, ShmDomain, std::process::Child) {
     let domain = ShmDomain::default();
     let conn = ShmConnection::new(segment, &domain, config(spin)).expect("connection");
     let child = Command::new(std::env::current_exe().expect("own path"))
-        .env(PEER_ENV, dir)
+        .env(PEER_ENV, dir.path())
         .env(SPIN_ENV, spin.as_micros().to_string())
         .stdout(Stdio::null())
         .spawn()
@@ -160,7 +162,7 @@ fn cpu_of_peer(link: &mut Link) -> Duration {
     Duration::from_nanos(u64::from_le_bytes(reply[..8].try_into().unwrap_or([0; 8])))
 }
 
-fn ping_pong(dir: &Path, label: &str, spin: Duration) {
+fn ping_pong(dir: &ShmDir, label: &str, spin: Duration) {
     let (mut link, _domain, mut child) = start(dir, spin);
     let mut message = vec![b'P'; 64];
     let mut reply = Vec::new();
@@ -203,7 +205,7 @@ fn ping_pong(dir: &Path, label: &str, spin: Duration) {
     );
 }
 
-fn rdma_read_bandwidth(dir: &Path) {
+fn rdma_read_bandwidth(dir: &ShmDir) {
     let (mut link, mut domain, mut child) = start(dir, Duration::from_micros(35));
     let mut reply = Vec::new();
     link.send(b"D");
@@ -272,18 +274,19 @@ fn main() {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(35);
-        peer(&PathBuf::from(dir), Duration::from_micros(spin));
+        let dir = ShmDir::open(&PathBuf::from(dir)).expect("bench directory");
+        peer(&dir, Duration::from_micros(spin));
         return;
     }
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let dir = PathBuf::from(format!("/dev/shm/san-shm-bench-{}", std::process::id()));
-    san_shm::ensure_private_dir(&dir).expect("bench directory");
+    let path = PathBuf::from(format!("/dev/shm/san-shm-bench-{}", std::process::id()));
+    let dir = ShmDir::open(&path).expect("bench directory");
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("san-shm benchmark ({cpus} CPUs, {ROUNDS} round trips per run)");
     ping_pong(&dir, "adaptive (spin ≤ 35 µs)", Duration::from_micros(35));
     ping_pong(&dir, "sleep only (no spin)", Duration::ZERO);
     rdma_read_bandwidth(&dir);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&path);
 }

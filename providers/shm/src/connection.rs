@@ -1730,11 +1730,11 @@ mod tests {
     }
 
     fn pair_with(tag: &str, slots: SlotConfig) -> Pair {
-        let dir = std::path::PathBuf::from(format!(
+        let path = std::path::PathBuf::from(format!(
             "/dev/shm/san-shm-unit-{tag}-{}",
             std::process::id()
         ));
-        crate::segment::ensure_private_dir(&dir).unwrap();
+        let dir = crate::dir::ShmDir::open(&path).unwrap();
         let domain = ShmDomain::default();
         let segment = ShmSegment::create(&dir, "s", &SegmentConfig::new(slots)).unwrap();
         let mut creator =
@@ -1743,7 +1743,7 @@ mod tests {
         let attacher = ShmConnection::new(attached, &domain, ConnectionConfig::default()).unwrap();
         creator.poll_completions(&mut Vec::new(), 0);
         Pair {
-            dir,
+            dir: path,
             creator,
             attacher,
         }

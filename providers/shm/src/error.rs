@@ -16,6 +16,8 @@ pub enum PermissionProblem {
     Symlink,
     /// Not a regular file.
     NotRegularFile,
+    /// A segment directory that is not a directory.
+    NotADirectory,
     /// Owned by another user (not ours, and not an allowed group's).
     WrongOwner {
         /// The file owner's uid.

@@ -4,8 +4,10 @@
 //! over a shared-memory **segment** instead of the kernel's loopback path. The connecting
 //! process creates the segment file ([`ShmSegment::create`]) in a private per-user directory
 //! under a name derived from the TCP 4-tuple; the accepting process attaches to it
-//! ([`ShmSegment::attach`]). The preload chooses the names and the moment; this crate provides
-//! the segment, everything inside it, and the [`san_api`] provider traits over it:
+//! ([`ShmSegment::attach`]). Each process opens that directory once as a [`ShmDir`], checked
+//! through the open descriptor, and reaches every file relative to it. The preload chooses the
+//! names and the moment; this crate provides the segment, everything inside it, and the
+//! [`san_api`] provider traits over it:
 //!
 //! * [`ShmConnection`] implements [`san_api::SanConnection`]: sends copy straight into the
 //!   peer's posted receive slot (one copy); RDMA read/write use CMA (`process_vm_readv` /
@@ -45,6 +47,7 @@
 #![warn(missing_docs)]
 
 mod connection;
+mod dir;
 mod domain;
 mod error;
 mod layout;
@@ -56,12 +59,12 @@ pub use connection::{
     ConnectionConfig, CorruptJournal, Doorbell, FutexDoorbell, JournalUnavailable, Leftovers,
     PeerEnd, PeerProcess, ShmConnection, WaitResult, WaitStats,
 };
+pub use dir::ShmDir;
 pub use domain::{DomainConfig, ShmDomain, MAX_RDMA_LEN};
 pub use error::{CorruptSegment, PermissionProblem, ShmError};
 pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_SETUP_DATA};
 pub use segment::{
-    contact, ensure_private_dir, set_contact, AccessPolicy, NamespacedPid, SegmentConfig,
-    ShmSegment, Side,
+    contact, set_contact, AccessPolicy, NamespacedPid, SegmentConfig, ShmSegment, Side,
 };
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{

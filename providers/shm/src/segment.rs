@@ -1,8 +1,12 @@
 //! Segment files: creation (active side), attachment (passive side), access control and
 //! stale-file replacement.
 //!
+//! **The directory.** Every file is reached relative to a [`ShmDir`], the segment directory
+//! opened and checked once (see `dir.rs`): `openat`, `linkat`, `unlinkat` and `fstatat`, never
+//! a path, so a directory swapped at the path after the check changes nothing here.
+//!
 //! **Publication.** The creator builds the whole file under a temporary name and then gives it
-//! its real name with `link(2)`, which fails with `EEXIST` instead of replacing: that is the
+//! its real name with `linkat(2)`, which fails with `EEXIST` instead of replacing: that is the
 //! `O_CREAT|O_EXCL` semantics for the *initialised* file, so an attacher never sees a
 //! half-written header. If the name is taken by a segment whose creator is dead (or by a
 //! corrupt file of ours), the old file is unlinked (only if the name still refers to the inode
@@ -34,15 +38,17 @@
 //! against stale or corrupt files, not against one's own processes.
 
 use core::sync::atomic::Ordering;
-use std::fs::{self, File, OpenOptions, Permissions};
+use std::ffi::{CStr, CString};
+use std::fs::{self, File, Permissions};
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use san_api::SlotConfig;
 
+use crate::dir::{entry_name, ShmDir};
 use crate::error::{PermissionProblem, ShmError};
 use crate::layout::{
     CorruptSegment, Geometry, RawHeader, SegmentHeader, SetupWords, SideControl, ANSWER_ACCEPTED,
@@ -148,6 +154,10 @@ pub struct ShmSegment {
     map: Arc<Mapping>,
     geometry: Geometry,
     side: Side,
+    /// The directory its name is in, and the name.
+    dir: ShmDir,
+    name: CString,
+    /// The directory's path and the name (for messages).
     path: PathBuf,
     dev_ino: (u64, u64),
     /// Creator, until the attach is seen: the open file carrying the shared lock that tells
@@ -214,7 +224,7 @@ fn first_use_ranges(geometry: &Geometry) -> Vec<(usize, usize)> {
     ranges
 }
 
-fn validate_name(name: &str) -> Result<(), ShmError> {
+pub(crate) fn validate_name(name: &str) -> Result<(), ShmError> {
     let ok = !name.is_empty()
         && name.len() <= 200
         && name != "."
@@ -258,46 +268,17 @@ fn check_access(meta: &fs::Metadata, policy: &AccessPolicy) -> Result<(), ShmErr
     Ok(())
 }
 
-/// Creates `path` as a private (0700) directory if missing and checks that it is one: a real
-/// directory (not a symlink) owned by us with no group/world access. For the per-user
-/// directory the preload keeps its segment files in.
-pub fn ensure_private_dir(path: &Path) -> Result<(), ShmError> {
-    use std::os::unix::fs::DirBuilderExt;
-    match fs::DirBuilder::new().mode(0o700).create(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(ShmError::io("create segment directory", &e)),
-    }
-    let meta =
-        fs::symlink_metadata(path).map_err(|e| ShmError::io("stat segment directory", &e))?;
-    if !meta.file_type().is_dir() {
-        return Err(ShmError::PermissionDenied(
-            PermissionProblem::NotRegularFile,
-        ));
-    }
-    if meta.uid() != sys::effective_ids().0 {
-        return Err(ShmError::PermissionDenied(PermissionProblem::WrongOwner {
-            uid: meta.uid(),
-        }));
-    }
-    if meta.mode() & 0o077 != 0 {
-        return Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
-            mode: meta.mode() & 0o7777,
-        }));
-    }
-    Ok(())
-}
-
-/// Unlinks `path` if it holds a stale segment: one of ours whose creator no longer holds its
-/// lock (it died, or dropped the segment), or a corrupt file of ours. Returns whether the name
-/// is now free to take. The creator's recorded pid is not consulted (see "Staleness is a
-/// lock").
-fn remove_if_stale(path: &Path) -> Result<bool, ShmError> {
-    let file = match OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-    {
+/// Unlinks `name` from `dir` if it holds a stale segment: one of ours whose creator no longer
+/// holds its lock (it died, or dropped the segment), or a corrupt file of ours. Returns whether
+/// the name is now free to take. The creator's recorded pid is not consulted (see "Staleness
+/// is a lock").
+fn remove_if_stale(dir: &ShmDir, name: &CStr) -> Result<bool, ShmError> {
+    let file = match sys::open_at(
+        dir.fd()?,
+        name,
+        libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        0,
+    ) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
         Err(e) => return Err(ShmError::io("open existing segment", &e)),
@@ -315,36 +296,39 @@ fn remove_if_stale(path: &Path) -> Result<bool, ShmError> {
         return Ok(false);
     }
     // Unlink only the inode examined: another creator may have replaced it meanwhile.
-    match fs::symlink_metadata(path) {
-        Ok(now) if now.dev() == meta.dev() && now.ino() == meta.ino() => {
-            match fs::remove_file(path) {
-                Ok(()) => Ok(true),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
-                Err(e) => Err(ShmError::io("unlink stale segment", &e)),
-            }
-        }
+    let dir = dir.fd()?;
+    match sys::identity_at(dir, name) {
+        Ok(now) if now == (meta.dev(), meta.ino()) => match sys::unlink_at(dir, name) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+            Err(e) => Err(ShmError::io("unlink stale segment", &e)),
+        },
         Ok(_) => Ok(false),
         Err(_) => Ok(true),
     }
 }
 
 impl ShmSegment {
-    /// Creates the segment `dir/name` for a connection with the given sizes, as the active
-    /// side. Fails with [`ShmError::AlreadyExists`] if a live creator holds the name; a stale
-    /// segment (dead creator) is replaced.
-    pub fn create(dir: &Path, name: &str, config: &SegmentConfig) -> Result<ShmSegment, ShmError> {
+    /// Creates the segment `name` in `dir` for a connection with the given sizes, as the
+    /// active side. Fails with [`ShmError::AlreadyExists`] if a live creator holds the name; a
+    /// stale segment (dead creator) is replaced.
+    pub fn create(
+        dir: &ShmDir,
+        name: &str,
+        config: &SegmentConfig,
+    ) -> Result<ShmSegment, ShmError> {
         Self::create_with_setup(dir, name, config, &[])
     }
 
     /// As [`ShmSegment::create`], leaving `request` (at most [`MAX_SETUP_DATA`] bytes) in the
     /// segment for the attacher: the setup blob of the `SanConnector` path.
     pub(crate) fn create_with_setup(
-        dir: &Path,
+        dir: &ShmDir,
         name: &str,
         config: &SegmentConfig,
         request: &[u8],
     ) -> Result<ShmSegment, ShmError> {
-        validate_name(name)?;
+        let name = entry_name(name)?;
         if request.len() > MAX_SETUP_DATA {
             return Err(ShmError::InvalidConfig(
                 "setup blob longer than MAX_SETUP_DATA",
@@ -355,37 +339,39 @@ impl ShmSegment {
         ))?;
         static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
         let pid = std::process::id();
-        let temp = dir.join(format!(
-            ".{name}.{pid}.{}.creating",
+        // One component too: `name` was validated, the rest adds no `/` or NUL.
+        let temp = CString::new(format!(
+            ".{}.{pid}.{}.creating",
+            name.to_string_lossy(),
             TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
+        ))
+        .map_err(|_| ShmError::InvalidName)?;
         let mode = if config.access.group.is_some() {
             0o660
         } else {
             0o600
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&temp)
-            .map_err(|e| ShmError::io("create segment file", &e))?;
+        let fd = dir.fd()?;
+        let file = sys::open_at(
+            fd,
+            &temp,
+            libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            mode,
+        )
+        .map_err(|e| ShmError::io("create segment file", &e))?;
         // Kept open while the segment is pending (it carries the creator's lock): above the
         // application's numbers, or no segment.
         let file = sys::move_internal_fd(file.into())
             .map(File::from)
             .map_err(|e| {
-                let _ = fs::remove_file(&temp);
+                let _ = sys::unlink_at(fd, &temp);
                 ShmError::io("create segment file", &e)
             })?;
         let built = sys::lock_shared(&file)
             .map_err(|e| ShmError::io("lock segment", &e))
-            .and_then(|()| Self::build(&file, &temp, geometry, config, mode, request));
-        let result =
-            built.and_then(|map| Self::publish(&file, &temp, &dir.join(name), map, geometry));
-        let _ = fs::remove_file(&temp);
+            .and_then(|()| Self::build(&file, geometry, config, mode, request));
+        let result = built.and_then(|map| Self::publish(&file, dir, &temp, name, map, geometry));
+        let _ = sys::unlink_at(fd, &temp);
         result.map(|mut segment| {
             segment.creator_lock = Some(file);
             segment
@@ -394,14 +380,13 @@ impl ShmSegment {
 
     fn build(
         file: &File,
-        temp: &Path,
         geometry: Geometry,
         config: &SegmentConfig,
         mode: u32,
         request: &[u8],
     ) -> Result<Mapping, ShmError> {
         // The umask may have stripped group bits the policy asked for.
-        fs::set_permissions(temp, Permissions::from_mode(mode))
+        file.set_permissions(Permissions::from_mode(mode))
             .map_err(|e| ShmError::io("chmod segment", &e))?;
         if let Some(gid) = config.access.group {
             std::os::unix::fs::fchown(file, None, Some(gid))
@@ -488,14 +473,15 @@ impl ShmSegment {
 
     fn publish(
         file: &File,
-        temp: &Path,
-        path: &Path,
+        dir: &ShmDir,
+        temp: &CStr,
+        name: CString,
         map: Mapping,
         geometry: Geometry,
     ) -> Result<ShmSegment, ShmError> {
         const ATTEMPTS: usize = 3;
         for _ in 0..ATTEMPTS {
-            match fs::hard_link(temp, path) {
+            match sys::link_at(dir.fd()?, temp, &name) {
                 Ok(()) => {
                     let meta = file
                         .metadata()
@@ -504,13 +490,15 @@ impl ShmSegment {
                         map: Arc::new(map),
                         geometry,
                         side: Side::Creator,
-                        path: path.to_path_buf(),
+                        path: dir.path().join(name.to_string_lossy().as_ref()),
+                        dir: dir.clone(),
+                        name,
                         dev_ino: (meta.dev(), meta.ino()),
                         creator_lock: None,
                     });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    if !remove_if_stale(path)? {
+                    if !remove_if_stale(dir, &name)? {
                         return Err(ShmError::AlreadyExists);
                     }
                 }
@@ -520,25 +508,25 @@ impl ShmSegment {
         Err(ShmError::AlreadyExists)
     }
 
-    /// Attaches to `dir/name` as the passive side, same user only.
-    pub fn attach(dir: &Path, name: &str) -> Result<ShmSegment, ShmError> {
+    /// Attaches to the segment `name` in `dir` as the passive side, same user only.
+    pub fn attach(dir: &ShmDir, name: &str) -> Result<ShmSegment, ShmError> {
         Self::attach_with(dir, name, &AccessPolicy::default())
     }
 
-    /// Attaches to `dir/name` as the passive side under `policy`.
+    /// Attaches to the segment `name` in `dir` as the passive side under `policy`.
     pub fn attach_with(
-        dir: &Path,
+        dir: &ShmDir,
         name: &str,
         policy: &AccessPolicy,
     ) -> Result<ShmSegment, ShmError> {
-        validate_name(name)?;
-        let path = dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| ShmError::io("open segment", &e))?;
+        let name = entry_name(name)?;
+        let file = sys::open_at(
+            dir.fd()?,
+            &name,
+            libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0,
+        )
+        .map_err(|e| ShmError::io("open segment", &e))?;
         let meta = file
             .metadata()
             .map_err(|e| ShmError::io("fstat segment", &e))?;
@@ -594,7 +582,9 @@ impl ShmSegment {
             map: Arc::new(map),
             geometry,
             side: Side::Attacher,
-            path,
+            path: dir.path().join(name.to_string_lossy().as_ref()),
+            dir: dir.clone(),
+            name,
             dev_ino: (meta.dev(), meta.ino()),
             creator_lock: None,
         })
@@ -608,14 +598,13 @@ impl ShmSegment {
     /// Removes the segment's name if it still refers to this segment (mappings stay valid).
     /// Either side may call it once attached; the creator also does on drop.
     pub fn unlink(&self) -> Result<(), ShmError> {
-        match fs::symlink_metadata(&self.path) {
-            Ok(now) if (now.dev(), now.ino()) == self.dev_ino => {
-                match fs::remove_file(&self.path) {
-                    Ok(()) => Ok(()),
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                    Err(e) => Err(ShmError::io("unlink segment", &e)),
-                }
-            }
+        let dir = self.dir.fd()?;
+        match sys::identity_at(dir, &self.name) {
+            Ok(now) if now == self.dev_ino => match sys::unlink_at(dir, &self.name) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(ShmError::io("unlink segment", &e)),
+            },
             _ => Ok(()),
         }
     }
@@ -673,7 +662,8 @@ impl ShmSegment {
         self.geometry.slots
     }
 
-    /// The segment's path.
+    /// The segment's path: its directory's path as opened and its name. For messages (and
+    /// tests): the segment's own operations never go through it.
     pub fn path(&self) -> &Path {
         &self.path
     }

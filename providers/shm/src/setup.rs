@@ -20,7 +20,6 @@
 //! [`ShmConnectorConfig::setup_timeout`] is `TimedOut`. Nothing here is `Refused` or
 //! `Unreachable`: the peer is on this host, and a missing one is simply never attached.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use san_api::{
@@ -28,6 +27,7 @@ use san_api::{
 };
 
 use crate::connection::{ConnectionConfig, ShmConnection};
+use crate::dir::ShmDir;
 use crate::domain::ShmDomain;
 use crate::error::ShmError;
 use crate::layout::MAX_SETUP_DATA;
@@ -66,7 +66,7 @@ impl Default for ShmConnectorConfig {
 /// segment names.
 #[derive(Debug)]
 pub struct ShmConnector {
-    dir: PathBuf,
+    dir: ShmDir,
     domain: ShmDomain,
     config: ShmConnectorConfig,
 }
@@ -94,11 +94,10 @@ pub struct ShmRequest {
 }
 
 impl ShmConnector {
-    /// A connector for segments under `dir` (see [`crate::ensure_private_dir`]) whose
-    /// connections register memory through `domain`.
-    pub fn new(dir: impl Into<PathBuf>, domain: &ShmDomain, config: ShmConnectorConfig) -> Self {
+    /// A connector for segments in `dir` whose connections register memory through `domain`.
+    pub fn new(dir: &ShmDir, domain: &ShmDomain, config: ShmConnectorConfig) -> Self {
         Self {
-            dir: dir.into(),
+            dir: dir.clone(),
             domain: domain.handle(),
             config,
         }

@@ -1,5 +1,6 @@
 //! Every `unsafe` operation of the crate lives here: the shared mapping, futexes, cross-memory
-//! attach (CMA, `process_vm_readv`/`process_vm_writev`), pidfds and a few libc queries.
+//! attach (CMA, `process_vm_readv`/`process_vm_writev`), pidfds, the file calls relative to a
+//! directory descriptor (`openat` and kin) and a few libc queries.
 //!
 //! The rest of the crate is safe code built on these small wrappers. Two kinds of memory are
 //! touched:
@@ -14,6 +15,7 @@
 //!   so that a range unmapped behind the registration's back yields `EFAULT`, never a crash;
 //!   only when the kernel refuses CMA altogether (seccomp) does a plain copy stand in.
 
+use core::ffi::CStr;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64};
 use std::fs::File;
@@ -711,4 +713,75 @@ pub fn process_cpu_time() -> Duration {
         u64::try_from(ts.tv_sec).unwrap_or(0),
         u32::try_from(ts.tv_nsec).unwrap_or(0),
     )
+}
+
+/// `openat(2)`: `name` (one component, validated by the caller) in the directory `dir`, as a
+/// [`File`]. Callers pass `O_NOFOLLOW` and `O_CLOEXEC`.
+pub(crate) fn open_at(
+    dir: BorrowedFd<'_>,
+    name: &CStr,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<File> {
+    // SAFETY: a NUL-terminated name and a descriptor we hold for the duration of the call;
+    // the mode argument is read only with O_CREAT, as openat's variadic contract allows.
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags, mode) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The device and inode of the entry `name` in `dir`, not following a symbolic link
+/// (`fstatat(2)` with `AT_SYMLINK_NOFOLLOW`).
+pub(crate) fn identity_at(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<(u64, u64)> {
+    let mut stat = core::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: a NUL-terminated name, a descriptor we hold; fstatat writes a whole `struct
+    // stat` on success.
+    let rc = unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            stat.as_mut_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fstatat succeeded.
+    let stat = unsafe { stat.assume_init() };
+    Ok((stat.st_dev, stat.st_ino))
+}
+
+/// `unlinkat(2)` of the file `name` in `dir` (a symbolic link is removed, not followed).
+pub(crate) fn unlink_at(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+    // SAFETY: a NUL-terminated name, a descriptor we hold.
+    if unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// `linkat(2)`: gives the file `from` of `dir` the further name `to` in the same directory,
+/// failing with `EEXIST` rather than replacing (flags 0: a symbolic link `from` is not
+/// followed).
+pub(crate) fn link_at(dir: BorrowedFd<'_>, from: &CStr, to: &CStr) -> io::Result<()> {
+    // SAFETY: NUL-terminated names, a descriptor we hold.
+    let rc = unsafe {
+        libc::linkat(
+            dir.as_raw_fd(),
+            from.as_ptr(),
+            dir.as_raw_fd(),
+            to.as_ptr(),
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }

@@ -33,10 +33,10 @@ fn pair(
 ) -> Pair {
     let dir = TestDir::new("conn");
     let segment =
-        ShmSegment::create(dir.path(), "c", &segment_config(slot_size, recv_slots)).unwrap();
+        ShmSegment::create(dir.handle(), "c", &segment_config(slot_size, recv_slots)).unwrap();
     let creator = ShmConnection::new(segment, creator_domain, config).unwrap();
     assert!(!creator.is_peer_attached());
-    let attached = ShmSegment::attach(dir.path(), "c").unwrap();
+    let attached = ShmSegment::attach(dir.handle(), "c").unwrap();
     let attacher = ShmConnection::new(attached, attacher_domain, config).unwrap();
     Pair {
         _dir: dir,
@@ -365,7 +365,7 @@ fn a_sleeping_peer_is_woken_through_the_doorbell() {
     let dir = TestDir::new("bell");
     let (a, b) = (ShmDomain::default(), ShmDomain::default());
     let rings = Arc::new(AtomicUsize::new(0));
-    let segment = ShmSegment::create(dir.path(), "c", &segment_config(64, 2)).unwrap();
+    let segment = ShmSegment::create(dir.handle(), "c", &segment_config(64, 2)).unwrap();
     let creator = ShmConnection::with_doorbell(
         segment,
         &a,
@@ -374,7 +374,7 @@ fn a_sleeping_peer_is_woken_through_the_doorbell() {
     )
     .unwrap();
     let attacher = ShmConnection::new(
-        ShmSegment::attach(dir.path(), "c").unwrap(),
+        ShmSegment::attach(dir.handle(), "c").unwrap(),
         &b,
         test_connection_config(),
     )
@@ -423,7 +423,7 @@ fn a_peer_blocking_outside_wait_gets_exactly_one_doorbell_per_sleep() {
     let dir = TestDir::new("block");
     let (a, b) = (ShmDomain::default(), ShmDomain::default());
     let rings = Arc::new(AtomicUsize::new(0));
-    let segment = ShmSegment::create(dir.path(), "c", &segment_config(64, 4)).unwrap();
+    let segment = ShmSegment::create(dir.handle(), "c", &segment_config(64, 4)).unwrap();
     let creator = ShmConnection::with_doorbell(
         segment,
         &a,
@@ -432,7 +432,7 @@ fn a_peer_blocking_outside_wait_gets_exactly_one_doorbell_per_sleep() {
     )
     .unwrap();
     let attacher = ShmConnection::new(
-        ShmSegment::attach(dir.path(), "c").unwrap(),
+        ShmSegment::attach(dir.handle(), "c").unwrap(),
         &b,
         test_connection_config(),
     )

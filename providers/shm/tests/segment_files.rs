@@ -3,11 +3,12 @@
 mod common;
 
 use std::fs;
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 
 use common::{segment_config, TestDir};
 use san_shm::{
-    AccessPolicy, CorruptSegment, PermissionProblem, SegmentConfig, ShmError, ShmSegment,
+    AccessPolicy, CorruptSegment, PermissionProblem, SegmentConfig, ShmDir, ShmError, ShmSegment,
 };
 
 /// Byte offsets of header fields (layout version 1; see layout.rs).
@@ -18,7 +19,7 @@ const SIDE1_OFFSET_AT: usize = 56;
 const STATE_AT: usize = 72;
 
 fn valid_segment_bytes(dir: &TestDir) -> Vec<u8> {
-    let segment = ShmSegment::create(dir.path(), "template", &segment_config(512, 8)).unwrap();
+    let segment = ShmSegment::create(dir.handle(), "template", &segment_config(512, 8)).unwrap();
     let bytes = fs::read(segment.path()).unwrap();
     drop(segment);
     bytes
@@ -28,7 +29,7 @@ fn attach_bytes(dir: &TestDir, name: &str, bytes: &[u8]) -> Result<ShmSegment, S
     let path = dir.path().join(name);
     fs::write(&path, bytes).unwrap();
     fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
-    ShmSegment::attach(dir.path(), name)
+    ShmSegment::attach(dir.handle(), name)
 }
 
 fn with_u32(mut bytes: Vec<u8>, at: usize, value: u32) -> Vec<u8> {
@@ -145,10 +146,10 @@ fn randomly_mutated_headers_never_crash_the_attacher() {
 #[test]
 fn files_open_to_group_or_world_symlinks_and_directories_are_refused() {
     let dir = TestDir::new("perm");
-    let segment = ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).unwrap();
+    let segment = ShmSegment::create(dir.handle(), "seg", &segment_config(256, 4)).unwrap();
     fs::set_permissions(segment.path(), fs::Permissions::from_mode(0o644)).unwrap();
     assert_eq!(
-        ShmSegment::attach(dir.path(), "seg").map(|_| ()),
+        ShmSegment::attach(dir.handle(), "seg").map(|_| ()),
         Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
             mode: 0o644
         }))
@@ -156,24 +157,24 @@ fn files_open_to_group_or_world_symlinks_and_directories_are_refused() {
     fs::set_permissions(segment.path(), fs::Permissions::from_mode(0o600)).unwrap();
     std::os::unix::fs::symlink(segment.path(), dir.path().join("link")).unwrap();
     assert_eq!(
-        ShmSegment::attach(dir.path(), "link").map(|_| ()),
+        ShmSegment::attach(dir.handle(), "link").map(|_| ()),
         Err(ShmError::PermissionDenied(PermissionProblem::Symlink))
     );
     fs::create_dir(dir.path().join("sub")).unwrap();
     assert!(matches!(
-        ShmSegment::attach(dir.path(), "sub"),
+        ShmSegment::attach(dir.handle(), "sub"),
         Err(ShmError::PermissionDenied(_) | ShmError::Io { .. })
     ));
     assert_eq!(
-        ShmSegment::attach(dir.path(), "../x").map(|_| ()),
+        ShmSegment::attach(dir.handle(), "../x").map(|_| ()),
         Err(ShmError::InvalidName)
     );
     assert_eq!(
-        ShmSegment::attach(dir.path(), "absent").map(|_| ()),
+        ShmSegment::attach(dir.handle(), "absent").map(|_| ()),
         Err(ShmError::NotFound)
     );
     // The refusals left the segment untouched: its rightful attacher still gets in.
-    let attached = ShmSegment::attach(dir.path(), "seg").unwrap();
+    let attached = ShmSegment::attach(dir.handle(), "seg").unwrap();
     assert!(segment.is_attached());
     assert_eq!(attached.peer_pid(), Some(std::process::id()));
     assert_eq!(segment.peer_uid(), Some(effective_uid_from_proc()));
@@ -203,38 +204,40 @@ fn a_configured_group_may_attach_and_nobody_else_by_default() {
         access: AccessPolicy { group: Some(gid) },
         ..segment_config(256, 4)
     };
-    let segment = ShmSegment::create(dir.path(), "seg", &config).unwrap();
+    let segment = ShmSegment::create(dir.handle(), "seg", &config).unwrap();
     let mode = fs::metadata(segment.path()).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o660);
     assert_eq!(
-        ShmSegment::attach(dir.path(), "seg").map(|_| ()),
+        ShmSegment::attach(dir.handle(), "seg").map(|_| ()),
         Err(ShmError::PermissionDenied(PermissionProblem::ModeTooOpen {
             mode: 0o660
         })),
         "the default policy is same-user only"
     );
-    assert!(ShmSegment::attach_with(dir.path(), "seg", &AccessPolicy { group: Some(gid) }).is_ok());
+    assert!(
+        ShmSegment::attach_with(dir.handle(), "seg", &AccessPolicy { group: Some(gid) }).is_ok()
+    );
 }
 
 #[test]
 fn a_live_creator_keeps_its_name_and_attach_is_exclusive() {
     let dir = TestDir::new("live");
-    let first = ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).unwrap();
+    let first = ShmSegment::create(dir.handle(), "seg", &segment_config(256, 4)).unwrap();
     assert_eq!(
-        ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).map(|_| ()),
+        ShmSegment::create(dir.handle(), "seg", &segment_config(256, 4)).map(|_| ()),
         Err(ShmError::AlreadyExists)
     );
     assert!(!first.is_attached());
-    let _attached = ShmSegment::attach(dir.path(), "seg").unwrap();
+    let _attached = ShmSegment::attach(dir.handle(), "seg").unwrap();
     assert!(first.is_attached());
     assert_eq!(
-        ShmSegment::attach(dir.path(), "seg").map(|_| ()),
+        ShmSegment::attach(dir.handle(), "seg").map(|_| ()),
         Err(ShmError::AlreadyAttached)
     );
     first.unlink().unwrap();
     assert!(!dir.path().join("seg").exists());
     // The name is free again for a new connection.
-    assert!(ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).is_ok());
+    assert!(ShmSegment::create(dir.handle(), "seg", &segment_config(256, 4)).is_ok());
 }
 
 #[test]
@@ -242,8 +245,8 @@ fn a_corrupt_file_of_ours_squatting_a_name_is_replaced() {
     let dir = TestDir::new("squat");
     fs::write(dir.path().join("seg"), b"garbage").unwrap();
     fs::set_permissions(dir.path().join("seg"), fs::Permissions::from_mode(0o600)).unwrap();
-    let segment = ShmSegment::create(dir.path(), "seg", &segment_config(256, 4)).unwrap();
-    assert!(ShmSegment::attach(dir.path(), "seg").is_ok());
+    let segment = ShmSegment::create(dir.handle(), "seg", &segment_config(256, 4)).unwrap();
+    assert!(ShmSegment::attach(dir.handle(), "seg").is_ok());
     drop(segment);
     assert!(
         !dir.path().join("seg").exists(),
@@ -271,7 +274,7 @@ fn invalid_configurations_are_refused() {
         },
     ] {
         assert!(matches!(
-            ShmSegment::create(dir.path(), "seg", &config),
+            ShmSegment::create(dir.handle(), "seg", &config),
             Err(ShmError::InvalidConfig(_))
         ));
     }
@@ -288,7 +291,7 @@ fn file_size_is_the_size_of_the_file_created() {
             slot_size: 16 << 10,
         }),
     ] {
-        let segment = ShmSegment::create(dir.path(), "sized", &config).unwrap();
+        let segment = ShmSegment::create(dir.handle(), "sized", &config).unwrap();
         let on_disk = fs::metadata(segment.path()).unwrap().len();
         assert_eq!(config.file_size(), Some(on_disk as usize));
         drop(segment);
@@ -297,4 +300,121 @@ fn file_size_is_the_size_of_the_file_created() {
     let mut too_big = segment_config(512, 8);
     too_big.window_size = u32::MAX;
     assert_eq!(too_big.file_size(), None);
+}
+
+/// The names in the directory at `path`, sorted.
+fn names_in(path: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = fs::read_dir(path)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// A private directory at `path` (what `ShmDir::open` accepts).
+fn private_dir(path: &std::path::Path) {
+    fs::create_dir(path).unwrap();
+    fs::set_permissions(path, fs::Permissions::from_mode(0o700)).unwrap();
+}
+
+#[test]
+fn a_directory_swapped_at_its_path_after_the_check_is_not_followed() {
+    let dir = TestDir::new("swap");
+    let handle = dir.handle();
+    let first = ShmSegment::create(handle, "first", &segment_config(256, 4)).unwrap();
+    // Whoever may write the parent renames the checked directory away and puts another
+    // directory at its path, with a segment-looking file of ours planted there.
+    let original = dir.path().with_extension("original");
+    fs::rename(dir.path(), &original).unwrap();
+    private_dir(dir.path());
+    let other = ShmDir::open(dir.path()).unwrap();
+    let planted = ShmSegment::create(&other, "planted", &segment_config(256, 4)).unwrap();
+    std::mem::forget(planted);
+
+    // Every operation through the handle lands in the directory that was checked.
+    let second = ShmSegment::create(handle, "second", &segment_config(256, 4)).unwrap();
+    assert!(handle.contains("second") && handle.contains("first"));
+    assert!(!handle.contains("planted"));
+    assert_eq!(
+        ShmSegment::attach(handle, "planted").map(|_| ()),
+        Err(ShmError::NotFound),
+        "the file planted at the path is not reached"
+    );
+    let attached = ShmSegment::attach(handle, "first").unwrap();
+    assert!(first.is_attached());
+    attached.unlink().unwrap();
+    drop(second);
+    assert_eq!(names_in(&original), Vec::<String>::new());
+    assert_eq!(names_in(dir.path()), ["planted"], "untouched");
+
+    // A symbolic link at the path, to another directory of ours: the same.
+    let decoy = dir.path().with_extension("decoy");
+    private_dir(&decoy);
+    fs::remove_file(dir.path().join("planted")).unwrap();
+    fs::remove_dir(dir.path()).unwrap();
+    std::os::unix::fs::symlink(&decoy, dir.path()).unwrap();
+    let third = ShmSegment::create(handle, "third", &segment_config(256, 4)).unwrap();
+    assert_eq!(names_in(&original), ["third"]);
+    assert_eq!(names_in(&decoy), Vec::<String>::new());
+    handle.remove("third").unwrap();
+    assert_eq!(names_in(&original), Vec::<String>::new());
+    drop(third);
+    for path in [&original, &decoy] {
+        let _ = fs::remove_dir_all(path);
+    }
+    let _ = fs::remove_file(dir.path());
+}
+
+#[test]
+fn a_stale_segment_is_replaced_in_the_checked_directory_only() {
+    let dir = TestDir::new("swap-stale");
+    let handle = dir.handle();
+    let original = dir.path().with_extension("original");
+    fs::rename(dir.path(), &original).unwrap();
+    private_dir(dir.path());
+    // In the checked directory, a corrupt file of ours under the name (stale: replaceable);
+    // in the directory now at the path, a live segment under the same name.
+    fs::write(original.join("seg"), b"garbage").unwrap();
+    fs::set_permissions(original.join("seg"), fs::Permissions::from_mode(0o600)).unwrap();
+    let other = ShmDir::open(dir.path()).unwrap();
+    let live = ShmSegment::create(&other, "seg", &segment_config(256, 4)).unwrap();
+    // Replacing the stale name happens where it is, and leaves the other directory's alone.
+    let replaced = ShmSegment::create(handle, "seg", &segment_config(256, 4))
+        .expect("the corrupt file in the checked directory is replaced");
+    let _attached = ShmSegment::attach(handle, "seg").unwrap();
+    assert!(replaced.is_attached());
+    let _other_attached = ShmSegment::attach(&other, "seg").unwrap();
+    assert!(
+        live.is_attached(),
+        "the live segment at the path is still its own"
+    );
+    drop(replaced);
+    drop(live);
+    let _ = fs::remove_dir_all(&original);
+}
+
+#[test]
+fn a_directory_descriptor_reused_for_another_directory_is_not_written_through() {
+    use std::os::fd::AsRawFd;
+    let dir = TestDir::new("reused");
+    let handle = dir.handle();
+    let elsewhere = dir.path().with_extension("elsewhere");
+    private_dir(&elsewhere);
+    let elsewhere_fd = fs::File::open(&elsewhere).unwrap();
+    // The program closes our descriptor and its number comes to name another directory.
+    // SAFETY: dup2 onto the handle's own number (which the handle goes on holding): the test
+    // plays a program that closed a descriptor it did not know and reused its number.
+    let rc = unsafe { libc::dup2(elsewhere_fd.as_raw_fd(), handle.as_fd().as_raw_fd()) };
+    assert!(rc >= 0);
+    assert!(matches!(
+        ShmSegment::create(handle, "seg", &segment_config(256, 4)),
+        Err(ShmError::Io {
+            errno: libc::EBADF,
+            ..
+        })
+    ));
+    assert!(!handle.contains("seg"));
+    assert_eq!(names_in(&elsewhere), Vec::<String>::new());
+    let _ = fs::remove_dir_all(&elsewhere);
 }

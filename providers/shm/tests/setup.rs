@@ -24,7 +24,7 @@ fn connector(dir: &TestDir, domain: &ShmDomain, setup_timeout: Duration) -> ShmC
         setup_timeout,
         ..ShmConnectorConfig::default()
     };
-    ShmConnector::new(dir.path(), domain, config)
+    ShmConnector::new(dir.handle(), domain, config)
 }
 
 /// Connects `active` to `passive` at `address` through the trait alone (the same helper
@@ -182,7 +182,7 @@ fn the_plain_constructors_still_work_and_read_as_an_empty_blob() {
     let domain = ShmDomain::default();
     let mut server = connector(&dir, &domain, Duration::from_secs(5));
     let config = san_shm::SegmentConfig::new(SLOTS);
-    let _created = ShmSegment::create(dir.path(), "plain", &config).unwrap();
+    let _created = ShmSegment::create(dir.handle(), "plain", &config).unwrap();
     let mut listener = server.listen("plain").unwrap();
     let request = server.poll_request(&mut listener).unwrap().unwrap();
     assert!(request.private_data().is_empty());

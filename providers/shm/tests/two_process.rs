@@ -17,8 +17,8 @@ use san_api::{
     RemoteDescriptor, RemoteKey, SanConnection, SanDomain,
 };
 use san_shm::{
-    DomainConfig, PermissionProblem, SegmentConfig, ShmConnection, ShmDomain, ShmError, ShmSegment,
-    WaitResult,
+    DomainConfig, PermissionProblem, SegmentConfig, ShmConnection, ShmDir, ShmDomain, ShmError,
+    ShmSegment, WaitResult,
 };
 
 const ROLE: &str = "SAN_SHM_PEER";
@@ -74,9 +74,10 @@ fn peer_main() {
     let dir = std::path::PathBuf::from(std::env::var(DIR).unwrap());
     let name = std::env::var(NAME).unwrap();
     match role.as_str() {
-        "service" => service(&dir, &name),
+        "service" => service(&ShmDir::open(&dir).unwrap(), &name),
         "create-and-vanish" => {
-            let segment = ShmSegment::create(&dir, &name, &segment_config(256, 4)).unwrap();
+            let handle = ShmDir::open(&dir).unwrap();
+            let segment = ShmSegment::create(&handle, &name, &segment_config(256, 4)).unwrap();
             // Exit without running destructors: the file stays behind, as after a crash.
             std::mem::forget(segment);
             std::process::exit(0);
@@ -84,7 +85,8 @@ fn peer_main() {
         "create-and-hold" => {
             // Holds a pending segment until the test creates `<dir>/done` (bounded), telling
             // it is ready by creating `<dir>/ready`.
-            let segment = ShmSegment::create(&dir, &name, &segment_config(256, 4)).unwrap();
+            let handle = ShmDir::open(&dir).unwrap();
+            let segment = ShmSegment::create(&handle, &name, &segment_config(256, 4)).unwrap();
             std::fs::write(dir.join("ready"), std::process::id().to_string()).unwrap();
             let deadline = Instant::now() + Duration::from_secs(30);
             while !dir.join("done").exists() && Instant::now() < deadline {
@@ -94,8 +96,12 @@ fn peer_main() {
             std::process::exit(0);
         }
         "attach-as-other-user" => {
-            let code = match ShmSegment::attach(&dir, &name) {
-                Ok(_) => 10,
+            // Another user may not even open the directory (Kernel), or finds it is not its
+            // own (WrongOwner).
+            let attached =
+                ShmDir::open(&dir).and_then(|dir| ShmSegment::attach(&dir, &name).map(|_| ()));
+            let code = match attached {
+                Ok(()) => 10,
                 Err(ShmError::PermissionDenied(PermissionProblem::Kernel)) => 1,
                 Err(ShmError::PermissionDenied(PermissionProblem::WrongOwner { .. })) => 2,
                 Err(_) => 20,
@@ -107,7 +113,7 @@ fn peer_main() {
 }
 
 /// Obeys commands from the creator until told to exit or the connection goes down.
-fn service(dir: &Path, name: &str) {
+fn service(dir: &ShmDir, name: &str) {
     let mut domain = ShmDomain::default();
     let segment = ShmSegment::attach(dir, name).unwrap();
     let conn = ShmConnection::new(segment, &domain, test_connection_config()).unwrap();
@@ -202,7 +208,7 @@ impl Session {
     fn start(tag: &str, config: SegmentConfig, domain: DomainConfig) -> Session {
         let dir = TestDir::new(tag);
         let domain = ShmDomain::new(domain);
-        let segment = ShmSegment::create(dir.path(), "s", &config).unwrap();
+        let segment = ShmSegment::create(dir.handle(), "s", &config).unwrap();
         let conn = ShmConnection::new(segment, &domain, test_connection_config()).unwrap();
         let child = spawn_peer("service", dir.path(), "s").spawn().unwrap();
         let mut me = Endpoint::new(conn);
@@ -585,9 +591,9 @@ fn a_stale_segment_of_a_dead_creator_is_replaced() {
         dir.path().join("s").exists(),
         "the dead creator left its file"
     );
-    let segment =
-        ShmSegment::create(dir.path(), "s", &segment_config(256, 4)).expect("stale file replaced");
-    let attached = ShmSegment::attach(dir.path(), "s").unwrap();
+    let segment = ShmSegment::create(dir.handle(), "s", &segment_config(256, 4))
+        .expect("stale file replaced");
+    let attached = ShmSegment::attach(dir.handle(), "s").unwrap();
     assert_eq!(
         attached.peer_pid(),
         Some(std::process::id()),
@@ -669,7 +675,7 @@ fn a_live_creator_in_another_pid_namespace_keeps_its_name() {
         !Path::new(&format!("/proc/{recorded}")).exists(),
         "its pid names no process here"
     );
-    let taken = ShmSegment::create(dir.path(), "s", &segment_config(256, 4)).map(|_| ());
+    let taken = ShmSegment::create(dir.handle(), "s", &segment_config(256, 4)).map(|_| ());
     let still_there = dir.path().join("s").exists();
     std::fs::write(dir.path().join("done"), b"").unwrap();
     let status = child.wait().unwrap();
@@ -681,7 +687,7 @@ fn a_live_creator_in_another_pid_namespace_keeps_its_name() {
     assert!(still_there, "a live creator's segment keeps its name");
     assert!(status.success());
     // Once the creator is gone, its segment is stale, whatever namespace it ran in.
-    let segment = ShmSegment::create(dir.path(), "s", &segment_config(256, 4))
+    let segment = ShmSegment::create(dir.handle(), "s", &segment_config(256, 4))
         .expect("the dead creator's file is replaced");
     drop(segment);
 }
@@ -697,7 +703,7 @@ fn another_user_cannot_attach() {
         return;
     }
     let dir = TestDir::new("uid");
-    let segment = ShmSegment::create(dir.path(), "s", &segment_config(256, 4)).unwrap();
+    let segment = ShmSegment::create(dir.handle(), "s", &segment_config(256, 4)).unwrap();
     // The build directory may not be reachable for uid 65534: run a world-readable copy.
     let exe_dir = std::env::temp_dir().join(format!("san-shm-uid-test-{}", std::process::id()));
     std::fs::create_dir_all(&exe_dir).unwrap();
@@ -714,7 +720,8 @@ fn another_user_cannot_attach() {
     };
     // Default modes (0700 directory, 0600 file): the kernel refuses.
     assert_eq!(run_as_nobody().code(), Some(1));
-    // Even with the file opened up to the world, the owner check refuses.
+    // Even with the directory and the file opened up to the world, the owner checks refuse
+    // (the directory's, before the file's).
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(segment.path(), std::fs::Permissions::from_mode(0o666)).unwrap();
     assert_eq!(run_as_nobody().code(), Some(2));
@@ -724,7 +731,7 @@ fn another_user_cannot_attach() {
     );
     std::fs::set_permissions(segment.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
     assert!(
-        ShmSegment::attach(dir.path(), "s").is_ok(),
+        ShmSegment::attach(dir.handle(), "s").is_ok(),
         "the owner still can"
     );
     let _ = std::fs::remove_dir_all(&exe_dir);

@@ -317,7 +317,7 @@ pub fn before_connect(
     }
     match SanSocket::client(
         record,
-        &provider.dir,
+        provider.dir.handle(),
         &name,
         &provider.registrations,
         charge,
@@ -410,14 +410,16 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
         match budget::charge_shm() {
             Some(charge) => SanSocket::acceptor(
                 record,
-                &provider.dir,
+                provider.dir.handle(),
                 &name,
                 &provider.registrations,
                 charge,
             ),
             // Past the process's SAN memory budget: decline a client that made a segment
             // (it stays on TCP, `peer-resources`); one that made none is plain.
-            None if segment_exists(&provider.dir, &name) => Err(SocketSetupError::Resource),
+            None if provider.dir.handle().contains(name.as_str()) => {
+                Err(SocketSetupError::Resource)
+            }
             None => Err(SocketSetupError::PeerPlain),
         }
     };
@@ -462,7 +464,7 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
                 .bypass
                 .store(Bypass::SanResources as u32, Ordering::Release);
             if mode != ProviderChoice::Verbs {
-                decline(&provider.dir, &name);
+                decline(provider.dir.handle(), &name);
             }
         }
         Err(SocketSetupError::PeerPidNamespace) => {
@@ -470,23 +472,17 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
             record
                 .bypass
                 .store(Bypass::PeerPidNamespace as u32, Ordering::Release);
-            decline(&provider.dir, &name);
+            decline(provider.dir.handle(), &name);
         }
     }
 }
 
-/// Whether the client of a connection named `name` created its segment (a path operation,
-/// no descriptor needed).
-fn segment_exists(dir: &std::path::Path, name: &crate::discovery::SegmentName) -> bool {
-    std::fs::symlink_metadata(dir.join(name.as_str())).is_ok()
-}
-
-/// The acceptor gives up before it attached: it removes the client's segment name (a path
-/// operation, no descriptor needed), so that the pending client, when TCP data finds the
+/// The acceptor gives up before it attached: it removes the client's segment name (in the
+/// segment directory it holds open), so that the pending client, when TCP data finds the
 /// segment unattached, knows a capable peer declined (`peer-resources`) rather than a plain
 /// one answered; the client stays on TCP either way (the exact rule).
-fn decline(dir: &std::path::Path, name: &crate::discovery::SegmentName) {
-    let _ = std::fs::remove_file(dir.join(name.as_str()));
+fn decline(dir: &san_shm::ShmDir, name: &crate::discovery::SegmentName) {
+    let _ = dir.remove(name.as_str());
 }
 
 /// The last fd of socket `index` is gone: tear down its SAN object (graceful close bounded by

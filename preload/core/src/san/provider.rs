@@ -3,7 +3,6 @@
 //! and the settings read with them.
 
 use core::sync::atomic::{AtomicBool, Ordering};
-use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::registrations::SharedRegistrations;
@@ -16,8 +15,9 @@ pub(super) struct Provider {
     pub(super) registrations: SharedRegistrations,
     /// Servers known to be plain (not preloaded), asked before a probe.
     pub(super) negative: NegativeCache,
-    /// Where the segments are created.
-    pub(super) dir: PathBuf,
+    /// Where the segments are created: the directory opened and checked once, reached only
+    /// through its descriptor from then on (see `SegmentDir`).
+    pub(super) dir: SegmentDir,
     /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
     rendezvous: bool,
     /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
@@ -70,7 +70,7 @@ pub(super) fn provider() -> Option<&'static Provider> {
                         san_shm::DomainConfig::default(),
                     )),
                     negative: NegativeCache::new(NegativeCacheConfig::default()),
-                    dir: dir.path().to_path_buf(),
+                    dir,
                     rendezvous: crate::settings::rendezvous_allowed(),
                     rdma_read: crate::settings::rdma_read(),
                 }),

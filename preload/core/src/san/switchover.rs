@@ -66,7 +66,7 @@ pub(super) fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     let peer_declined = !declined
         && matches!(slot, Some(SanObject::Socket(socket))
         if !socket.is_verbs() && provider().is_some_and(|provider| {
-            std::fs::symlink_metadata(provider.dir.join(socket.name.as_str())).is_err()
+            !provider.dir.handle().contains(socket.name.as_str())
         }));
     if peer_declined {
         tracing::debug!(

@@ -7,10 +7,13 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use san_api::{Completion, CompletionKind, RecvSlot, SanConnection, SlotConfig, WrId};
-use san_shm::{ConnectionConfig, SegmentConfig, ShmConnection, WaitResult};
+use san_shm::{ConnectionConfig, SegmentConfig, ShmConnection, ShmDir, WaitResult};
 
-/// A private directory under /dev/shm, removed on drop.
-pub struct TestDir(pub PathBuf);
+/// A private directory under /dev/shm, open as a segment directory, removed on drop.
+pub struct TestDir {
+    path: PathBuf,
+    handle: ShmDir,
+}
 
 impl TestDir {
     pub fn new(tag: &str) -> TestDir {
@@ -20,18 +23,24 @@ impl TestDir {
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
-        san_shm::ensure_private_dir(&path).expect("private test directory");
-        TestDir(path)
+        let handle = ShmDir::open(&path).expect("private test directory");
+        TestDir { path, handle }
     }
 
+    /// The path the directory was made at (files the test makes or inspects itself).
     pub fn path(&self) -> &Path {
-        &self.0
+        &self.path
+    }
+
+    /// The directory as the segment calls take it.
+    pub fn handle(&self) -> &ShmDir {
+        &self.handle
     }
 }
 
 impl Drop for TestDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 

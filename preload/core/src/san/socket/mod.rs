@@ -341,7 +341,7 @@ impl SanSocket {
     /// holds `charge`.
     pub(crate) fn client(
         record: &'static SocketRecord,
-        dir: &std::path::Path,
+        dir: &san_shm::ShmDir,
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
         charge: Charge,
@@ -363,7 +363,7 @@ impl SanSocket {
     /// ([`SanSocket::wake_pending_client`]). The socket holds `charge`.
     pub(crate) fn acceptor(
         record: &'static SocketRecord,
-        dir: &std::path::Path,
+        dir: &san_shm::ShmDir,
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
         charge: Charge,
