@@ -144,6 +144,77 @@ run_case preloaded-pair-again 1 1 san-verbs
 # Large blocking sends: the rendezvous (READ or WRITE mode per device) and the registration
 # cache of the verbs domain.
 run_case preloaded-pair-rendezvous 1 1 san-verbs 4194304
+# hijack_case NAME FROM COUNT EXPECTED_PATH EXPECTED_ACCEPTED: a third process (san_hijack,
+# not preloaded) finds the pending client's connection and sends COUNT rdma_cm connect
+# requests from address FROM to the client's CM listener, each carrying the set-up request the
+# real acceptor sends for this connection (the TCP 4-tuple: predictable), while the server's
+# accept() is held back until they were answered; then the server accepts (its CM connect
+# comes last). The pair must converse with every byte intact (equal checksums) and without a
+# reset, on EXPECTED_PATH on both sides; EXPECTED_ACCEPTED of the requests were accepted (as
+# candidates), and the client had dropped each of them by the end.
+hijack_case() {
+  selected "$1" || return 0
+  local name=$1 from=$2 count=$3 want=$4 want_accepted=$5
+  local go="$LOGS/$name.go" start took port spid hpid cpid crc src out sout hout dropped
+  start=$(date +%s.%N)
+  timeout 150 "${pre[@]}" "$X" server "$S" "$go" >"$LOGS/$name.server.out" 2>"$LOGS/$name.server.err" &
+  spid=$!
+  for _ in $(seq 600); do grep -q '^port ' "$LOGS/$name.server.out" 2>/dev/null && break; sleep 0.1; done
+  port=$(sed -n 's/^port //p' "$LOGS/$name.server.out")
+  rm -f "$LOGS/$name.hold"; mkfifo "$LOGS/$name.hold"
+  timeout 180 "$T/san_hijack" "$SP:${port:-0}" "$C" "$from" "$count" <"$LOGS/$name.hold" >"$LOGS/$name.hijack.out" 2>"$LOGS/$name.hijack.err" &
+  hpid=$!
+  exec 8>"$LOGS/$name.hold"
+  timeout 120 "${pre[@]}" "$X" client "$SP:${port:-0}" "$C" "$BYTES" >"$LOGS/$name.client.out" 2>"$LOGS/$name.client.err" &
+  cpid=$!
+  for _ in $(seq 900); do
+    grep -q '^hijack \(done\|failed\)' "$LOGS/$name.hijack.out" && break
+    kill -0 "$hpid" 2>/dev/null || break
+    sleep 0.1
+  done
+  touch "$go"
+  wait "$cpid"; crc=$?
+  wait "$spid"; src=$?
+  exec 8>&-
+  wait "$hpid"
+  took=$(echo "$(date +%s.%N) - $start" | bc)
+  out=$(grep '^client ' "$LOGS/$name.client.out"); sout=$(grep '^server ' "$LOGS/$name.server.out")
+  hout=$(grep '^hijack done' "$LOGS/$name.hijack.out"); dropped=$(grep '^hijack dropped' "$LOGS/$name.hijack.out")
+  local ok=1 cs ss cpath spath csan ssan cs_ cr_ ss_ sr_
+  [[ $crc == 0 && $src == 0 && $out == "client ok bytes=$BYTES "* && $sout == "server ok bytes=$BYTES "* ]] || ok=0
+  cs=${out#*checksum=}; cs=${cs%% *}; ss=${sout#*checksum=}; ss=${ss%% *}
+  [[ -n $cs && $cs == "$ss" ]] || ok=0
+  cpath=$(sed -n 's/.* path=\([^ ]*\).*/\1/p' <<<"$out"); spath=$(sed -n 's/.* path=\([^ ]*\).*/\1/p' <<<"$sout")
+  [[ $cpath == "$want" && $spath == "$want" ]] || ok=0
+  csan=$(sed -n 's/.* san=\([0-9]*\)\/\([0-9]*\).*/\1 \2/p' <<<"$out"); ssan=$(sed -n 's/.* san=\([0-9]*\)\/\([0-9]*\).*/\1 \2/p' <<<"$sout")
+  read -r cs_ cr_ <<<"${csan:-0 0}"; read -r ss_ sr_ <<<"${ssan:-0 0}"
+  if [[ $want == san-verbs ]]; then
+    (( cs_ >= BYTES && cr_ >= BYTES && ss_ >= BYTES && sr_ >= BYTES )) || ok=0
+  else
+    (( cs_ + cr_ + ss_ + sr_ == 0 )) || ok=0
+  fi
+  [[ $hout == "hijack done accepted=$want_accepted" && $dropped == "hijack dropped=$want_accepted of $want_accepted" ]] || ok=0
+  if [[ $ok == 1 ]]; then
+    echo "san-verbs: $name ok ($(tr '\n' ';' <"$LOGS/$name.hijack.out") client ${out#* checksum=* } | server ${sout#* checksum=* }; $BYTES bytes, ${took} s)"
+    pass=$((pass+1))
+  else
+    echo "san-verbs: $name FAIL (client rc=$crc: $out | server rc=$src: $sout | hijacker: $(tr '\n' ';' <"$LOGS/$name.hijack.out"), want $want and $want_accepted accepted)"
+    echo "--- client stderr"; tail -n 40 "$LOGS/$name.client.err"
+    echo "--- server stderr"; tail -n 40 "$LOGS/$name.server.err"
+    echo "--- hijacker stderr"; tail -n 10 "$LOGS/$name.hijack.err"
+    fail=$((fail+1))
+  fi
+}
+
+# Hostile neighbours. From the server's own address (another process on the server's host:
+# the source check cannot tell it apart) the token decides: the client accepts the hijacker's
+# request but switches to the real acceptor's, whose token arrives on TCP, and drops the
+# hijacker's. From another address the request is refused outright. Four hijacking requests
+# fill every candidate place: the real acceptor's request is refused and the pair stays on
+# TCP (the speed-up is lost, the connection is not).
+hijack_case hijack-from-server-address "$S" 1 san-verbs 1
+hijack_case hijack-from-other-address "$C" 1 san-verbs 0
+hijack_case hijack-all-candidates "$S" 4 tcp 4
 # The same over IPv6 (the guest's two hosts have IPv6 addresses too): an echo pair and
 # large blocking sends (rendezvous), both on SAN-verbs, and a plain server stays on TCP.
 if [[ -n ${SANDIRECT_TEST_SERVER_IP6:-} ]]; then

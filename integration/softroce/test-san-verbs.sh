@@ -6,7 +6,7 @@
 #
 #   usage: integration/softroce/test-san-verbs.sh [rxe] [siw]     (default: both)
 #
-# Builds libsandirect.so, libsandirect_verbs.so, san_xhost, san_memory, app_stdnet and app_kv
+# Builds libsandirect.so, libsandirect_verbs.so, san_xhost, san_hijack, san_memory, app_stdnet and app_kv
 # on the host; the guest runs san-verbs-guest.sh, then san-verbs-memory-guest.sh (the
 # registration cache under mapping changes, ENOBUFS under RLIMIT_MEMLOCK). Exit status 0 only if every fabric passed.
 # SANDIRECT_SAN_VERBS_BYTES sets the stream size (default 8 MiB).
@@ -19,10 +19,10 @@ fabrics=("$@"); [[ ${#fabrics[@]} -gt 0 ]] || fabrics=(rxe siw)
 t0=$(date +%s)
 # (Separate calls: `--bin` would restrict every selected package to that binary.)
 cargo build ${CARGO_BUILD_FLAGS:-} -p sandirect-preload -p san-verbs -p sandirect-cli >&2
-cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost --bin san_memory --bin app_stdnet --bin app_kv >&2
+cargo build ${CARGO_BUILD_FLAGS:-} -p integration --bin san_xhost --bin san_hijack --bin san_memory --bin app_stdnet --bin app_kv >&2
 target=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 profile="$target/debug"
-[[ -x "$profile/san_xhost" && -x "$profile/san_memory" && -x "$profile/app_stdnet" && -x "$profile/app_kv" && -f "$profile/libsandirect.so" && -f "$profile/libsandirect_verbs.so" ]] ||
+[[ -x "$profile/san_xhost" && -x "$profile/san_hijack" && -x "$profile/san_memory" && -x "$profile/app_stdnet" && -x "$profile/app_kv" && -f "$profile/libsandirect.so" && -f "$profile/libsandirect_verbs.so" ]] ||
   { echo "test-san-verbs: build products missing in $profile" >&2; exit 1; }
 echo "test-san-verbs: built in $(( $(date +%s) - t0 )) s"
 case "$(realpath "$profile")" in

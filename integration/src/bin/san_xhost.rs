@@ -3,7 +3,8 @@
 //! sandirect: run it natively and under the preload.
 //!
 //! ```text
-//! san_xhost server ADDR              # listens on ADDR:0, prints "port N", serves one client
+//! san_xhost server ADDR [GO_FILE]    # listens on ADDR:0, prints "port N", serves one client
+//!                                     # (with GO_FILE: accepts only once that file exists)
 //! san_xhost client ADDR:PORT LOCAL BYTES [CHUNK]  # binds LOCAL:0, streams BYTES, checks the echo
 //! san_xhost sink ADDR                 # as server, but reads until end-of-file or an error
 //! san_xhost flood ADDR:PORT LOCAL     # as client, but writes until an error
@@ -635,6 +636,19 @@ fn listen_announced(ip: &str) -> std::io::Result<TcpListener> {
     Ok(listener)
 }
 
+/// Waits (up to two minutes) until `path` exists: a test holds a server's `accept()` back
+/// while it does something to the connection that is waiting in the backlog.
+fn wait_for_file(path: &str) -> std::io::Result<()> {
+    let started = std::time::Instant::now();
+    while !std::path::Path::new(path).exists() {
+        if started.elapsed() > std::time::Duration::from_secs(120) {
+            return Err(std::io::Error::other(format!("{path} did not appear")));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    Ok(())
+}
+
 /// Argument `i`, parsed.
 fn parsed<T>(args: &[String], i: usize) -> std::io::Result<T>
 where
@@ -650,7 +664,13 @@ fn main() -> std::io::Result<()> {
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or_default();
     let chunk = || arg(5).parse().unwrap_or(24_000);
     match arg(1) {
-        "server" => println!("{}", serve(listen_announced(arg(2))?)?),
+        "server" => {
+            let listener = listen_announced(arg(2))?;
+            if !arg(3).is_empty() {
+                wait_for_file(arg(3))?;
+            }
+            println!("{}", serve(listener)?);
+        }
         "sink" => println!("{}", sink(listen_announced(arg(2))?)?),
         "answer" => println!("{}", answer(listen_announced(arg(2))?)?),
         "keepalive-client" => println!(

@@ -373,6 +373,43 @@ pub(crate) fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::sockl
     (storage, libc::socklen_t::try_from(len).unwrap_or(0))
 }
 
+/// The socket address in `storage` (IPv4 or IPv6; `None` for another family).
+pub(crate) fn socket_addr(storage: &libc::sockaddr_storage) -> Option<SocketAddr> {
+    match i32::from(storage.ss_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says the storage holds a sockaddr_in, which it is larger
+            // than and suitably aligned for.
+            let sin =
+                unsafe { *(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>() };
+            Some(SocketAddr::from((
+                sin.sin_addr.s_addr.to_ne_bytes(),
+                u16::from_be(sin.sin_port),
+            )))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 =
+                unsafe { *(storage as *const libc::sockaddr_storage).cast::<libc::sockaddr_in6>() };
+            Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                sin6.sin6_addr.s6_addr.into(),
+                u16::from_be(sin6.sin6_port),
+                sin6.sin6_flowinfo,
+                sin6.sin6_scope_id,
+            )))
+        }
+        _ => None,
+    }
+}
+
+/// The address of the other side of `id` (for the id of a connect request: the address
+/// the request came from, `rdma_get_peer_addr`).
+pub(crate) fn peer_address(id: &CmId) -> Option<SocketAddr> {
+    // SAFETY: live id; rdma_cm fills the route's destination address of a connect request's
+    // id before reporting the request (the union's storage member spans every family).
+    let storage = unsafe { (*id.as_ptr()).route.addr.dst_addr_union.dst_storage };
+    socket_addr(&storage)
+}
+
 /// The port an id is bound to (host order), from its source address.
 pub(crate) fn bound_port(id: &CmId) -> u16 {
     // SAFETY: live id; the route's source address is a sockaddr written by bind/resolve;
@@ -464,6 +501,17 @@ mod tests {
             "length beyond the frame"
         );
         assert_eq!(decode_blob(&[]), Vec::<u8>::new());
+    }
+
+    #[test]
+    fn socket_addresses_read_back_as_written() {
+        for addr in ["192.0.2.1:4791", "[2001:db8::2]:40000"] {
+            let addr: SocketAddr = addr.parse().unwrap();
+            assert_eq!(socket_addr(&sockaddr(addr).0), Some(addr));
+        }
+        // SAFETY: all-zero is a valid sockaddr_storage (family AF_UNSPEC).
+        let unspecified: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        assert_eq!(socket_addr(&unspecified), None);
     }
 
     #[test]

@@ -246,8 +246,37 @@ impl VerbsConnection {
         Ok(connection)
     }
 
-    pub(crate) fn set_established(&mut self) {
-        self.state = LinkState::Established;
+    /// Waits up to `timeout` for the connection to be established (a connection accepted
+    /// with [`crate::IncomingRequest::accept_started`]; at once for any other).
+    ///
+    /// # Errors
+    /// `TimedOut`; `Rejected`, `Unreachable` or `ConnectFailed` when the handshake failed or
+    /// the peer went away first (the connection is then down).
+    pub fn wait_established(&mut self, timeout: Duration) -> Result<(), VerbsSetupError> {
+        self.establish_until(cm::deadline_after(timeout))
+    }
+
+    /// [`Self::wait_established`] until `deadline`.
+    pub(crate) fn establish_until(&mut self, deadline: Instant) -> Result<(), VerbsSetupError> {
+        loop {
+            match self.state {
+                LinkState::Established => return Ok(()),
+                LinkState::Down => return Err(VerbsSetupError::ConnectFailed),
+                LinkState::Connecting => {}
+            }
+            let event = self.channel.next_until(Some(deadline))?;
+            match event.kind {
+                rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED if event.status == 0 => {
+                    self.state = LinkState::Established;
+                }
+                rdma_cm_event_type::RDMA_CM_EVENT_ADDR_CHANGE
+                | rdma_cm_event_type::RDMA_CM_EVENT_TIMEWAIT_EXIT => {}
+                _ => {
+                    self.go_down();
+                    return Err(cm::setup_failure(&event));
+                }
+            }
+        }
     }
 
     pub(crate) fn id(&self) -> &CmId {

@@ -54,6 +54,9 @@ static VTABLE: VerbsVtable = VerbsVtable {
     domain_is_watched,
     connection_arm_solicited,
     connection_take_event,
+    request_peer,
+    request_accept_started,
+    connection_wait_established,
 };
 
 /// The library's only exported symbol: the vtable of ABI version 1.
@@ -396,6 +399,44 @@ unsafe extern "C" fn request_accept(
     params: *const AbiConnectParams,
     out: *mut *mut AbiConnection,
 ) -> i32 {
+    // SAFETY: caller contract, passed on.
+    unsafe { accept_request(request, domain, params, out, IncomingRequest::accept) }
+}
+
+unsafe extern "C" fn request_accept_started(
+    request: *mut AbiRequest,
+    domain: *mut AbiDomain,
+    params: *const AbiConnectParams,
+    out: *mut *mut AbiConnection,
+) -> i32 {
+    // SAFETY: caller contract, passed on.
+    unsafe {
+        accept_request(
+            request,
+            domain,
+            params,
+            out,
+            IncomingRequest::accept_started,
+        )
+    }
+}
+
+/// Accepts `request` (consumed whatever happens) with `how`.
+///
+/// # Safety
+/// `request` null or a live request handle; `domain` null or a live domain handle; `params`
+/// as for [`read_params`]; `out` null or valid for a write.
+unsafe fn accept_request(
+    request: *mut AbiRequest,
+    domain: *mut AbiDomain,
+    params: *const AbiConnectParams,
+    out: *mut *mut AbiConnection,
+    how: fn(
+        IncomingRequest,
+        &VerbsDomain,
+        &ConnectParams<'_>,
+    ) -> Result<VerbsConnection, VerbsSetupError>,
+) -> i32 {
     guard(|| {
         if request.is_null() {
             return status::INVALID_ARGUMENT;
@@ -409,13 +450,33 @@ unsafe extern "C" fn request_accept(
         let (Some(domain), Some(params), false) = (domain, params, out.is_null()) else {
             return status::INVALID_ARGUMENT;
         };
-        match request.accept(domain, &params) {
+        match how(*request, domain, &params) {
             Ok(connection) => {
                 // SAFETY: `out` checked non-null.
                 unsafe { *out = Box::into_raw(Box::new(connection)).cast() };
                 status::OK
             }
             Err(error) => error.to_status(),
+        }
+    })
+}
+
+unsafe extern "C" fn request_peer(request: *const AbiRequest, out: *mut AbiSockAddr) -> i32 {
+    guard(|| {
+        // SAFETY: caller contract.
+        let Some(request) = (unsafe { handle::<IncomingRequest, _>(request.cast_mut()) }) else {
+            return status::INVALID_ARGUMENT;
+        };
+        if out.is_null() {
+            return status::INVALID_ARGUMENT;
+        }
+        match request.peer() {
+            Some(peer) => {
+                // SAFETY: `out` checked non-null; caller contract: valid for a write.
+                unsafe { *out = AbiSockAddr::from_std(peer) };
+                status::OK
+            }
+            None => status::NO_DEVICE,
         }
     })
 }
@@ -664,6 +725,20 @@ unsafe extern "C" fn connection_arm(conn: *mut AbiConnection) -> i32 {
 unsafe extern "C" fn connection_arm_solicited(conn: *mut AbiConnection) -> i32 {
     // SAFETY: caller contract (passed on).
     unsafe { arm_with(conn, VerbsConnection::arm_solicited) }
+}
+
+unsafe extern "C" fn connection_wait_established(
+    conn: *mut AbiConnection,
+    timeout_ms: c_int,
+) -> i32 {
+    guard(|| {
+        // SAFETY: caller contract.
+        let Some(conn) = (unsafe { handle::<VerbsConnection, _>(conn) }) else {
+            return status::INVALID_ARGUMENT;
+        };
+        let timeout = Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0));
+        setup_status(conn.wait_established(timeout))
+    })
 }
 
 unsafe extern "C" fn connection_take_event(conn: *mut AbiConnection, timeout_ms: c_int) -> i32 {

@@ -25,6 +25,8 @@ pub struct VerbsListener {
 pub struct IncomingRequest {
     id: Option<CmId>,
     blob: Vec<u8>,
+    /// The address the request came from.
+    peer: Option<SocketAddr>,
     peer_responder_resources: u8,
     peer_initiator_depth: u8,
 }
@@ -92,8 +94,10 @@ impl VerbsListener {
         loop {
             let event = self.channel.next_until(deadline)?;
             if event.kind == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                let id = CmId::adopt(event.id, &self.channel)?;
                 return Ok(IncomingRequest {
-                    id: Some(CmId::adopt(event.id, &self.channel)?),
+                    peer: cm::peer_address(&id),
+                    id: Some(id),
                     blob: event.blob,
                     peer_responder_resources: event.responder_resources,
                     peer_initiator_depth: event.initiator_depth,
@@ -111,6 +115,11 @@ impl IncomingRequest {
         &self.blob
     }
 
+    /// The address the request came from (`rdma_get_peer_addr`), when rdma_cm names one.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        self.peer
+    }
+
     /// Accepts: sets up the QP and pools on `domain`, replies with `params.private_data`,
     /// and waits for the connection to be established.
     ///
@@ -121,12 +130,29 @@ impl IncomingRequest {
     /// before any reply went out, so the peer sees a rejection; `TimedOut`/`ConnectFailed`
     /// or another error once our reply may be out.
     pub fn accept(
+        self,
+        domain: &VerbsDomain,
+        params: &ConnectParams<'_>,
+    ) -> Result<VerbsConnection, VerbsSetupError> {
+        let deadline = cm::deadline_after(params.timeout);
+        let mut connection = self.accept_started(domain, params)?;
+        connection.establish_until(deadline)?;
+        Ok(connection)
+    }
+
+    /// As [`IncomingRequest::accept`], but returns once the reply went out, without waiting
+    /// for the peer to complete the handshake: the connection is established later, by
+    /// [`VerbsConnection::wait_established`]. A caller that holds several requests (not
+    /// knowing yet which one it will keep) is never blocked by a peer that does not finish.
+    ///
+    /// # Errors
+    /// As [`IncomingRequest::accept`], except the errors of establishment.
+    pub fn accept_started(
         mut self,
         domain: &VerbsDomain,
         params: &ConnectParams<'_>,
     ) -> Result<VerbsConnection, VerbsSetupError> {
         let frame = cm::encode_blob(params.private_data)?;
-        let deadline = cm::deadline_after(params.timeout);
         // Give the connection its own channel so its events (established, disconnected)
         // never mix with the listener's. Until `rdma_accept` no reply has gone out: a
         // failure here rejects the request (dropping an id with an unanswered request
@@ -138,8 +164,7 @@ impl IncomingRequest {
         let channel = EventChannel::new().map_err(declined)?;
         id.migrate(&channel).map_err(declined)?;
         id.set_ack_timeout();
-        let mut connection =
-            VerbsConnection::build(domain, id, channel, params).map_err(declined)?;
+        let connection = VerbsConnection::build(domain, id, channel, params).map_err(declined)?;
         let device = &domain.shared.pd.device;
         // Never promise more read depth than the peer can use, nor than we have.
         let responder = device
@@ -153,12 +178,6 @@ impl IncomingRequest {
         if unsafe { rdma_sys::rdma_accept(connection.id().as_ptr(), &mut param) } != 0 {
             return Err(VerbsSetupError::Os(errno()));
         }
-        cm::expect_event(
-            connection.id(),
-            rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED,
-            deadline,
-        )?;
-        connection.set_established();
         Ok(connection)
     }
 

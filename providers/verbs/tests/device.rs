@@ -951,6 +951,132 @@ fn the_dlopened_library_carries_connections_and_rdma_through_the_c_abi() {
 
 #[test]
 #[ignore = "needs an RDMA device (integration/softroce/test-verbs.sh)"]
+fn a_request_names_its_source_and_its_accept_can_be_finished_later() {
+    let (server, client) = (server_domain(), client_domain());
+    let mut listener =
+        VerbsListener::bind(&server, SocketAddr::new(server_ip(), 0), 4).expect("listen");
+    let target = SocketAddr::new(server_ip(), listener.port());
+    let (mut srv, mut cli, reply) = thread::scope(|scope| {
+        let connecting = scope.spawn(|| {
+            VerbsConnection::connect(&client, target, &params(b"first")).expect("connect")
+        });
+        let request = listener
+            .next_request(Some(STEP_TIMEOUT))
+            .expect("connection request");
+        assert_eq!(
+            request.peer().map(|peer| peer.ip()),
+            Some(client_ip()),
+            "the request names the address it came from"
+        );
+        let mut accept = ConnectParams::new(slots());
+        accept.private_data = b"token-of-this-request";
+        accept.timeout = STEP_TIMEOUT;
+        // The reply goes out; establishment is not waited for here.
+        let mut srv = request
+            .accept_started(&server, &accept)
+            .expect("reply sent");
+        let (cli, reply) = connecting.join().expect("connect thread");
+        srv.wait_established(STEP_TIMEOUT)
+            .expect("established once the connector finished");
+        (Peer::new(srv), Peer::new(cli), reply)
+    });
+    assert_eq!(reply, b"token-of-this-request");
+    send(&mut cli, 1, b"over the connection accepted late");
+    assert_eq!(receive(&mut srv), b"over the connection accepted late");
+    send(&mut srv, 2, b"and back");
+    assert_eq!(receive(&mut cli), b"and back");
+    assert_eq!(
+        srv.wait_established(Duration::ZERO),
+        Ok(()),
+        "an established connection answers at once"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device (integration/softroce/test-verbs.sh)"]
+fn an_accept_finished_later_fails_when_the_connector_is_gone() {
+    let (server, client) = (server_domain(), client_domain());
+    let mut listener =
+        VerbsListener::bind(&server, SocketAddr::new(server_ip(), 0), 4).expect("listen");
+    let target = SocketAddr::new(server_ip(), listener.port());
+    let mut srv = thread::scope(|scope| {
+        let connecting = scope
+            .spawn(|| VerbsConnection::connect(&client, target, &params(b"")).expect("connect"));
+        let request = listener
+            .next_request(Some(STEP_TIMEOUT))
+            .expect("connection request");
+        let mut accept = ConnectParams::new(slots());
+        accept.timeout = STEP_TIMEOUT;
+        let srv = request
+            .accept_started(&server, &accept)
+            .expect("reply sent");
+        // The connector completes its side and leaves before ours is looked at.
+        drop(connecting.join().expect("connect thread"));
+        srv
+    });
+    let started = Instant::now();
+    // Established and then disconnected, or never established: either way it is down, and
+    // the wait ends well before its bound.
+    let outcome = srv.wait_established(STEP_TIMEOUT);
+    if outcome.is_ok() {
+        let mut out = Vec::new();
+        while !srv.is_down() {
+            assert!(
+                started.elapsed() < STEP_TIMEOUT,
+                "the disconnect is reported"
+            );
+            srv.poll_completions(&mut out, 8);
+            srv.wait(Some(Duration::from_millis(100)));
+        }
+    } else {
+        assert!(
+            srv.is_down(),
+            "a failed establishment leaves it down: {outcome:?}"
+        );
+    }
+    assert!(started.elapsed() < STEP_TIMEOUT);
+}
+
+#[test]
+#[ignore = "needs an RDMA device (integration/softroce/test-verbs.sh)"]
+fn request_sources_and_late_accepts_cross_the_c_abi() {
+    let library = VerbsLibrary::load_from(&built_library(), std::path::Path::new(SYSFS_DEVICES))
+        .expect("load library");
+    let mut server = library.open_domain_for(server_ip()).expect("server domain");
+    let mut client = library.open_domain_for(client_ip()).expect("client domain");
+    let mut listener = server
+        .listen(SocketAddr::new(server_ip(), 0), 4)
+        .expect("listen");
+    let target = SocketAddr::new(server_ip(), listener.port());
+    let (mut srv, mut cli, reply) = thread::scope(|scope| {
+        let client = &mut client;
+        let connecting =
+            scope.spawn(move || client.connect(target, &params(b"abi")).expect("connect"));
+        let (request, blob) = listener.next_request(Some(STEP_TIMEOUT)).expect("request");
+        assert_eq!(blob, b"abi");
+        assert_eq!(request.peer().map(|peer| peer.ip()), Some(client_ip()));
+        let mut accept = ConnectParams::new(slots());
+        accept.private_data = b"abi-token";
+        accept.timeout = STEP_TIMEOUT;
+        let mut srv = request
+            .accept_started(&mut server, &accept)
+            .expect("reply sent");
+        let (cli, reply) = connecting.join().expect("connect thread");
+        srv.wait_established(STEP_TIMEOUT).expect("established");
+        (srv, cli, reply)
+    });
+    assert_eq!(reply, b"abi-token");
+    cli.post_send(WrId(1), b"late").expect("send");
+    assert_eq!(next_loaded_completion(&mut cli).status, Ok(()));
+    let completion = next_loaded_completion(&mut srv);
+    let CompletionKind::Recv { slot, len } = completion.kind else {
+        panic!("expected a receive: {completion:?}")
+    };
+    assert_eq!(srv.recv_slot(slot, len), b"late");
+}
+
+#[test]
+#[ignore = "needs an RDMA device (integration/softroce/test-verbs.sh)"]
 fn peer_close_is_reported_and_flushes_every_posted_receive() {
     let (server, client) = (server_domain(), client_domain());
     let (srv, mut cli, _, _) = connected_pair(&server, &client, b"", b"");

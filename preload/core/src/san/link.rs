@@ -16,8 +16,8 @@ use san_shm::{NamespacedPid, ShmConnection, WaitResult};
 
 use super::provider::{provider, rendezvous_enabled};
 use super::registrations::SharedRegistrations;
-use super::tunables::setup_timeout;
 use super::verbs::link::VerbsLink;
+use super::verbs::Arrival;
 use crate::record::DataPath;
 
 /// This process, as [`Link::peer_own_pid`] names a peer.
@@ -151,23 +151,24 @@ impl Link {
         }
     }
 
-    /// Client, pending: the acceptor attached (shm: the segment; verbs: the CM connection,
-    /// or a set-up that failed after our reply, which the switch then turns into a reset).
-    pub(crate) fn peer_attached(&self) -> bool {
+    /// Client, pending, TCP socket `tcp`: the acceptor attached (shm: the segment; verbs: the
+    /// token of a CM connection we accepted is first on TCP, whose connection the switch
+    /// takes, or turns into a reset when setting it up failed after our reply).
+    pub(crate) fn peer_attached(&self, tcp: RawFd) -> bool {
         match self {
             Link::Shm(conn) => conn.segment().is_attached(),
-            Link::Verbs(link) => link.attached(None),
+            Link::Verbs(link) => link.arrival(tcp, false) == Arrival::Token,
             #[cfg(test)]
             Link::Sim(link) => link.peer_attached(),
         }
     }
 
-    /// As [`Link::peer_attached`], but a verbs attach in progress is waited for (bounded):
-    /// the caller found a byte on TCP and must know whether it is the switch marker.
-    pub(crate) fn peer_attached_settled(&self) -> bool {
+    /// As [`Link::peer_attached`] when the caller found bytes on TCP and must know whether
+    /// they are the switch marker (verbs: the start of a token is waited for, bounded).
+    pub(crate) fn peer_attached_settled(&self, tcp: RawFd) -> bool {
         match self {
             Link::Shm(conn) => conn.segment().is_attached(),
-            Link::Verbs(link) => link.attached(Some(setup_timeout())),
+            Link::Verbs(link) => link.arrival(tcp, true) == Arrival::Token,
             #[cfg(test)]
             Link::Sim(link) => link.peer_attached(),
         }

@@ -121,7 +121,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     return Some(Err(fail(libc::EAGAIN)));
                 }
                 socket.prepare_wait(libc::POLLIN)
-            } else if socket.peer_attached_settled() {
+            } else if socket.peer_attached_settled(fd) {
                 if n == 1 {
                     // The marker: consume it; the switch happens at the top of the loop.
                     socket.consume_marker(fd);

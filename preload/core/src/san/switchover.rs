@@ -39,7 +39,7 @@ pub(super) fn switch_if_attached(
     let Some(SanObject::Socket(socket)) = slot.as_mut() else {
         return Ok(());
     };
-    if socket.phase != Phase::Pending || !socket.peer_attached() {
+    if socket.phase != Phase::Pending || !socket.peer_attached(fd) {
         return Ok(());
     }
     if socket.switch(fd).is_ok() {
@@ -196,10 +196,13 @@ pub(super) fn assist_in_process_peer(index: u32) -> bool {
         return false;
     };
     match peer.phase {
-        Phase::Pending if peer.peer_attached() => {
+        Phase::Pending => {
             let Some(fd) = registry().get(other).map(|r| r.fd.load(Ordering::Relaxed)) else {
                 return false;
             };
+            if !peer.peer_attached(fd) {
+                return false;
+            }
             if peer.switch(fd).is_ok() {
                 COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
                 move_epoll_registrations(other, fd, peer);
@@ -208,7 +211,6 @@ pub(super) fn assist_in_process_peer(index: u32) -> bool {
                 false
             }
         }
-        Phase::Pending => false,
         Phase::Switched => {
             peer.service();
             false
@@ -242,16 +244,18 @@ fn assist_pass(indices: &[u32]) {
             continue;
         };
         match socket.phase {
-            Phase::Pending if socket.peer_attached() => {
+            Phase::Pending => {
                 let Some(fd) = registry().get(index).map(|r| r.fd.load(Ordering::Relaxed)) else {
                     continue;
                 };
+                if !socket.peer_attached(fd) {
+                    continue;
+                }
                 if socket.switch(fd).is_ok() {
                     COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
                     move_epoll_registrations(index, fd, socket);
                 }
             }
-            Phase::Pending => {}
             Phase::Switched => socket.service(),
         }
     }

@@ -476,6 +476,24 @@ pub struct VerbsVtable {
     /// came.
     pub connection_take_event:
         unsafe extern "C" fn(conn: *mut AbiConnection, timeout_ms: c_int) -> i32,
+    // ---- Appended (authenticated set-up: several requests held at once). ----
+    /// Writes the address a request came from (`rdma_get_peer_addr`) to `out`:
+    /// [`status::OK`], or [`status::NO_DEVICE`] when rdma_cm names none.
+    pub request_peer:
+        unsafe extern "C" fn(request: *const AbiRequest, out: *mut AbiSockAddr) -> i32,
+    /// As [`Self::request_accept`], but returns once the reply went out, without waiting for
+    /// the peer to complete the handshake (see [`Self::connection_wait_established`]).
+    pub request_accept_started: unsafe extern "C" fn(
+        request: *mut AbiRequest,
+        domain: *mut AbiDomain,
+        params: *const AbiConnectParams,
+        out: *mut *mut AbiConnection,
+    ) -> i32,
+    /// Waits up to `timeout_ms` for a connection of [`Self::request_accept_started`] to be
+    /// established ([`status::OK`] at once for any other): [`status::TIMED_OUT`], or the
+    /// status of the failed handshake (the connection is then down).
+    pub connection_wait_established:
+        unsafe extern "C" fn(conn: *mut AbiConnection, timeout_ms: c_int) -> i32,
 }
 
 /// A byte range (`san_api::MemRange`).

@@ -286,6 +286,14 @@ pub struct LoadedRequest {
 unsafe impl Send for LoadedRequest {}
 
 impl LoadedRequest {
+    /// The address the request came from (`rdma_get_peer_addr`), when rdma_cm names one.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        let mut out = AbiSockAddr::from_std(SocketAddr::from(([0, 0, 0, 0], 0)));
+        // SAFETY: live request handle; `out` is a valid out slot.
+        let status = unsafe { (self.library.vtable.request_peer)(self.raw, &mut out) };
+        (status == abi::status::OK).then(|| out.to_std()).flatten()
+    }
+
     /// Accepts, setting up the slot pools of `params` on `domain`'s device.
     ///
     /// # Errors
@@ -293,9 +301,38 @@ impl LoadedRequest {
     /// domain's; [`VerbsSetupError::ConnectFailed`]/[`VerbsSetupError::TimedOut`] if establishment
     /// did not complete.
     pub fn accept(
+        self,
+        domain: &mut LoadedDomain,
+        params: &ConnectParams<'_>,
+    ) -> Result<LoadedConnection, VerbsSetupError> {
+        let entry = self.library.vtable.request_accept;
+        self.accept_with(domain, params, entry)
+    }
+
+    /// As [`Self::accept`], but returns once our reply went out: the peer completes the
+    /// handshake later ([`LoadedConnection::wait_established`]).
+    ///
+    /// # Errors
+    /// As [`Self::accept`], except the errors of establishment.
+    pub fn accept_started(
+        self,
+        domain: &mut LoadedDomain,
+        params: &ConnectParams<'_>,
+    ) -> Result<LoadedConnection, VerbsSetupError> {
+        let entry = self.library.vtable.request_accept_started;
+        self.accept_with(domain, params, entry)
+    }
+
+    fn accept_with(
         mut self,
         domain: &mut LoadedDomain,
         params: &ConnectParams<'_>,
+        entry: unsafe extern "C" fn(
+            *mut AbiRequest,
+            *mut AbiDomain,
+            *const abi::AbiConnectParams,
+            *mut *mut AbiConnection,
+        ) -> i32,
     ) -> Result<LoadedConnection, VerbsSetupError> {
         let abi_params = params.to_abi();
         let mut raw: *mut AbiConnection = std::ptr::null_mut();
@@ -303,9 +340,7 @@ impl LoadedRequest {
         // reject it a second time.
         let request = std::mem::replace(&mut self.raw, std::ptr::null_mut());
         // SAFETY: live request and domain handles; all pointers valid for the call.
-        let status = unsafe {
-            (self.library.vtable.request_accept)(request, domain.raw, &abi_params, &mut raw)
-        };
+        let status = unsafe { entry(request, domain.raw, &abi_params, &mut raw) };
         VerbsSetupError::check(status)?;
         LoadedConnection::new(self.library.clone(), raw)
     }
@@ -345,6 +380,20 @@ impl LoadedConnection {
             slots,
             batch: vec![AbiCompletion::default(); POLL_BATCH],
         })
+    }
+
+    /// Waits up to `timeout` for a connection accepted with [`LoadedRequest::accept_started`]
+    /// to be established (at once for any other).
+    ///
+    /// # Errors
+    /// [`VerbsSetupError::TimedOut`]; the error of a failed handshake (the connection is
+    /// then down).
+    pub fn wait_established(&mut self, timeout: Duration) -> Result<(), VerbsSetupError> {
+        // SAFETY: live connection handle.
+        let status = unsafe {
+            (self.library.vtable.connection_wait_established)(self.raw, timeout_ms(Some(timeout)))
+        };
+        VerbsSetupError::check(status)
     }
 
     /// Waits until a completion or a connection event is ready, or `timeout` passed

@@ -457,14 +457,17 @@ impl SanSocket {
     }
 
     /// A pending verbs client (its CM listener is up; see `super::verbs::connect::client`),
-    /// holding `charge`.
+    /// holding `charge`. Its acceptor's token takes the marker's place and is consumed by the
+    /// switch itself: no marker is left to read after it.
     pub(crate) fn verbs_client(
         record: &'static SocketRecord,
         name: &SegmentName,
         link: VerbsLink,
         charge: Charge,
     ) -> SanSocket {
-        Self::with_link(record, Side::Client, name, link, charge)
+        let mut socket = Self::with_link(record, Side::Client, name, link, charge);
+        socket.marker_unread = false;
+        socket
     }
 
     /// The accepting side after its CM connect to the client was established: the session
@@ -542,15 +545,19 @@ impl SanSocket {
         self
     }
 
-    /// Client: true once the acceptor attached (the switch may happen now).
-    pub(crate) fn peer_attached(&self) -> bool {
-        self.conn.as_ref().is_some_and(Link::peer_attached)
+    /// Client, TCP socket `tcp`: true once the acceptor attached (the switch may happen now).
+    pub(crate) fn peer_attached(&self, tcp: c_int) -> bool {
+        self.conn
+            .as_ref()
+            .is_some_and(|conn| conn.peer_attached(tcp))
     }
 
-    /// As [`SanSocket::peer_attached`], after a byte was found on TCP: a verbs attach in
-    /// progress is waited for (bounded), since that byte may be its switch marker.
-    pub(crate) fn peer_attached_settled(&self) -> bool {
-        self.conn.as_ref().is_some_and(Link::peer_attached_settled)
+    /// As [`SanSocket::peer_attached`], after bytes were found on TCP: whether they are the
+    /// switch marker (verbs: the start of a token is waited for, bounded).
+    pub(crate) fn peer_attached_settled(&self, tcp: c_int) -> bool {
+        self.conn
+            .as_ref()
+            .is_some_and(|conn| conn.peer_attached_settled(tcp))
     }
 
     /// Client, pending: counts stream bytes the kernel accepted on TCP.

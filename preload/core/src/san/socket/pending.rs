@@ -14,8 +14,10 @@ use crate::mirror::Mirror;
 use crate::real;
 use crate::record::{flags, DataPath, SocketState};
 use crate::san::exchange::{self, SideWords, WordsPage, MIRROR_END};
+use crate::san::kernel::send_all_on_tcp;
 use crate::san::link::Link;
 use crate::san::tunables::SLOTS;
+use crate::san::verbs::link::VerbsLink;
 
 impl SanSocket {
     /// Client, pending, peer attached: starts the session with the TCP byte count (shm: after
@@ -25,7 +27,7 @@ impl SanSocket {
     /// only).
     pub(crate) fn switch(&mut self, tcp: c_int) -> Result<(), ()> {
         if self.is_verbs() {
-            self.switch_verbs()?;
+            self.switch_verbs(tcp)?;
         } else {
             self.switch_shm()?;
         }
@@ -78,14 +80,14 @@ impl SanSocket {
         Ok(())
     }
 
-    /// The verbs part of [`SanSocket::switch`]: takes the connection. `Err`: the attach
-    /// failed after our reply.
-    fn switch_verbs(&mut self) -> Result<(), ()> {
+    /// The verbs part of [`SanSocket::switch`]: takes the connection whose token is first on
+    /// TCP, consuming the token. `Err`: setting that connection up failed after our reply.
+    fn switch_verbs(&mut self, tcp: c_int) -> Result<(), ()> {
         self.conn
             .as_mut()
             .and_then(Link::verbs_mut)
             .ok_or(())?
-            .take_attached()?;
+            .take_confirmed(tcp)?;
         self.start_verbs_session(Role::Active).map_err(|_| ())
     }
 
@@ -130,9 +132,27 @@ impl SanSocket {
         if !self.marker_owed {
             return;
         }
+        self.marker_owed = false;
+        // Over verbs the client's token is the marker: the client switches when it finds it
+        // first on TCP, and consumes it whole.
+        if let Some(token) = self
+            .conn
+            .as_ref()
+            .and_then(Link::verbs)
+            .and_then(VerbsLink::switch_token)
+        {
+            // Written first, on a fresh connection: it fits the socket buffer at once.
+            if send_all_on_tcp(tcp, &token) != token.len() {
+                // A client that finds part of it cannot tell it from data: end the connection
+                // (it is going already when the write fails).
+                tracing::debug!(tcp, "switch token not sent");
+                // SAFETY: plain shutdown(2) of the application's socket.
+                unsafe { real::shutdown(tcp, libc::SHUT_RDWR) };
+            }
+            return;
+        }
         // Written even when the client already switched: the client consumes exactly one
         // marker byte before it ever reads TCP again (a downgrade), so it must always be there.
-        self.marker_owed = false;
         let marker = [SWITCH_MARKER];
         // SAFETY: one readable byte; `tcp` is the application's socket for this call.
         let sent = unsafe {

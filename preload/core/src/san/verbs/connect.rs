@@ -1,5 +1,6 @@
 //! Setting a verbs connection up: a pending client listens with rdma_cm on its own address
-//! and port before its SYN leaves, the acceptor connects to it from inside `accept()`.
+//! and port before its SYN leaves, the acceptor connects to it from inside `accept()` and
+//! takes the token of the client's reply, to write it on TCP (see `super`).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex};
@@ -10,8 +11,8 @@ use san_verbs_loader::VerbsSetupError;
 use super::link::{all_preposted, VerbsLink};
 use super::watcher::{started_watcher, StartService};
 use super::{
-    clear_negative, domain_for, mark_negative, negative_hit, params, tuple_blob, Attach,
-    AttachState,
+    clear_negative, domain_for, mark_negative, negative_hit, params, setup_request, token_of_reply,
+    Attach, Candidates,
 };
 use crate::discovery::canonical_addr;
 use crate::real;
@@ -64,14 +65,15 @@ pub(crate) fn client(
     };
     let listener_fd = listener.fd();
     let attach = Arc::new(Attach {
-        state: Mutex::new(AttachState::Listening),
+        state: Mutex::new(Candidates::default()),
         changed: Condvar::new(),
         listener: Mutex::new(Some(listener)),
-        expected: tuple_blob(server, local),
+        expected: setup_request(server, local),
+        server: canonical_addr(server).ip(),
         domain,
     });
     watcher.watch_attach(listener_fd, attach.clone());
-    Some(VerbsLink::new(None, Some(attach), domain, Vec::new()))
+    Some(VerbsLink::new(None, Some(attach), domain, Vec::new(), None))
 }
 
 /// Why the acceptor's attach did not happen.
@@ -84,7 +86,8 @@ pub(crate) enum AcceptorError {
 }
 
 /// Inside `accept()`: connects to the client's CM listener at its TCP address and port (the
-/// service thread, `start`, must run: it will watch the connection).
+/// service thread, `start`, must run: it will watch the connection). The link holds the
+/// token of the client's reply, which the caller writes on TCP before anything else.
 pub(crate) fn acceptor(
     local: SocketAddr,
     peer: SocketAddr,
@@ -96,14 +99,27 @@ pub(crate) fn acceptor(
         return Err(AcceptorError::PeerPlain);
     }
     started_watcher(start).ok_or(AcceptorError::Resource)?;
-    let blob = tuple_blob(local, peer);
+    let blob = setup_request(local, peer);
     let started = Instant::now();
     let connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
     match connected {
-        Ok((conn, _)) => {
+        Ok((conn, reply)) => {
+            let Some(token) = token_of_reply(&reply) else {
+                // Not a client of this set-up (it would have rejected our request): the
+                // connection goes, nothing is written, TCP stays as it is.
+                tracing::debug!(%peer, len = reply.len(), "CM reply without a token: staying on TCP");
+                drop(conn);
+                return Err(AcceptorError::PeerPlain);
+            };
             tracing::debug!(%peer, took = ?started.elapsed(), "CM connect to the client established");
             clear_negative(peer.ip());
-            Ok(VerbsLink::new(Some(conn), None, domain, all_preposted()))
+            Ok(VerbsLink::new(
+                Some(conn),
+                None,
+                domain,
+                all_preposted(),
+                Some(token),
+            ))
         }
         Err(error) => {
             tracing::debug!(%peer, ?error, took = ?started.elapsed(), "CM connect to the client failed");

@@ -15,11 +15,14 @@ use san_verbs_loader::LoadedConnection;
 use super::watcher::{
     set_service_watch, started_watcher, watcher, StartService, TAG_KERNEL, TAG_SOCKET,
 };
-use super::{guard, Attach, AttachState, Domain};
+use super::{
+    guard, match_token, Arrival, Attach, CandidateState, Domain, Token, TokenMatch, TOKEN_LEN,
+};
 use crate::mirror;
+use crate::real;
 use crate::san::exchange::SideWords;
 use crate::san::registrations::SharedRegistrations;
-use crate::san::tunables::{SpinPolicy, VERBS_SLOTS};
+use crate::san::tunables::{setup_timeout, SpinPolicy, VERBS_SLOTS};
 
 /// Links whose polled wait's end is owed ([`VerbsLink::owe_direct_wait_end`]): while there
 /// are any, the service thread ticks (see `super::service`).
@@ -40,6 +43,9 @@ pub(crate) struct VerbsLink {
     conn: Option<LoadedConnection>,
     attach: Option<Arc<Attach>>,
     domain: &'static Domain,
+    /// Acceptor: the token of the client's reply, written on TCP in place of the switch
+    /// marker (see `super`).
+    token: Option<Token>,
     /// Our mirror's raising end and its words: the service thread raises the watched end through them.
     own: Option<(OwnedFd, SideWords)>,
     closed: bool,
@@ -96,18 +102,21 @@ pub(super) fn all_preposted() -> Vec<Prepost> {
 }
 
 impl VerbsLink {
-    /// A link on `conn` (the acceptor's, established) or, for a pending client, on
-    /// `attach`, in `domain`; `preposted`: the receive slots posted at set-up.
+    /// A link on `conn` (the acceptor's, established, with the client's `token`) or, for a
+    /// pending client, on `attach`, in `domain`; `preposted`: the receive slots posted at
+    /// set-up.
     pub(super) fn new(
         conn: Option<LoadedConnection>,
         attach: Option<Arc<Attach>>,
         domain: &'static Domain,
         preposted: Vec<Prepost>,
+        token: Option<Token>,
     ) -> VerbsLink {
         VerbsLink {
             conn,
             attach,
             domain,
+            token,
             own: None,
             closed: false,
             preposted,
@@ -219,60 +228,91 @@ impl VerbsLink {
         }
     }
 
-    /// Client, pending: whether the acceptor attached (or failed after our reply). With
-    /// `wait`, an attach in progress is waited for up to that long.
-    pub(crate) fn attached(&self, wait: Option<Duration>) -> bool {
+    /// Acceptor: what it writes on TCP in place of the switch marker (the client's token).
+    pub(crate) fn switch_token(&self) -> Option<Token> {
+        self.token
+    }
+
+    /// Client, pending: what the first bytes on TCP (`tcp`, looked at without consuming
+    /// them) say. Without candidates nothing can be a token, and nothing is looked at unless
+    /// `settle`. With `settle` (the caller found bytes there and must know what they are),
+    /// bytes that may still become a token are waited for, up to the set-up timeout, after
+    /// which they are the stream's.
+    pub(crate) fn arrival(&self, tcp: RawFd, settle: bool) -> Arrival {
         let Some(attach) = self.attach.as_ref() else {
-            return self.conn.is_some();
+            return Arrival::Nothing;
         };
-        let deadline = wait.map(|w| Instant::now() + w);
-        let mut state = guard(&attach.state);
+        if !settle && guard(&attach.state).list.is_empty() {
+            return Arrival::Nothing;
+        }
+        let deadline = settle.then(|| Instant::now() + setup_timeout());
+        let mut head = [0u8; TOKEN_LEN];
         loop {
-            match &*state {
-                AttachState::Attached(_) | AttachState::Failed => return true,
-                AttachState::Attaching => {
-                    let Some(deadline) = deadline else {
-                        return false;
-                    };
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        // Still undecided: the byte may be the marker; a reset is the only
-                        // answer that cannot corrupt the stream.
-                        return true;
+            match peek_head(tcp, &mut head) {
+                // End of stream or an error first: no acceptor wrote a token.
+                Some(0) => return Arrival::Plain,
+                Some(n) => {
+                    let state = guard(&attach.state);
+                    match match_token(&head[..n], state.list.iter().map(|c| &c.token)) {
+                        TokenMatch::Token(_) => return Arrival::Token,
+                        TokenMatch::Plain => return Arrival::Plain,
+                        TokenMatch::Prefix => {}
                     }
-                    state = attach
-                        .changed
-                        .wait_timeout(state, left)
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .0;
                 }
-                AttachState::Listening | AttachState::Declined | AttachState::Done => return false,
+                None if !settle => return Arrival::Nothing,
+                None => {}
+            }
+            match deadline {
+                Some(deadline) if Instant::now() < deadline => {
+                    // Rare: the start of a candidate's token is there, and an acceptor's
+                    // token comes whole in one segment in practice. Bounded by the deadline.
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Some(_) => return Arrival::Plain,
+                None => return Arrival::Nothing,
             }
         }
     }
 
-    /// Client, pending: we declined the acceptor's CM connect before replying (it keeps the
+    /// Client, pending: we declined an acceptor's CM connect before replying (it keeps the
     /// connection on TCP): this side lacked the resources, the peer is capable.
     pub(crate) fn declined(&self) -> bool {
         self.attach
             .as_ref()
-            .is_some_and(|attach| matches!(*guard(&attach.state), AttachState::Declined))
+            .is_some_and(|attach| guard(&attach.state).declined)
     }
 
-    /// Client, switching: takes the established connection. `Err`: the attach failed after
-    /// our reply (the connection cannot continue).
-    pub(crate) fn take_attached(&mut self) -> Result<(), ()> {
+    /// Client, switching ([`VerbsLink::arrival`] found a token): takes the connection of the
+    /// candidate whose token is first on TCP, consumes the token and waits (bounded) for the
+    /// connection to be established; the other candidates and the listener go. `Err`: that
+    /// candidate failed after our reply (its acceptor is committed: the connection cannot
+    /// continue).
+    pub(crate) fn take_confirmed(&mut self, tcp: RawFd) -> Result<(), ()> {
         let attach = self.attach.take().ok_or(())?;
-        let taken = core::mem::replace(&mut *guard(&attach.state), AttachState::Done);
-        *guard(&attach.listener) = None;
-        match taken {
-            AttachState::Attached(conn) => {
-                self.conn = Some(conn);
-                self.preposted = all_preposted();
-                Ok(())
-            }
-            _ => Err(()),
+        let taken = confirmed_candidate(&attach, tcp);
+        // Whatever happened, nothing more is accepted and the others go.
+        attach.abandon();
+        let mut conn = taken?;
+        let mut token = [0u8; TOKEN_LEN];
+        // SAFETY: `token` is writable for its length; `tcp` is the application's socket.
+        let n = unsafe {
+            real::recv(
+                tcp,
+                token.as_mut_ptr().cast(),
+                TOKEN_LEN,
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n != TOKEN_LEN as isize {
+            return Err(());
         }
+        // The acceptor wrote the token after its side was established; ours follows at once.
+        conn.wait_established(setup_timeout()).map_err(|error| {
+            tracing::debug!(?error, "the confirmed CM connection was not established");
+        })?;
+        self.conn = Some(conn);
+        self.preposted = all_preposted();
+        Ok(())
     }
 
     /// Keeps our mirror's raising end: the service thread raises the watched end through it.
@@ -446,6 +486,60 @@ impl VerbsLink {
             watcher.watch_kernel_socket(tcp, TAG_KERNEL | u64::from(index));
         }
         true
+    }
+}
+
+/// Looks at up to [`TOKEN_LEN`] first bytes on TCP without consuming them: how many there
+/// are (`None`: none yet; `Some(0)`: end of stream, or an error).
+fn peek_head(tcp: RawFd, head: &mut Token) -> Option<usize> {
+    // SAFETY: `head` is writable for its length; `tcp` is the application's socket.
+    let n = unsafe {
+        real::recv(
+            tcp,
+            head.as_mut_ptr().cast(),
+            TOKEN_LEN,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    match usize::try_from(n) {
+        Ok(n) => Some(n),
+        Err(_) if matches!(crate::errno::get(), libc::EAGAIN | libc::EINTR) => None,
+        Err(_) => Some(0),
+    }
+}
+
+/// [`VerbsLink::take_confirmed`]: takes the connection of the candidate whose token is first
+/// on TCP out of `attach`, once its reply went out (waited for, bounded).
+fn confirmed_candidate(attach: &Attach, tcp: RawFd) -> Result<LoadedConnection, ()> {
+    let mut head = [0u8; TOKEN_LEN];
+    if peek_head(tcp, &mut head) != Some(TOKEN_LEN) {
+        return Err(());
+    }
+    let deadline = Instant::now() + setup_timeout();
+    let mut state = guard(&attach.state);
+    loop {
+        let TokenMatch::Token(n) = match_token(&head, state.list.iter().map(|c| &c.token)) else {
+            return Err(());
+        };
+        match core::mem::replace(&mut state.list[n].state, CandidateState::Failed) {
+            CandidateState::Replied(conn) => {
+                state.list.swap_remove(n);
+                return Ok(conn);
+            }
+            CandidateState::Failed => return Err(()),
+            CandidateState::Accepting => {
+                state.list[n].state = CandidateState::Accepting;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(());
+                }
+                state = attach
+                    .changed
+                    .wait_timeout(state, left)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0;
+            }
+        }
     }
 }
 

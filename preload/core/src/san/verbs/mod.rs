@@ -5,8 +5,15 @@
 //!   devices); a protection domain is opened per local IP address and cached (a failure too).
 //! * A pending client listens with rdma_cm on its own address and TCP port before its SYN
 //!   leaves ([`connect::client`]); the acceptor connects to it from inside `accept()` with the TCP
-//!   4-tuple in the private data ([`connect::acceptor`]). A request naming another 4-tuple is
-//!   rejected; a failed connect puts the client's address in a negative cache for 30 s.
+//!   4-tuple in the private data ([`connect::acceptor`]). A request naming another 4-tuple, or
+//!   coming from another address than the TCP peer's, is rejected; a failed connect puts the
+//!   client's address in a negative cache for 30 s.
+//! * Anyone who reaches the client's CM port can send such a request, so a request wins
+//!   nothing by coming first: the client accepts each (a few at most) with a random token of
+//!   its own in its reply, and switches to the one whose token then arrives as the first
+//!   bytes on TCP, which only the process that accepted the TCP connection can write there
+//!   (the acceptor writes the token it got in place of the switch marker). Anything else
+//!   first on TCP keeps the connection on TCP, every byte of it the application's.
 //! * One service thread per process (`super::service`) sleeps in `epoll_wait` on what its
 //!   [`watcher::Watcher`] holds: the pending clients' CM listeners (it accepts their requests here)
 //!   and every switched connection's pollable fd (completion channel + CM channel). On an
@@ -45,8 +52,16 @@ const NEGATIVE_TTL: Duration = Duration::from_secs(30);
 /// preloaded client that closed before our connect arrived rejects it too.
 const REJECTIONS_FOR_PLAIN: u32 = 3;
 const NEGATIVE_ENTRIES: usize = 64;
-/// Private data: magic, version, family, then server and client address and port.
-const MAGIC: &[u8; 4] = b"SDV1";
+/// Set-up request: magic (its last character the set-up's version), then family, address
+/// and port of the server and of the client ([`setup_request`]).
+const MAGIC: &[u8; 4] = b"SDV2";
+/// A client's reply to a request is a token of this many random bytes: whoever writes it
+/// back as the first bytes on TCP is the acceptor of this connection.
+pub(super) const TOKEN_LEN: usize = 16;
+pub(super) type Token = [u8; TOKEN_LEN];
+/// The most requests a pending client holds at once (each a queue pair with its slots,
+/// until the switch): more are rejected.
+const MAX_CANDIDATES: usize = 4;
 
 /// A protection domain shared by the connections of one local address, with its
 /// registration cache (opened once, never closed: it lives as long as the process).
@@ -198,8 +213,9 @@ pub(super) fn clear_negative(peer: IpAddr) {
     }
 }
 
-/// The set-up blob: which TCP connection this CM connection belongs to.
-pub(super) fn tuple_blob(server: SocketAddr, client: SocketAddr) -> Vec<u8> {
+/// The set-up request: which TCP connection this CM connection is for (the acceptor's
+/// private data; the client takes only a request that carries exactly its own).
+pub(super) fn setup_request(server: SocketAddr, client: SocketAddr) -> Vec<u8> {
     let mut blob = Vec::with_capacity(40);
     blob.extend_from_slice(MAGIC);
     for addr in [server, client] {
@@ -218,6 +234,49 @@ pub(super) fn tuple_blob(server: SocketAddr, client: SocketAddr) -> Vec<u8> {
     blob
 }
 
+/// A fresh token from the kernel's random source (`None`: it has none to give yet).
+fn fresh_token() -> Option<Token> {
+    let mut token = [0u8; TOKEN_LEN];
+    // SAFETY: getrandom(2) writes at most `TOKEN_LEN` bytes into `token`.
+    let n = unsafe { libc::getrandom(token.as_mut_ptr().cast(), TOKEN_LEN, libc::GRND_NONBLOCK) };
+    (n == TOKEN_LEN as isize).then_some(token)
+}
+
+/// The token in a client's reply (exactly [`TOKEN_LEN`] bytes, nothing else).
+pub(super) fn token_of_reply(reply: &[u8]) -> Option<Token> {
+    reply.try_into().ok()
+}
+
+/// What the first bytes on a pending client's TCP connection are, given the tokens of its
+/// candidates (`head`: the bytes there, at most [`TOKEN_LEN`] looked at).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TokenMatch {
+    /// Candidate `n`'s token: its acceptor committed to the SAN.
+    Token(usize),
+    /// The start of a candidate's token, but not all of it yet.
+    Prefix,
+    /// No candidate's token: what a plain server (or an acceptor that stayed on TCP) sent.
+    Plain,
+}
+
+pub(super) fn match_token<'a>(
+    head: &[u8],
+    tokens: impl IntoIterator<Item = &'a Token>,
+) -> TokenMatch {
+    let mut prefix = false;
+    for (n, token) in tokens.into_iter().enumerate() {
+        if head.len() >= TOKEN_LEN && head[..TOKEN_LEN] == token[..] {
+            return TokenMatch::Token(n);
+        }
+        prefix |= head.len() < TOKEN_LEN && token.starts_with(head);
+    }
+    if prefix {
+        TokenMatch::Prefix
+    } else {
+        TokenMatch::Plain
+    }
+}
+
 /// Connection parameters of both sides.
 pub(super) fn params(private_data: &[u8], local: Option<IpAddr>) -> ConnectParams<'_> {
     ConnectParams {
@@ -228,37 +287,63 @@ pub(super) fn params(private_data: &[u8], local: Option<IpAddr>) -> ConnectParam
     }
 }
 
-/// Where a pending client's CM listener is.
-pub(super) enum AttachState {
-    /// Listening; no acceptable request yet.
-    Listening,
-    /// A request naming our 4-tuple is being accepted: our reply may be out, so the
-    /// acceptor may be about to write its switch marker.
-    Attaching,
-    /// Established; the switch takes the connection.
-    Attached(LoadedConnection),
-    /// Accepting failed after our reply may have gone out: the connection must be reset.
+/// A CM request a pending client accepted: whose acceptor it is shows when its token
+/// arrives on TCP.
+pub(super) struct Candidate {
+    /// What we sent in our reply.
+    pub(super) token: Token,
+    pub(super) state: CandidateState,
+}
+
+pub(super) enum CandidateState {
+    /// Our reply is going out (the service thread is accepting it).
+    Accepting,
+    /// Our reply went out; the peer completes the handshake (or has).
+    Replied(LoadedConnection),
+    /// Accepting failed after our reply may have gone out: should this candidate's token
+    /// arrive, its acceptor is committed and the connection must be reset.
     Failed,
-    /// We refused the request before replying (no resources to set the connection up,
-    /// e.g. memory `RLIMIT_MEMLOCK` does not let us pin): the acceptor saw a rejection and
+}
+
+/// The candidates of a pending client, and how its attach ended.
+#[derive(Default)]
+pub(super) struct Candidates {
+    pub(super) list: Vec<Candidate>,
+    /// We refused a request for our connection before replying (no resources to set it up,
+    /// e.g. memory `RLIMIT_MEMLOCK` does not let us pin): its acceptor saw a rejection and
     /// keeps the connection on TCP, and so do we.
-    Declined,
-    /// The switch took the connection, or the socket went away.
-    Done,
+    pub(super) declined: bool,
+    /// The switch took a candidate, or the socket went away: nothing more is accepted.
+    pub(super) done: bool,
+}
+
+/// What the first bytes on a pending client's TCP connection say (see [`TokenMatch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Arrival {
+    /// Nothing has arrived (or not enough to tell yet).
+    Nothing,
+    /// A candidate's token: switch.
+    Token,
+    /// Anything else, or the end of the stream: the connection stays on TCP.
+    Plain,
 }
 
 /// A pending client's attach point, shared with the service thread.
 pub(crate) struct Attach {
-    pub(super) state: Mutex<AttachState>,
+    pub(super) state: Mutex<Candidates>,
     pub(super) changed: Condvar,
     pub(super) listener: Mutex<Option<LoadedListener>>,
-    /// The set-up blob a request for our connection carries ([`tuple_blob`]).
+    /// The set-up request of our connection ([`setup_request`]).
     pub(super) expected: Vec<u8>,
+    /// The TCP peer's address: a request from any other is not our acceptor's.
+    pub(super) server: IpAddr,
     pub(super) domain: &'static Domain,
 }
 
 impl Attach {
-    /// The service thread: a request may be waiting on the listener.
+    /// The service thread: requests may be waiting on the listener. Each that names our
+    /// connection and comes from the TCP peer's address is accepted as a candidate, with a
+    /// token of its own in our reply; the listener stays up for more (see [`Candidate`]).
     pub(super) fn on_listener_event(&self) {
         loop {
             let (request, blob) = {
@@ -276,45 +361,72 @@ impl Attach {
                     }
                 }
             };
+            // Requests we do not take are rejected by their drop.
             if blob != self.expected {
-                // Another connection's request (ports are reused): rejected by the drop.
-                tracing::debug!("CM request for another 4-tuple rejected");
+                // Another connection's (ports are reused), or another version's.
+                tracing::debug!("CM request for another connection rejected");
                 continue;
             }
+            let from = request.peer().map(|peer| canonical_addr(peer).ip());
+            if from != Some(self.server) {
+                tracing::debug!(?from, server = %self.server, "CM request from another address than the TCP peer rejected");
+                continue;
+            }
+            let Some(token) = fresh_token() else {
+                tracing::debug!("no random token for a CM request: rejected");
+                continue;
+            };
             {
                 let mut state = guard(&self.state);
-                if !matches!(*state, AttachState::Listening) {
+                if state.done {
                     return;
                 }
-                *state = AttachState::Attaching;
+                if state.list.len() >= MAX_CANDIDATES {
+                    tracing::debug!("CM request beyond the candidates held rejected");
+                    continue;
+                }
+                state.list.push(Candidate {
+                    token,
+                    state: CandidateState::Accepting,
+                });
             }
             let accepted = self
                 .domain
-                .with(|domain| request.accept(domain, &params(&[], None)));
+                .with(|domain| request.accept_started(domain, &params(&token, None)));
             let mut state = guard(&self.state);
-            *state = match accepted {
-                Ok(conn) if matches!(*state, AttachState::Attaching) => AttachState::Attached(conn),
-                Ok(_) => AttachState::Done,
+            let Some(candidate) = state.list.iter_mut().find(|c| c.token == token) else {
+                // The socket switched or went away meanwhile: the connection goes.
+                drop(state);
+                drop(accepted);
+                continue;
+            };
+            match accepted {
+                Ok(conn) => candidate.state = CandidateState::Replied(conn),
                 Err(error @ (VerbsSetupError::Declined | VerbsSetupError::WrongDevice)) => {
-                    tracing::debug!(?error, "declined the acceptor's CM connect: staying on TCP");
-                    AttachState::Declined
+                    tracing::debug!(?error, "declined a CM connect: its acceptor stays on TCP");
+                    state.list.retain(|c| c.token != token);
+                    state.declined = true;
                 }
                 Err(error) => {
-                    tracing::debug!(?error, "accepting the acceptor's CM connect failed");
-                    AttachState::Failed
+                    tracing::debug!(?error, "accepting a CM connect failed after our reply");
+                    candidate.state = CandidateState::Failed;
                 }
-            };
+            }
             self.changed.notify_all();
-            drop(state);
-            *guard(&self.listener) = None;
-            return;
         }
     }
 
+    /// Nothing more is accepted; the listener and every candidate go (their peers see a
+    /// disconnect).
     pub(super) fn abandon(&self) {
-        *guard(&self.state) = AttachState::Done;
+        let candidates = {
+            let mut state = guard(&self.state);
+            state.done = true;
+            core::mem::take(&mut state.list)
+        };
         self.changed.notify_all();
         *guard(&self.listener) = None;
+        drop(candidates);
     }
 }
 
@@ -323,17 +435,71 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_blob_names_the_whole_tuple_and_fits_the_cm_limit() {
+    fn the_request_names_the_whole_tuple_and_fits_the_cm_limit() {
         let server: SocketAddr = "192.0.2.1:7000".parse().unwrap();
         let client: SocketAddr = "192.0.2.2:40000".parse().unwrap();
-        let blob = tuple_blob(server, client);
-        assert_eq!(&blob[..4], MAGIC);
-        assert_eq!(blob.len(), 4 + 2 * (1 + 4 + 2));
-        assert_ne!(blob, tuple_blob(client, server));
+        let blob = setup_request(server, client);
+        assert_eq!(&blob[..4], b"SDV2", "the set-up's version is in the magic");
+        assert_eq!(
+            &blob[4..],
+            &[4, 192, 0, 2, 1, 0x1b, 0x58, 4, 192, 0, 2, 2, 0x9c, 0x40][..],
+            "family, address and port (big-endian) of the server, then of the client"
+        );
+        assert_ne!(blob, setup_request(client, server));
         let mapped: SocketAddr = "[::ffff:192.0.2.1]:7000".parse().unwrap();
-        assert_eq!(blob, tuple_blob(mapped, client), "v4-mapped folds to IPv4");
+        assert_eq!(
+            blob,
+            setup_request(mapped, client),
+            "v4-mapped folds to IPv4"
+        );
         let v6: SocketAddr = "[2001:db8::1]:7000".parse().unwrap();
         let v6c: SocketAddr = "[2001:db8::2]:40000".parse().unwrap();
-        assert!(tuple_blob(v6, v6c).len() <= san_verbs_loader::abi::MAX_PRIVATE_DATA);
+        let v6_blob = setup_request(v6, v6c);
+        assert_eq!(v6_blob.len(), 4 + 2 * (1 + 16 + 2));
+        assert!(v6_blob.len() <= san_verbs_loader::abi::MAX_PRIVATE_DATA);
+    }
+
+    #[test]
+    fn a_reply_is_a_token_only_when_it_is_exactly_one() {
+        let token: Token = core::array::from_fn(|i| i as u8);
+        assert_eq!(token_of_reply(&token), Some(token));
+        assert_eq!(token_of_reply(&token[..TOKEN_LEN - 1]), None);
+        assert_eq!(token_of_reply(&[token.as_slice(), &[0]].concat()), None);
+        assert_eq!(
+            token_of_reply(&[]),
+            None,
+            "a client of the first version replies with nothing"
+        );
+        assert_ne!(fresh_token(), fresh_token(), "every candidate gets its own");
+    }
+
+    #[test]
+    fn the_first_bytes_on_tcp_confirm_only_a_candidate_s_whole_token() {
+        let hijacker: Token = [0xa5; TOKEN_LEN];
+        let acceptor: Token = core::array::from_fn(|i| 0x10 + i as u8);
+        let tokens = [hijacker, acceptor];
+        // The acceptor's token, alone or followed by the first bytes of the stream.
+        assert_eq!(match_token(&acceptor, &tokens), TokenMatch::Token(1));
+        let mut longer = acceptor.to_vec();
+        longer.extend_from_slice(b"HTTP/1.1 200 OK");
+        assert_eq!(
+            match_token(&longer[..TOKEN_LEN], &tokens),
+            TokenMatch::Token(1)
+        );
+        // Part of a token: undecided until the rest arrives.
+        assert_eq!(match_token(&acceptor[..5], &tokens), TokenMatch::Prefix);
+        assert_eq!(match_token(&hijacker[..1], &tokens), TokenMatch::Prefix);
+        // A plain server's greeting, or a token with one byte changed: not ours.
+        assert_eq!(
+            match_token(b"220 mail ESMTP\r\n", &tokens),
+            TokenMatch::Plain
+        );
+        let mut altered = acceptor;
+        altered[TOKEN_LEN - 1] ^= 1;
+        assert_eq!(match_token(&altered, &tokens), TokenMatch::Plain);
+        assert_eq!(match_token(&altered[..3], &tokens), TokenMatch::Prefix);
+        // Without candidates every byte is the stream's.
+        assert_eq!(match_token(&acceptor, &[]), TokenMatch::Plain);
+        assert_eq!(match_token(&acceptor[..1], &[]), TokenMatch::Plain);
     }
 }
