@@ -62,6 +62,10 @@ use crate::sys::{self, CmaDirection, FutexWait, GrantedRange};
 const RING: usize = 0;
 /// Index of the window counters.
 const WINDOW: usize = 1;
+/// `want_space`: our queue's head waits for room in the peer's ring or window.
+const WANT_ROOM: u32 = 1;
+/// `want_space`: our queue's head waits for the peer to publish a receive.
+const WANT_RECEIVES: u32 = 2;
 /// Bytes of the peer's write window allocated at a time, on its first pass.
 const WINDOW_CHUNK: u64 = 64 << 10;
 /// Bound on RDMA operations waiting in the outbound queue.
@@ -105,8 +109,9 @@ impl Default for ConnectionConfig {
 /// mirror (e.g. a write to the peer's socket or eventfd) and should still call
 /// [`sys::futex_wake`](crate::futex_wake) for a peer blocked in [`ShmConnection::wait`].
 pub trait Doorbell: Send {
-    /// Called after `bell` (the peer's futex word in the segment) was advanced, only when the
-    /// peer had published "asleep".
+    /// Called after `bell` (the peer's futex word in the segment) was advanced: when the
+    /// peer had published "asleep", and when its sends wait for receives we held back (it
+    /// may then sleep elsewhere, e.g. in epoll).
     fn ring(&self, bell: &AtomicU32);
 }
 
@@ -682,16 +687,19 @@ impl ShmConnection {
 
     /// After freeing room the peer may be waiting for (posted receive, ring or window space).
     fn notify_peer_if_waiting_for_space(&self) {
-        if self.peer.is_some()
-            && self
-                .peer_control()
-                .identity
-                .0
-                .want_space
-                .load(Ordering::SeqCst)
-                != 0
-        {
-            self.notify_peer();
+        if self.peer.is_none() {
+            return;
+        }
+        let control = self.peer_control();
+        match control.identity.0.want_space.load(Ordering::SeqCst) {
+            0 => {}
+            // Its sends wait for receives its session counted as posted long ago (ours held
+            // back until their slots were allocated): nothing at the session level will wake
+            // it, so ring even a peer that is not asleep here (it may sleep in epoll).
+            WANT_RECEIVES => {
+                control.ring(|bell| self.doorbell.ring(bell));
+            }
+            _ => self.notify_peer(),
         }
     }
 
@@ -1074,11 +1082,16 @@ impl ShmConnection {
         }
         // First time raised: the peer may have freed room just before it could see the flag,
         // so look once more. While the flag stays raised the peer notifies on every release.
+        let want = if why == Blocked::NoReceive {
+            WANT_RECEIVES
+        } else {
+            WANT_ROOM
+        };
         self.my_control()
             .identity
             .0
             .want_space
-            .swap(1, Ordering::SeqCst)
+            .swap(want, Ordering::SeqCst)
             == 0
     }
 
@@ -1729,6 +1742,15 @@ mod tests {
         pair_with(tag, slots)
     }
 
+    /// Counts its rings (and rings nobody).
+    struct CountingDoorbell(Arc<AtomicU32>);
+
+    impl Doorbell for CountingDoorbell {
+        fn ring(&self, _bell: &AtomicU32) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
     fn pair_with(tag: &str, slots: SlotConfig) -> Pair {
         let path = std::path::PathBuf::from(format!(
             "/dev/shm/san-shm-unit-{tag}-{}",
@@ -1815,6 +1837,58 @@ mod tests {
         let expected: Vec<Vec<u8>> = (0..sent).map(|i| i.to_le_bytes().to_vec()).collect();
         assert_eq!(received.len(), expected.len(), "every message once");
         assert!(received == expected, "every message intact, in order");
+    }
+
+    #[test]
+    fn a_sender_waiting_for_held_back_receives_is_woken_though_not_asleep_here() {
+        // The sender's session counts 32 receives; the receiver publishes four, then more
+        // as it grows. A sender that waits in epoll (never "asleep" in a wait of ours) must
+        // still be woken when they come: nothing at the session level will.
+        let slots = SlotConfig {
+            send_slots: 32,
+            recv_slots: 32,
+            slot_size: 4096,
+        };
+        let path =
+            std::path::PathBuf::from(format!("/dev/shm/san-shm-unit-wake-{}", std::process::id()));
+        let dir = crate::dir::ShmDir::open(&path).unwrap();
+        let domain = ShmDomain::default();
+        let segment = ShmSegment::create(&dir, "s", &SegmentConfig::new(slots)).unwrap();
+        let mut sender = ShmConnection::new(segment, &domain, ConnectionConfig::default()).unwrap();
+        let rings = Arc::new(AtomicU32::new(0));
+        let attached = ShmSegment::attach(&dir, "s").unwrap();
+        let mut receiver = ShmConnection::with_peer(
+            attached,
+            &domain,
+            ConnectionConfig::default(),
+            Box::new(CountingDoorbell(rings.clone())),
+            None,
+        )
+        .unwrap();
+        sender.poll_completions(&mut Vec::new(), 0);
+        if !sys::can_populate() {
+            let _ = std::fs::remove_dir_all(&path);
+            return; // Every slot is published at once.
+        }
+        for slot in 0..32u16 {
+            receiver
+                .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                .unwrap();
+        }
+        for i in 0..8u64 {
+            sender.post_send(WrId(i), &i.to_le_bytes()).unwrap();
+        }
+        poll(&mut sender);
+        assert_eq!(sender.queued_send_bytes(), 4 * 8, "four wait for receives");
+        rings.store(0, Ordering::SeqCst);
+        assert_eq!(receive_and_repost(&mut receiver).len(), 4);
+        assert!(
+            rings.load(Ordering::SeqCst) >= 1,
+            "publishing the held-back receives rang the sender"
+        );
+        poll(&mut sender);
+        assert_eq!(receive_and_repost(&mut receiver).len(), 4, "the rest came");
+        let _ = std::fs::remove_dir_all(&path);
     }
 
     #[test]

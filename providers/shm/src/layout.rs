@@ -180,9 +180,11 @@ pub struct Identity {
     /// after bumping `bell`, CASes `ASLEEP` → `WAKING` (SeqCst) and rings only if that
     /// succeeded: exactly one wake-up per sleep, none for a running owner (Dekker pair).
     pub running: AtomicU32,
-    /// 1 while the owner, as a sender, waits for room the peer frees (posted receives, ring
-    /// or window space). SeqCst store then re-check by the owner; SeqCst load by the peer
-    /// after freeing room, which then rings `bell`.
+    /// Non-zero while the owner, as a sender, waits for room the peer frees: 1 for ring or
+    /// window space, 2 for a published receive. SeqCst store then re-check by the owner;
+    /// SeqCst load by the peer after freeing room, which then rings `bell` (for 2 even when
+    /// the owner is not asleep in a wait of ours: its session counted those receives as
+    /// posted, so only this ring tells it they came).
     pub want_space: AtomicU32,
     /// The CPU the owner last ran on (Relaxed; a hint for the peer's spin-or-yield choice).
     pub cpu: AtomicU32,
@@ -250,6 +252,20 @@ impl SideControl {
             ring(&self.bell.0);
         }
         claimed
+    }
+
+    /// As [`SideControl::notify`], but rings whether or not the owner sleeps in a wait of
+    /// ours (it may be blocked elsewhere, e.g. in epoll, where only the ring's mirror raise
+    /// reaches it).
+    pub(crate) fn ring(&self, ring: impl FnOnce(&AtomicU32)) {
+        use core::sync::atomic::Ordering::{Relaxed, SeqCst};
+        self.bell.0.fetch_add(1, SeqCst);
+        let _ = self
+            .identity
+            .0
+            .running
+            .compare_exchange(ASLEEP, WAKING, SeqCst, Relaxed);
+        ring(&self.bell.0);
     }
 
     /// The owner's `running` word (Relaxed: a scheduling hint, not a synchronisation).
