@@ -148,7 +148,21 @@ pub(crate) enum ConnectError {
 /// The acceptor's connection to the client's exchange listener.
 pub(crate) fn connect(name: &SegmentName) -> Result<OwnedFd, ConnectError> {
     let (sun, len) = exchange_address(name).ok_or(ConnectError::NoListener)?;
-    let socket = unix_stream().ok_or(ConnectError::Resource)?;
+    // Moved above the application's numbers only once it connected: most accepted clients
+    // are plain, and for them this probe is all the SAN costs the acceptor.
+    // SAFETY: plain socket(2) call.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(ConnectError::Resource);
+    }
+    // SAFETY: just returned by the kernel, owned by nobody else.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: `sun` is a valid sockaddr_un of length `len`.
     let rc = unsafe {
         libc::connect(
@@ -157,11 +171,10 @@ pub(crate) fn connect(name: &SegmentName) -> Result<OwnedFd, ConnectError> {
             len,
         )
     };
-    if rc == 0 && peer_is_same_user(socket.as_fd()) {
-        Ok(socket)
-    } else {
-        Err(ConnectError::NoListener)
+    if rc != 0 || !peer_is_same_user(socket.as_fd()) {
+        return Err(ConnectError::NoListener);
     }
+    crate::mirror::move_internal_fd(socket).map_err(|_| ConnectError::Resource)
 }
 
 /// What the acceptor queued on its exchange connection before it attached.
