@@ -38,7 +38,7 @@
 //! namespace that nobody identified has no liveness check: its death goes unnoticed until
 //! its closed word or the caller's own signs ([`ShmConnection::peer_identified`] tells).
 
-use core::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -52,8 +52,8 @@ use san_api::{
 use crate::domain::{self, DomainShared, ShmDomain};
 use crate::error::ShmError;
 use crate::layout::{
-    Geometry, RingEntry, SideControl, ASLEEP, ENTRY_MESSAGE, ENTRY_WINDOW_WRITE, MAGIC, RUNNING,
-    WAKING,
+    ExposureEntry, Geometry, RingEntry, SideControl, ASLEEP, ENTRY_MESSAGE, ENTRY_WINDOW_WRITE,
+    MAGIC, RUNNING, WAKING,
 };
 use crate::segment::{ShmSegment, Side, READY_SLOTS};
 use crate::sys::{self, CmaDirection, FutexWait, GrantedRange};
@@ -850,16 +850,29 @@ impl ShmConnection {
         // In chunks, the peer's key checked again before each: a copy cannot be stopped once
         // the kernel runs it, so revoking a registration (the peer reset and reuses its sink)
         // lets at most the chunk under way land, not the rest of a transfer of up to 1 GiB.
+        // Each chunk is announced in the peer's exposure entry before its key is checked
+        // (`ExposureEntry::copies_in_flight`): the peer's revocation either is seen here or
+        // waits for the copy to end, so no chunk lands after revocation returned.
+        let map = self.segment.map().clone();
+        let announced: &AtomicU32 = &map
+            .get::<ExposureEntry>(self.geometry.exposure_entry(
+                self.me.peer().index(),
+                (remote.rkey.0 & domain::INDEX_MASK) as usize,
+            ))
+            .copies_in_flight;
         let mut copied = 0u64;
         while copied < granted.len {
             let len = (granted.len - copied).min(CMA_CHUNK);
-            if copied > 0 {
-                if let Err(e) = self.check_remote(&remote, granted.len, needs) {
-                    return finish(Err(e));
-                }
+            announced.fetch_add(1, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            if let Err(e) = self.check_remote(&remote, granted.len, needs) {
+                announced.fetch_sub(1, Ordering::SeqCst);
+                return finish(Err(e));
             }
             let (local_addr, remote_addr) = (granted.addr + copied, remote.addr + copied);
-            match sys::cma_copy(direction, peer_pid, local_addr, remote_addr, len) {
+            let result = sys::cma_copy(direction, peer_pid, local_addr, remote_addr, len);
+            announced.fetch_sub(1, Ordering::SeqCst);
+            match result {
                 Ok(moved) if moved == len => copied += len,
                 Ok(_) => return finish(Err(CompletionError::RemoteAccess)),
                 Err(e) => {
@@ -1723,6 +1736,7 @@ mod tests {
 
     struct Pair {
         dir: std::path::PathBuf,
+        domain: ShmDomain,
         creator: ShmConnection,
         attacher: ShmConnection,
     }
@@ -1766,6 +1780,7 @@ mod tests {
         creator.poll_completions(&mut Vec::new(), 0);
         Pair {
             dir: path,
+            domain,
             creator,
             attacher,
         }
@@ -1889,6 +1904,51 @@ mod tests {
         poll(&mut sender);
         assert_eq!(receive_and_repost(&mut receiver).len(), 4, "the rest came");
         let _ = std::fs::remove_dir_all(&path);
+    }
+
+    #[test]
+    fn revoking_a_registration_waits_for_a_peer_copy_under_way_into_it() {
+        // A CMA copy cannot be stopped once the kernel runs it: the owner's revocation must
+        // not return (letting the memory be reused) while a peer's copy that passed its key
+        // check is still under way. Here the peer has announced one; it ends 50 ms later.
+        let mut p = pair("revoke");
+        let domain = &mut p.domain;
+        let sink = vec![0u8; 4096];
+        let registration = domain
+            .register(
+                MemRange::new(sink.as_ptr() as u64, sink.len() as u64),
+                Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            )
+            .unwrap();
+        let rkey = domain
+            .expose_remote(registration.lkey, Access::REMOTE_WRITE)
+            .unwrap();
+        let map = p.attacher.segment.map().clone();
+        let entry_offset = p.attacher.geometry.exposure_entry(
+            p.attacher.me.index(),
+            (rkey.0 & domain::INDEX_MASK) as usize,
+        );
+        map.get::<ExposureEntry>(entry_offset)
+            .copies_in_flight
+            .fetch_add(1, Ordering::SeqCst);
+        let ended = Arc::new(AtomicBool::new(false));
+        let copier = {
+            let (map, ended) = (map.clone(), ended.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                ended.store(true, Ordering::SeqCst);
+                map.get::<ExposureEntry>(entry_offset)
+                    .copies_in_flight
+                    .fetch_sub(1, Ordering::SeqCst);
+            })
+        };
+        domain.revoke_remote(registration.lkey).unwrap();
+        assert!(
+            ended.load(Ordering::SeqCst),
+            "revocation returned while the peer's copy was under way"
+        );
+        copier.join().unwrap();
+        domain.deregister(registration.lkey).unwrap();
     }
 
     #[test]

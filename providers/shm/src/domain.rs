@@ -37,7 +37,10 @@ use crate::layout::{
 };
 use crate::sys::{self, GrantedRange, Mapping};
 
-const INDEX_MASK: u32 = EXPOSURE_ENTRIES - 1;
+pub(crate) const INDEX_MASK: u32 = EXPOSURE_ENTRIES - 1;
+/// Longest wait of a revocation for the peers' copies under way (one 1 MiB chunk takes well
+/// under a millisecond; a peer that died mid-copy never ends its announcement).
+const COPY_DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(1);
 const MAX_GENERATION: u32 = u32::MAX >> RKEY_INDEX_BITS;
 /// Largest single RDMA read or write.
 pub const MAX_RDMA_LEN: u64 = 1 << 30;
@@ -326,6 +329,30 @@ impl DomainState {
         }
     }
 
+    /// After revoking entry `index`: waits until no peer has a CMA copy under way in it
+    /// (see `ExposureEntry::copies_in_flight`), so the memory can be reused once revocation
+    /// returns. A peer's copy announced before it saw the revocation is still running; one
+    /// announced after sees the revoked key and does not copy. Bounded by
+    /// [`COPY_DRAIN_LIMIT`], after which an announcement nobody will end is cleared.
+    fn wait_for_copies(&self, index: u32) {
+        fence(Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + COPY_DRAIN_LIMIT;
+        for table in &self.tables {
+            let Some(map) = table.map.upgrade() else {
+                continue;
+            };
+            let entry: &ExposureEntry =
+                map.get(table.geometry.exposure_entry(table.side, index as usize));
+            while entry.copies_in_flight.load(Ordering::SeqCst) != 0 {
+                if std::time::Instant::now() >= deadline {
+                    entry.copies_in_flight.store(0, Ordering::SeqCst);
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+
     fn expose(&mut self, lkey: u32, remote: Access) -> Result<u32, RegisterError> {
         let reg = *self.regs.get(&lkey).ok_or(RegisterError::UnknownKey)?;
         self.revoke(lkey);
@@ -353,6 +380,7 @@ impl DomainState {
         let Some(rkey) = reg.rkey.take() else { return };
         let index = rkey & INDEX_MASK;
         self.publish(index, 0, Access::NONE, MemRange::new(0, 0));
+        self.wait_for_copies(index);
         let slot = &mut self.slots[index as usize];
         slot.lkey = None;
         if slot.generation < MAX_GENERATION {

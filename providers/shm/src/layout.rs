@@ -306,8 +306,12 @@ pub struct ExposureEntry {
     pub rkey: AtomicU32,
     /// Remote rights (`Access` bits); 0 when revoked.
     pub access: AtomicU32,
-    /// Reserved.
-    pub reserved: AtomicU32,
+    /// CMA copies the *peer* has under way into or out of this range (the one word of the
+    /// table the peer writes): it adds one, then checks the entry (SeqCst fence between), and
+    /// subtracts one when its copy ended. The owner, after revoking the entry, fences and
+    /// waits for zero before the memory may be reused: a copy that passed its check cannot
+    /// be stopped once the kernel runs it, so it must end before revocation returns.
+    pub copies_in_flight: AtomicU32,
     /// Start of the exposed range in the owner's process.
     pub addr: AtomicU64,
     /// Length of the exposed range.
