@@ -96,10 +96,11 @@
 //!   first drives the other end, since it may be the only thread that ever would.
 
 // The files, bottom-up: each imports only from the groups above its own.
-// The ground: kernel calls, tunables, the memory budget, ephemeral ports, the exchange,
-// registrations, stashes, nudges, the stream operations' typed result.
+// The ground: kernel calls, tunables, the memory budget, ephemeral ports, the epoll index,
+// the exchange, registrations, stashes, nudges, the stream operations' typed result.
 mod budget;
 mod ephemeral;
+mod epoll_index;
 mod exchange;
 mod kernel;
 mod nudge;
@@ -179,6 +180,8 @@ fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
         service::ensure_responder();
     }
     table::insert(index, record, socket);
+    // Registrations made while it was a plain TCP socket (e.g. before `connect`).
+    epoll_index::update(index, record);
 }
 
 /// `listen()` succeeded on a tracked socket: publish the marker.
@@ -493,6 +496,7 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
         return;
     }
     let taken = lock(index).take();
+    epoll_index::forget(index);
     match taken {
         Some(SanObject::Socket(mut socket)) => {
             LIVE.fetch_sub(1, Ordering::Relaxed);
@@ -557,6 +561,7 @@ pub fn ever_used() -> bool {
 pub fn with_library_locks<R>(fork: impl FnOnce() -> R) -> R {
     let _init = provider::hold_init();
     let _names = table::by_name();
+    let _epoll_index = epoll_index::hold();
     let registrations = provider::made().map(|provider| provider.registrations.lock());
     let last = || {
         let _verbs = verbs::hold_init();
@@ -639,6 +644,7 @@ pub fn epoll_registrations_changed(index: u32) {
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
         socket.registrations_changed(record);
     }
+    epoll_index::update(index, record);
 }
 
 /// Epoll instance `epfd` was registered in another: the SAN sockets it watches give up lazy

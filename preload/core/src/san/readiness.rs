@@ -159,16 +159,13 @@ pub fn correct_epoll_events(
         let mut event = events[position];
         if event.events & libc::EPOLLIN as u32 != 0 {
             let data = event.u64;
-            let mut found = None;
-            registry().for_each_live(|index, record| {
-                if found.is_none()
-                    && record.flags() & flags::SAN != 0
-                    && record
-                        .epoll_registrations()
-                        .any(|(e, _, d)| e == epfd && d == data)
-                {
-                    found = Some(index);
-                }
+            let found = super::epoll_index::lookup(epfd, data).filter(|&index| {
+                registry().get(index).is_some_and(|record| {
+                    record.flags() & flags::SAN != 0
+                        && record
+                            .epoll_registrations()
+                            .any(|(e, _, d)| e == epfd && d == data)
+                })
             });
             if let Some(index) = found.filter(|&index| !orphaned(index)) {
                 let mut slot = lock(index);

@@ -1,0 +1,76 @@
+//! Which SAN socket an epoll event names: (epoll instance, event data) → registry index,
+//! kept as sockets join the SAN path and as the application adds, changes and removes their
+//! registrations. Correcting the events of a wait then costs one lookup per event, not a
+//! pass over every socket of the process (which made a server's wait cost grow with its
+//! connection count).
+//!
+//! An entry is a hint: the caller checks the socket's record still holds the registration.
+//! The lock is a leaf (nothing else is locked while it is held) and is held across `fork`
+//! (`san::with_library_locks`).
+
+use core::ffi::c_int;
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use crate::record::SocketRecord;
+
+/// The index proper.
+#[derive(Default)]
+pub(super) struct Index {
+    by_registration: HashMap<(c_int, u64), u32>,
+    registrations_of: HashMap<u32, Vec<(c_int, u64)>>,
+}
+
+static INDEX: Mutex<Option<Index>> = Mutex::new(None);
+
+fn locked() -> MutexGuard<'static, Option<Index>> {
+    INDEX.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Holds the lock (for `fork`: no other thread is then inside it).
+pub(super) fn hold() -> MutexGuard<'static, Option<Index>> {
+    locked()
+}
+
+/// Socket `index` (on the SAN path) is registered as `record` says now.
+pub(super) fn update(index: u32, record: &SocketRecord) {
+    let now: Vec<(c_int, u64)> = record
+        .epoll_registrations()
+        .map(|(epfd, _, data)| (epfd, data))
+        .collect();
+    let mut guard = locked();
+    let map = guard.get_or_insert_with(Index::default);
+    map.remove(index);
+    for &key in &now {
+        map.by_registration.insert(key, index);
+    }
+    if !now.is_empty() {
+        map.registrations_of.insert(index, now);
+    }
+}
+
+/// Socket `index` left the SAN path.
+pub(super) fn forget(index: u32) {
+    if let Some(map) = locked().as_mut() {
+        map.remove(index);
+    }
+}
+
+/// The SAN socket registered in `epfd` with `data`, if one is known.
+pub(super) fn lookup(epfd: c_int, data: u64) -> Option<u32> {
+    locked()
+        .as_ref()?
+        .by_registration
+        .get(&(epfd, data))
+        .copied()
+}
+
+impl Index {
+    fn remove(&mut self, index: u32) {
+        for key in self.registrations_of.remove(&index).unwrap_or_default() {
+            if self.by_registration.get(&key) == Some(&index) {
+                self.by_registration.remove(&key);
+            }
+        }
+    }
+}
