@@ -305,7 +305,7 @@ pub fn arm() {
     if !cfg!(target_arch = "x86_64") || installed() {
         return;
     }
-    let _lock = WriterLock::take();
+    let lock = WriterLock::take();
     if STATE.load(Ordering::Acquire) != NOT_INSTALLED {
         return;
     }
@@ -337,6 +337,7 @@ pub fn arm() {
         install_ours(signal, application);
     }
     STATE.store(INSTALLED, Ordering::Release);
+    drop(lock);
     tracing::debug!("fault handler installed for SIGSEGV and SIGBUS");
 }
 

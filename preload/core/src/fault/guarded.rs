@@ -9,7 +9,8 @@ pub struct Fault {
 
 /// Copies `len` bytes from `src` to `dst`, where either may be memory the process cannot
 /// access (the application's buffer): `Err` with the faulting address instead of a crash,
-/// once [`arm`] installed the handler. What was written before the fault is unspecified.
+/// once [`arm`](super::arm) installed the handler. What was written before the fault is
+/// unspecified.
 ///
 /// # Safety
 /// Neither range may be memory a live Rust reference other than the caller's own owns, and
