@@ -62,7 +62,7 @@ fn symbols_lists_the_whole_table() {
     let names = sandirect(&["symbols", "--names"], &[]);
     assert!(names.status.success());
     let names = text(&names.stdout);
-    assert_eq!(names.lines().count(), 63);
+    assert_eq!(names.lines().count(), 73);
     for required in [
         "socket",
         "close_range",
@@ -73,6 +73,8 @@ fn symbols_lists_the_whole_table() {
         "fcntl64",
         "syscall",
         "fdopen",
+        "sigaction",
+        "signal",
     ] {
         assert!(
             names.lines().any(|line| line == required),
@@ -83,6 +85,9 @@ fn symbols_lists_the_whole_table() {
     assert!(table.starts_with("| symbol | disposition |"));
     assert!(table
         .contains("| `c_int socket(domain: c_int, ty: c_int, protocol: c_int)` | accelerate |"));
+    assert!(
+        table.contains("| `sighandler_t signal(signum: c_int, handler: sighandler_t)` | chain |")
+    );
 }
 
 #[test]

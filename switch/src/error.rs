@@ -14,6 +14,8 @@ use san_api::{CompletionError, PostError};
 pub mod errno {
     /// Interrupted system call.
     pub const EINTR: i32 = 4;
+    /// Bad address.
+    pub const EFAULT: i32 = 14;
     /// Resource temporarily unavailable (`EWOULDBLOCK`).
     pub const EAGAIN: i32 = 11;
     /// Invalid argument.
@@ -202,6 +204,9 @@ pub enum SendError {
     /// these bytes to the kernel TCP socket instead (the peer reads it after our
     /// `Downgrade`). Never meant for the application; `ENOTCONN` if it leaks.
     Downgraded,
+    /// The application's buffer could not be read (the process may not access it): nothing
+    /// was taken. `EFAULT`.
+    BadAddress,
 }
 
 impl SendError {
@@ -216,6 +221,7 @@ impl SendError {
             SendError::TooLong => errno::EMSGSIZE,
             SendError::InvalidArgument => errno::EINVAL,
             SendError::Downgraded => errno::ENOTCONN,
+            SendError::BadAddress => errno::EFAULT,
         }
     }
 }
@@ -256,6 +262,9 @@ pub enum RecvError {
     /// continues on kernel TCP (read it there). Not an end of stream. Never meant for the
     /// application; `ENOTCONN` if it leaks.
     Downgraded,
+    /// The application's buffer could not be written (the process may not access it): the
+    /// bytes stay unread. `EFAULT`.
+    BadAddress,
 }
 
 impl RecvError {
@@ -269,6 +278,7 @@ impl RecvError {
             RecvError::Reset => errno::ECONNRESET,
             RecvError::NotConnected | RecvError::Downgraded => errno::ENOTCONN,
             RecvError::InvalidArgument => errno::EINVAL,
+            RecvError::BadAddress => errno::EFAULT,
         }
     }
 }
@@ -291,6 +301,8 @@ mod tests {
         assert_eq!(SendError::NoBuffers.errno(), 105);
         assert_eq!(RecvError::Reset.errno(), 104);
         assert_eq!(RecvError::NotConnected.errno(), 107);
+        assert_eq!(SendError::BadAddress.errno(), 14);
+        assert_eq!(RecvError::BadAddress.errno(), 14);
     }
 
     #[test]

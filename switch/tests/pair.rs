@@ -4,7 +4,7 @@
 mod common;
 
 use common::{caps, pattern, Pair, PairConfig, Which, SLOTS};
-use san_api::{Access, CompletionError, RecvSlot, SlotConfig};
+use san_api::{Access, AppSink, AppSource, BadAddress, CompletionError, RecvSlot, SlotConfig};
 use switch::error::{Error, PeerIncompatible, PeerMisbehaved, RecvError, SendError};
 use switch::session::{
     Event, RecvFlags, ResetCause, Role, SendFlags, Session, SessionConfig, SessionState, Shutdown,
@@ -372,6 +372,112 @@ fn peek_reads_without_consuming_and_waitall_is_a_driver_loop() {
         pair.b.session.recv(&mut all, oob),
         Err(RecvError::InvalidArgument)
     );
+}
+
+/// Application memory whose bytes from `bad_from` on the process may not touch.
+struct Faulty {
+    bytes: Vec<u8>,
+    bad_from: usize,
+}
+
+impl AppSource for Faulty {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+        let end = offset + dst.len();
+        let good = end.min(self.bad_from).saturating_sub(offset);
+        dst[..good].copy_from_slice(&self.bytes[offset..offset + good]);
+        if end > self.bad_from {
+            return Err(BadAddress);
+        }
+        Ok(())
+    }
+}
+
+impl AppSink for Faulty {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn copy_from(&mut self, offset: usize, src: &[u8]) -> Result<(), BadAddress> {
+        let end = offset + src.len();
+        let good = end.min(self.bad_from).saturating_sub(offset);
+        self.bytes[offset..offset + good].copy_from_slice(&src[..good]);
+        if end > self.bad_from {
+            return Err(BadAddress);
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_send_from_a_bad_buffer_takes_nothing_and_the_stream_goes_on_intact() {
+    let mut pair = Pair::established(PairConfig::default());
+    pair.send_inline(Which::A, b"before ");
+    let faulty = Faulty {
+        bytes: b"never sent".to_vec(),
+        bad_from: 5,
+    };
+    assert_eq!(
+        pair.a.session.send_from(&faulty, SendFlags::default()),
+        Err(SendError::BadAddress)
+    );
+    assert_eq!(pair.a.session.send_queue_len(), 0, "nothing of it queued");
+    pair.send_inline(Which::A, b"after");
+    assert_eq!(
+        pair.recv_up_to(Which::B, 12, 1 << 20).unwrap(),
+        b"before after"
+    );
+}
+
+#[test]
+fn a_recv_into_a_bad_buffer_leaves_the_segment_unread() {
+    let mut pair = Pair::established(PairConfig::default());
+    pair.send_inline(Which::A, b"first");
+    // Bad from its first byte: nothing can be taken.
+    let mut bad = Faulty {
+        bytes: vec![0; 16],
+        bad_from: 0,
+    };
+    assert_eq!(
+        pair.b.session.recv_into(&mut bad, RecvFlags::default()),
+        Err(RecvError::BadAddress)
+    );
+    // Good for a part of the segment only: the segment stays whole, as the kernel leaves a
+    // segment it could not copy.
+    let mut partly = Faulty {
+        bytes: vec![0; 16],
+        bad_from: 3,
+    };
+    assert_eq!(
+        pair.b.session.recv_into(&mut partly, RecvFlags::default()),
+        Err(RecvError::BadAddress)
+    );
+    let peek = RecvFlags {
+        peek: true,
+        ..RecvFlags::default()
+    };
+    assert_eq!(
+        pair.b.session.recv_into(&mut bad, peek),
+        Err(RecvError::BadAddress)
+    );
+    assert_eq!(pair.b.session.recv_queue_len(), 5, "nothing consumed");
+    // A second segment behind the first: a buffer good for the first only takes the first.
+    pair.send_inline(Which::A, b"second");
+    let mut first_only = Faulty {
+        bytes: vec![0; 16],
+        bad_from: 8,
+    };
+    assert_eq!(
+        pair.b
+            .session
+            .recv_into(&mut first_only, RecvFlags::default()),
+        Ok(5)
+    );
+    assert_eq!(&first_only.bytes[..5], b"first");
+    assert_eq!(pair.recv_up_to(Which::B, 6, 1 << 20).unwrap(), b"second");
 }
 
 #[test]

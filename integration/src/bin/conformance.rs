@@ -15,7 +15,7 @@
 use std::ffi::{c_int, c_void};
 use std::mem::{size_of, zeroed};
 use std::ptr::{null, null_mut};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use integration::{errno, errno_name, outcome};
@@ -2077,6 +2077,463 @@ fn stdio_on_socket() -> CaseResult {
     ))
 }
 
+// ---- bad buffers and fault handlers --------------------------------------------------------
+
+const PAGE: usize = 4096;
+/// An address no process maps: below the kernel's lowest mappable address.
+const UNMAPPED: usize = 0x1000;
+
+/// Two pages: the first readable and writable (filled with a pattern), the second
+/// inaccessible (`PROT_NONE`). Unmapped on drop.
+struct BadMemory {
+    base: *mut u8,
+}
+
+impl BadMemory {
+    fn new() -> Result<BadMemory, String> {
+        // SAFETY: a fresh anonymous mapping of our own.
+        let base = unsafe {
+            libc::mmap(
+                null_mut(),
+                2 * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(format!("setup-failed mmap {}", errno_name(errno())));
+        }
+        let memory = BadMemory { base: base.cast() };
+        for i in 0..PAGE {
+            // SAFETY: inside the first page.
+            unsafe { *memory.base.add(i) = b'a' + (i % 26) as u8 };
+        }
+        memory.protect_wall(libc::PROT_NONE)?;
+        Ok(memory)
+    }
+
+    /// The first byte of the inaccessible page.
+    fn wall(&self) -> *mut u8 {
+        self.base.wrapping_add(PAGE)
+    }
+
+    fn protect_wall(&self, protection: c_int) -> Result<(), String> {
+        // SAFETY: the second page of our own mapping.
+        let rc = unsafe { libc::mprotect(self.wall().cast(), PAGE, protection) };
+        check(rc as isize, "mprotect").map(|_| ())
+    }
+}
+
+impl Drop for BadMemory {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.base.cast(), 2 * PAGE) };
+    }
+}
+
+fn iovec(base: *mut u8, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: base.cast(),
+        iov_len: len,
+    }
+}
+
+/// A message header over `iov`.
+fn message(iov: &mut [libc::iovec]) -> libc::msghdr {
+    // SAFETY: plain data, zero is valid.
+    let mut msg: libc::msghdr = unsafe { zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
+    msg
+}
+
+/// Two round trips: over the SAN both ends have switched by then.
+fn exchange(client: &Fd, server: &Fd) -> Result<(), String> {
+    for _ in 0..2 {
+        write_all(client.raw(), b"ping")?;
+        read_exactly_text(server.raw(), 4)?;
+        write_all(server.raw(), b"pong")?;
+        read_exactly_text(client.raw(), 4)?;
+    }
+    Ok(())
+}
+
+/// Reads exactly `len` bytes (bounded waits), as text.
+fn read_exactly_text(fd: c_int, len: usize) -> Result<String, String> {
+    let mut got = Vec::new();
+    while got.len() < len {
+        wait_for(fd, libc::POLLIN, 5000)?;
+        let (n, bytes) = read_some(fd, len - got.len());
+        if n <= 0 {
+            return Err(format!("read {}", outcome(n)));
+        }
+        got.extend_from_slice(&bytes);
+    }
+    Ok(String::from_utf8_lossy(&got).into_owned())
+}
+
+/// Every call of the send and receive family with a buffer (or vector, or message) the
+/// process may not access answers EFAULT: nothing of a send is taken, the bytes of a receive
+/// stay, and the connection goes on with every byte intact.
+fn bad_buffers() -> CaseResult {
+    let (client, server) = pair()?;
+    exchange(&client, &server)?;
+    let memory = BadMemory::new()?;
+    let wall = memory.wall();
+    let good = memory.base;
+    let unmapped = UNMAPPED as *mut u8;
+    let c = client.raw();
+    let mut sends = Vec::new();
+    // SAFETY: the kernel, or the preload, checks each address of the calls below; none is
+    // dereferenced here.
+    unsafe {
+        sends.push(outcome(libc::send(c, wall.cast(), 100, 0)));
+        sends.push(outcome(libc::write(c, unmapped.cast(), 100)));
+        sends.push(outcome(libc::write(c, null(), 10)));
+        // 50 good bytes, then the wall.
+        sends.push(outcome(libc::send(
+            c,
+            wall.sub(50).cast(),
+            100,
+            libc::MSG_DONTWAIT,
+        )));
+        let mut good_then_bad = [iovec(good, 100), iovec(wall, 100)];
+        sends.push(outcome(libc::writev(c, good_then_bad.as_ptr(), 2)));
+        let mut good_then_unmapped = [iovec(good, 100), iovec(unmapped, 10)];
+        let msg = message(&mut good_then_unmapped);
+        sends.push(outcome(libc::sendmsg(c, &msg, 0)));
+        // The vector and the message themselves unreadable.
+        sends.push(outcome(libc::writev(c, unmapped.cast(), 1)));
+        sends.push(outcome(libc::sendmsg(c, unmapped.cast(), 0)));
+        let _ = &mut good_then_bad;
+    }
+    // None of them took a byte: the peer reads exactly what follows.
+    write_all(c, b"after the bad sends")?;
+    let after_sends = read_exactly_text(server.raw(), 19)?;
+
+    // One message queued for the client, then the same kinds of bad receives.
+    write_all(server.raw(), &[b'm'; 100])?;
+    wait_for(c, libc::POLLIN, 5000)?;
+    settle();
+    let mut first = [0u8; 10];
+    let mut receives = Vec::new();
+    // SAFETY: as above.
+    unsafe {
+        receives.push(outcome(libc::recv(c, wall.cast(), 100, 0)));
+        receives.push(outcome(libc::read(c, unmapped.cast(), 100)));
+        receives.push(outcome(libc::read(c, null_mut(), 10)));
+        receives.push(outcome(libc::recv(c, wall.sub(10).cast(), 100, 0)));
+        receives.push(outcome(libc::recv(c, wall.cast(), 100, libc::MSG_PEEK)));
+        receives.push(outcome(libc::recv(c, wall.cast(), 100, libc::MSG_WAITALL)));
+        let good_then_bad = [iovec(first.as_mut_ptr(), 10), iovec(wall, 100)];
+        receives.push(outcome(libc::readv(c, good_then_bad.as_ptr(), 2)));
+        let mut good_then_unmapped = [iovec(first.as_mut_ptr(), 10), iovec(unmapped, 100)];
+        let mut msg = message(&mut good_then_unmapped);
+        receives.push(outcome(libc::recvmsg(c, &mut msg, 0)));
+        receives.push(outcome(libc::readv(c, unmapped.cast(), 1)));
+        receives.push(outcome(libc::recvmsg(c, unmapped.cast(), 0)));
+    }
+    let mut queued: c_int = -1;
+    // SAFETY: FIONREAD into our int.
+    unsafe { libc::ioctl(c, libc::FIONREAD, &mut queued) };
+    let (n, bytes) = read_some(c, 200);
+    let intact = n == 100 && bytes.iter().all(|&b| b == b'm');
+    // recvfrom on a connected socket: no address, so addrlen is written (0) only when an
+    // address buffer is given, and an addrlen the process may not write is EFAULT after the
+    // bytes were taken.
+    write_all(server.raw(), b"abc")?;
+    wait_for(c, libc::POLLIN, 5000)?;
+    let mut small = [0u8; 8];
+    let mut addrlen: libc::socklen_t = 77;
+    // SAFETY: our buffer and length; no address buffer.
+    let without_addr = outcome(unsafe {
+        libc::recvfrom(c, small.as_mut_ptr().cast(), 8, 0, null_mut(), &mut addrlen)
+    });
+    let kept = addrlen;
+    write_all(server.raw(), b"def")?;
+    wait_for(c, libc::POLLIN, 5000)?;
+    // SAFETY: zeroed storage is valid.
+    let mut from: libc::sockaddr_storage = unsafe { zeroed() };
+    // SAFETY: our buffers; the kernel (or the preload) checks the bad addrlen.
+    let bad_addrlen = outcome(unsafe {
+        libc::recvfrom(
+            c,
+            small.as_mut_ptr().cast(),
+            8,
+            0,
+            (&mut from as *mut libc::sockaddr_storage).cast(),
+            UNMAPPED as *mut libc::socklen_t,
+        )
+    });
+    // SAFETY: our buffer; nonblocking.
+    let left = outcome(unsafe { libc::recv(c, small.as_mut_ptr().cast(), 8, libc::MSG_DONTWAIT) });
+    // Both directions still work.
+    write_all(c, b"client still writes")?;
+    let from_client = read_exactly_text(server.raw(), 19)?;
+    write_all(server.raw(), b"server still writes")?;
+    let from_server = read_exactly_text(c, 19)?;
+    Ok(format!(
+        "sends [{}] then {after_sends:?}; receives [{}] with {queued} bytes left, read {} intact={intact}; recvfrom without address {without_addr} addrlen {kept}, into a bad addrlen {bad_addrlen} then {left}; then {from_client:?} / {from_server:?}",
+        sends.join(" "),
+        receives.join(" "),
+        outcome(n)
+    ))
+}
+
+/// What an application's fault handler saw, for `fault_handlers`.
+static FAULTS: AtomicUsize = AtomicUsize::new(0);
+static FAULT_CODE: AtomicI32 = AtomicI32::new(0);
+static FAULT_AT_WALL: AtomicBool = AtomicBool::new(false);
+static FAULT_BLOCKED_USR1: AtomicBool = AtomicBool::new(false);
+static FAULT_BLOCKED_SEGV: AtomicBool = AtomicBool::new(false);
+/// The inaccessible page the case faults on; the handler opens it so the access succeeds
+/// when it runs again.
+static FAULT_WALL: AtomicUsize = AtomicUsize::new(0);
+
+/// Records what it was called with, then opens the wall (a fault there runs again and
+/// succeeds; a sent signal just returns).
+extern "C" fn on_fault_info(_: c_int, info: *mut libc::siginfo_t, _: *mut c_void) {
+    FAULTS.fetch_add(1, Ordering::SeqCst);
+    // SAFETY: the kernel's siginfo_t; querying our own mask; our own wall page.
+    unsafe {
+        let code = (*info).si_code;
+        FAULT_CODE.store(code, Ordering::SeqCst);
+        let wall = FAULT_WALL.load(Ordering::SeqCst);
+        FAULT_AT_WALL.store((*info).si_addr() as usize == wall, Ordering::SeqCst);
+        let mut mask: libc::sigset_t = zeroed();
+        libc::pthread_sigmask(libc::SIG_BLOCK, null(), &mut mask);
+        FAULT_BLOCKED_USR1.store(
+            libc::sigismember(&mask, libc::SIGUSR1) == 1,
+            Ordering::SeqCst,
+        );
+        FAULT_BLOCKED_SEGV.store(
+            libc::sigismember(&mask, libc::SIGSEGV) == 1,
+            Ordering::SeqCst,
+        );
+        if code > 0 {
+            libc::mprotect(
+                wall as *mut c_void,
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+            );
+        }
+    }
+}
+
+/// A plain handler: counts, and opens the wall.
+extern "C" fn on_fault_plain(_: c_int) {
+    FAULTS.fetch_add(1, Ordering::SeqCst);
+    // SAFETY: our own wall page.
+    unsafe {
+        libc::mprotect(
+            FAULT_WALL.load(Ordering::SeqCst) as *mut c_void,
+            PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+        )
+    };
+}
+
+extern "C" {
+    /// glibc's System V `signal` (the libc crate does not declare it).
+    fn sysv_signal(signum: c_int, handler: libc::sighandler_t) -> libc::sighandler_t;
+    /// glibc's `siginterrupt` (the libc crate does not declare it).
+    fn siginterrupt(signum: c_int, interrupt: c_int) -> c_int;
+}
+
+/// A disposition as text: which handler (`default`, `ignore`, `info`, `plain`, `other`),
+/// the flags and the first word of the mask as the kernel reports them.
+fn disposition_text(action: &libc::sigaction) -> String {
+    let handler = match action.sa_sigaction {
+        libc::SIG_DFL => "default",
+        libc::SIG_IGN => "ignore",
+        h if h == on_fault_info as *const () as usize => "info",
+        h if h == on_fault_plain as *const () as usize => "plain",
+        _ => "other",
+    };
+    // SAFETY: a sigset_t is at least 8 bytes; the kernel's set is its first 64 bits.
+    let mask = unsafe {
+        (&action.sa_mask as *const libc::sigset_t)
+            .cast::<u64>()
+            .read()
+    };
+    format!("{handler}/{:#x}/{mask:#x}", action.sa_flags)
+}
+
+fn segv_disposition() -> libc::sigaction {
+    // SAFETY: plain data, zero is valid; a query into our own struct.
+    unsafe {
+        let mut action: libc::sigaction = zeroed();
+        libc::sigaction(libc::SIGSEGV, null(), &mut action);
+        action
+    }
+}
+
+/// Writes to the wall (outside any call): the fault goes to the application's handler.
+fn touch_wall(wall: *mut u8) -> u8 {
+    // SAFETY: the wall faults until the handler opens it; the write then succeeds.
+    unsafe {
+        core::ptr::write_volatile(wall, 7);
+        core::ptr::read_volatile(wall)
+    }
+}
+
+/// A forked child that sets `disposition` for `signal`, then makes that fault: how it ended.
+fn child_fault(signal: c_int, disposition: libc::sighandler_t) -> Result<String, String> {
+    // SAFETY: plain data, zero is valid.
+    let mut action: libc::sigaction = unsafe { zeroed() };
+    action.sa_sigaction = disposition;
+    child_fault_with(signal, &action)
+}
+
+/// A forked child that sets `action` for `signal`, then makes that fault: how it ended.
+fn child_fault_with(signal: c_int, action: &libc::sigaction) -> Result<String, String> {
+    // SAFETY: the child only sets a disposition, limits its core and faults.
+    let pid = unsafe { libc::fork() };
+    check(pid as isize, "fork")?;
+    if pid == 0 {
+        // SAFETY: child: async-signal-safe calls, then the fault; _exit if it survives.
+        unsafe {
+            let no_core = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::setrlimit(libc::RLIMIT_CORE, &no_core);
+            libc::sigaction(signal, action, null_mut());
+            if signal == libc::SIGBUS {
+                // A page of a file past its end.
+                let fd = libc::memfd_create(c"sandirect-conformance".as_ptr(), 0);
+                let page = libc::mmap(
+                    null_mut(),
+                    PAGE,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                );
+                core::ptr::write_volatile(page.cast::<u8>(), 1);
+            } else {
+                let wall = libc::mmap(
+                    null_mut(),
+                    PAGE,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                core::ptr::write_volatile(wall.cast::<u8>(), 1);
+            }
+            libc::_exit(0);
+        }
+    }
+    let mut status = 0;
+    check(
+        // SAFETY: waiting for our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) } as isize,
+        "waitpid",
+    )?;
+    Ok(if libc::WIFSIGNALED(status) {
+        format!("signal-{}", libc::WTERMSIG(status))
+    } else {
+        format!("exit-{}", libc::WEXITSTATUS(status))
+    })
+}
+
+/// The application's fault handlers work as without the preload, after connections switched
+/// (and the preload's own handler went in): a setting is reported back exactly as made, a
+/// fault outside a socket call reaches the application's handler with its signal
+/// information and mask, a fault inside one is EFAULT and never reaches it, the one-shot and
+/// BSD forms behave as glibc's, and the default (or an ignored fault) kills as it would.
+fn fault_handlers() -> CaseResult {
+    let (client, server) = pair()?;
+    exchange(&client, &server)?;
+    let memory = BadMemory::new()?;
+    let wall = memory.wall();
+    FAULT_WALL.store(wall as usize, Ordering::SeqCst);
+    let original = segv_disposition();
+    let runtime = disposition_text(&original);
+    // SAFETY: plain data, zero is valid; sigemptyset/sigaddset fill our own set.
+    let mut action: libc::sigaction = unsafe { zeroed() };
+    action.sa_sigaction = on_fault_info as *const () as usize;
+    action.sa_flags = libc::SA_SIGINFO;
+    // SAFETY: our own set.
+    unsafe {
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaddset(&mut action.sa_mask, libc::SIGUSR1);
+    }
+    // SAFETY: plain data, zero is valid.
+    let mut previous: libc::sigaction = unsafe { zeroed() };
+    // SAFETY: our own structs.
+    let set = unsafe { libc::sigaction(libc::SIGSEGV, &action, &mut previous) };
+    let previous_is_runtime =
+        previous.sa_sigaction == original.sa_sigaction && previous.sa_flags == original.sa_flags;
+    let reported = segv_disposition();
+    let same_restorer =
+        reported.sa_restorer.map(|f| f as usize) == original.sa_restorer.map(|f| f as usize);
+    // A bad buffer inside a call: EFAULT, and the handler does not run.
+    // SAFETY: the call checks the address.
+    let send = outcome(unsafe { libc::send(client.raw(), wall.cast(), 100, 0) });
+    let handled_in_call = FAULTS.load(Ordering::SeqCst);
+    // A fault of the application's own: its handler runs.
+    let value = touch_wall(wall);
+    let first = format!(
+        "faults={} code={} at-wall={} usr1-blocked={} segv-blocked={} value={value}",
+        FAULTS.load(Ordering::SeqCst),
+        FAULT_CODE.load(Ordering::SeqCst),
+        FAULT_AT_WALL.load(Ordering::SeqCst),
+        FAULT_BLOCKED_USR1.load(Ordering::SeqCst),
+        FAULT_BLOCKED_SEGV.load(Ordering::SeqCst),
+    );
+    memory.protect_wall(libc::PROT_NONE)?;
+    // A SIGSEGV sent, not a fault: the handler runs with the sender's code.
+    // SAFETY: raising a signal whose handler just records it.
+    unsafe { libc::raise(libc::SIGSEGV) };
+    let sent = format!(
+        "faults={} code={}",
+        FAULTS.load(Ordering::SeqCst),
+        FAULT_CODE.load(Ordering::SeqCst)
+    );
+    // glibc's BSD signal, after siginterrupt.
+    // SAFETY: setting dispositions of our own handlers.
+    let (interrupt, bsd_previous) = unsafe {
+        (
+            siginterrupt(libc::SIGSEGV, 1),
+            libc::signal(libc::SIGSEGV, on_fault_plain as *const () as usize),
+        )
+    };
+    let bsd = disposition_text(&segv_disposition());
+    touch_wall(wall);
+    memory.protect_wall(libc::PROT_NONE)?;
+    // SAFETY: as above.
+    unsafe { siginterrupt(libc::SIGSEGV, 0) };
+    let restarting = disposition_text(&segv_disposition());
+    // System V's one-shot handler: runs once, then the default is back.
+    // SAFETY: as above.
+    let sysv_previous = unsafe { sysv_signal(libc::SIGSEGV, on_fault_plain as *const () as usize) };
+    let sysv = disposition_text(&segv_disposition());
+    touch_wall(wall);
+    let after_one_shot = disposition_text(&segv_disposition());
+    let faults = FAULTS.load(Ordering::SeqCst);
+    // The default and an ignored fault kill, by the same signal (children).
+    let default_child = child_fault(libc::SIGSEGV, libc::SIG_DFL)?;
+    let ignored_child = child_fault(libc::SIGSEGV, libc::SIG_IGN)?;
+    let bus_child = child_fault(libc::SIGBUS, libc::SIG_DFL)?;
+    // The Rust runtime's handler (on its alternate stack) resets the default and returns.
+    let runtime_child = child_fault_with(libc::SIGSEGV, &original)?;
+    // SAFETY: the runtime's disposition back.
+    unsafe { libc::sigaction(libc::SIGSEGV, &original, null_mut()) };
+    let restored = disposition_text(&segv_disposition());
+    write_all(client.raw(), b"still connected")?;
+    let still = read_exactly_text(server.raw(), 15)?;
+    Ok(format!(
+        "runtime {runtime}; set={set} previous-is-runtime={previous_is_runtime} reported {} same-restorer={same_restorer}; bad send {send} handler-runs={handled_in_call}; own fault: {first}; raised: {sent}; siginterrupt={interrupt} signal previous-is-info={} then {bsd}, restarting {restarting}; sysv previous-is-plain={} {sysv} then {after_one_shot}; faults={faults}; children: default {default_child}, ignored {ignored_child}, bus {bus_child}, runtime {runtime_child}; restored {restored}; {still:?}",
+        disposition_text(&reported),
+        bsd_previous == on_fault_info as *const () as usize,
+        sysv_previous == on_fault_plain as *const () as usize,
+    ))
+}
+
 /// A named case.
 type Case = (&'static str, fn() -> CaseResult);
 
@@ -2131,6 +2588,8 @@ const CASES: &[Case] = &[
     ("in-process-write-and-close", in_process_write_and_close),
     ("raw-syscall-io", raw_syscall_io),
     ("stdio-on-socket", stdio_on_socket),
+    ("bad-buffers", bad_buffers),
+    ("fault-handlers", fault_handlers),
 ];
 
 fn main() {

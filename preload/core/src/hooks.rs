@@ -144,6 +144,27 @@ macro_rules! sandirect_hook_table {
                 fn epoll_pwait(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: ::libc::c_int, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
             Accelerate libc generated "as epoll_wait, in millisecond epoll_pwait slices while SAN sockets exist (ENOSYS where glibc < 2.35 lacks it)"
                 fn epoll_pwait2(epfd: ::libc::c_int, events: *mut ::libc::epoll_event, maxevents: ::libc::c_int, timeout: *const ::libc::timespec, sigmask: *const ::libc::sigset_t) -> ::libc::c_int;
+            // ---- signal dispositions --------------------------------------------------------------
+            Chain libc generated "SIGSEGV and SIGBUS, once a connection switched to the SAN: the setting is recorded and reported back exactly as the kernel would report it, and runs behind the library's fault handler (which turns a fault in its own copy of a bad buffer into EFAULT); other signals, and these before, are the C library's call"
+                fn sigaction(signum: ::libc::c_int, act: *const ::libc::sigaction, oldact: *mut ::libc::sigaction) -> ::libc::c_int;
+            Chain glibc generated "as sigaction (glibc's other name for it)"
+                fn __sigaction(signum: ::libc::c_int, act: *const ::libc::sigaction, oldact: *mut ::libc::sigaction) -> ::libc::c_int;
+            Chain libc generated "as sigaction for SIGSEGV and SIGBUS, with the flags and mask glibc's signal sets (glibc calls its internal sigaction, which no preload sees)"
+                fn signal(signum: ::libc::c_int, handler: ::libc::sighandler_t) -> ::libc::sighandler_t;
+            Chain glibc generated "as signal"
+                fn bsd_signal(signum: ::libc::c_int, handler: ::libc::sighandler_t) -> ::libc::sighandler_t;
+            Chain glibc generated "as signal (glibc's ssignal is signal)"
+                fn ssignal(signum: ::libc::c_int, handler: ::libc::sighandler_t) -> ::libc::sighandler_t;
+            Chain glibc generated "as signal, with System V's one-shot flags"
+                fn sysv_signal(signum: ::libc::c_int, handler: ::libc::sighandler_t) -> ::libc::sighandler_t;
+            Chain glibc generated "as sysv_signal"
+                fn __sysv_signal(signum: ::libc::c_int, handler: ::libc::sighandler_t) -> ::libc::sighandler_t;
+            Chain glibc generated "as signal, with System V's SIG_HOLD and unblocking"
+                fn sigset(signum: ::libc::c_int, disposition: ::libc::sighandler_t) -> ::libc::sighandler_t;
+            Chain glibc generated "as sigaction with SIG_IGN"
+                fn sigignore(signum: ::libc::c_int) -> ::libc::c_int;
+            Chain glibc generated "as sigaction, changing SA_RESTART (and what a later signal sets)"
+                fn siginterrupt(signum: ::libc::c_int, interrupt: ::libc::c_int) -> ::libc::c_int;
             // ---- processes ------------------------------------------------------------------------
             Accelerate libc generated "SAN connections are first downgraded to kernel TCP, exactly (a session cannot be shared); unread SAN bytes go to a stash both processes share"
                 fn fork() -> ::libc::pid_t;

@@ -17,6 +17,10 @@ pub enum Disposition {
     FallBack,
     /// Fails with an errno (reserved: no symbol has it today).
     Unsupported,
+    /// The C library's call, except for the signals the library handles itself once a
+    /// connection switched (SIGSEGV, SIGBUS): the application's setting is recorded and
+    /// reported back as set, and runs behind the library's own handler.
+    Chain,
 }
 
 impl Disposition {
@@ -27,6 +31,7 @@ impl Disposition {
             Self::PassThrough => "pass through",
             Self::FallBack => "fall back",
             Self::Unsupported => "unsupported (errno)",
+            Self::Chain => "chain",
         }
     }
 }
@@ -199,13 +204,23 @@ mod tests {
             "__ppoll_chk",
             "syscall",
             "fdopen",
+            "sigaction",
+            "__sigaction",
+            "signal",
+            "bsd_signal",
+            "ssignal",
+            "sysv_signal",
+            "__sysv_signal",
+            "sigset",
+            "sigignore",
+            "siginterrupt",
         ] {
             assert!(
                 names.contains(&required),
                 "{required} missing from the hook table"
             );
         }
-        assert_eq!(names.len(), 63);
+        assert_eq!(names.len(), 73);
     }
 
     #[test]

@@ -16,11 +16,14 @@
 //! * [`config`] — the rules file; [`inventory`] — the symbol inventory; [`stats`] — reading
 //!   other processes' published connections (for `sandirect stat`);
 //! * [`guard`] — the reentrancy guard and the guarded bookkeeping region; [`errno`] — errno
-//!   access.
+//!   access;
+//! * [`fault`] — copies of the application's buffers that answer `EFAULT` instead of crashing,
+//!   and the SIGSEGV/SIGBUS handler behind them.
 
 pub mod config;
 pub mod discovery;
 pub mod errno;
+pub mod fault;
 pub mod fdtable;
 pub mod guard;
 #[macro_use]

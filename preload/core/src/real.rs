@@ -143,6 +143,10 @@ impl HookReturn for isize {
 impl HookReturn for i64 {
     const FAILED: Self = -1;
 }
+/// `signal` and its relatives: `SIG_ERR`.
+impl HookReturn for usize {
+    const FAILED: Self = libc::SIG_ERR;
+}
 /// `popen`: a null stream.
 impl HookReturn for *mut libc::FILE {
     const FAILED: Self = core::ptr::null_mut();

@@ -100,6 +100,94 @@ impl MemRange {
     }
 }
 
+/// Part of the application's memory could not be read or written: the address is bad, as
+/// the kernel's `EFAULT` says of a buffer the process may not access. Whatever the copy
+/// wrote before it stopped is unspecified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BadAddress;
+
+/// Bytes an application call handed over (the buffers of a `send`): the switch and the
+/// providers copy them out through [`AppSource::copy_to`] only, so that a buffer the process
+/// may not read is an error (`EFAULT`) instead of a crash. A plain slice is a source that
+/// never fails.
+pub trait AppSource {
+    /// How many bytes the source holds.
+    fn len(&self) -> usize;
+
+    /// True when the source holds no byte.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies the `dst.len()` bytes at `offset` (`offset + dst.len() <= len()`) into `dst`.
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress>;
+}
+
+/// Memory an application call handed over to be filled (the buffers of a `recv`), written
+/// through [`AppSink::copy_from`] only: a buffer the process may not write is an error
+/// (`EFAULT`) instead of a crash. A plain slice is a sink that never fails.
+pub trait AppSink {
+    /// How many bytes the sink takes.
+    fn len(&self) -> usize;
+
+    /// True when the sink takes no byte.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `src` into the sink at `offset` (`offset + src.len() <= len()`).
+    fn copy_from(&mut self, offset: usize, src: &[u8]) -> Result<(), BadAddress>;
+}
+
+/// The bytes `[start, start + len)` of a source, as a source of their own.
+#[derive(Clone, Copy, Debug)]
+pub struct SourcePart<'a, S: ?Sized> {
+    source: &'a S,
+    start: usize,
+    len: usize,
+}
+
+impl<'a, S: AppSource + ?Sized> SourcePart<'a, S> {
+    /// The part of `source` from `start`, `len` bytes (cut to what `source` holds).
+    pub fn new(source: &'a S, start: usize, len: usize) -> Self {
+        let start = start.min(source.len());
+        let len = len.min(source.len() - start);
+        SourcePart { source, start, len }
+    }
+}
+
+impl<S: AppSource + ?Sized> AppSource for SourcePart<'_, S> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+        self.source.copy_to(self.start + offset, dst)
+    }
+}
+
+impl AppSource for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+        dst.copy_from_slice(&self[offset..offset + dst.len()]);
+        Ok(())
+    }
+}
+
+impl AppSink for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn copy_from(&mut self, offset: usize, src: &[u8]) -> Result<(), BadAddress> {
+        self[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+}
+
 /// Access rights of a registration. A small bit set; combine with `|`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Access(u8);
@@ -629,6 +717,24 @@ mod tests {
         assert_eq!(reg.remote_descriptor(MemRange::new(0x1ff0, 0x20)), None);
         reg.rkey = None;
         assert_eq!(reg.remote_descriptor(inner), None);
+    }
+
+    #[test]
+    fn slices_are_sources_and_sinks_at_any_offset() {
+        let source: &[u8] = b"abcdef";
+        let mut part = [0u8; 3];
+        assert_eq!(source.copy_to(2, &mut part), Ok(()));
+        assert_eq!(&part, b"cde");
+        let mut sink = [0u8; 6];
+        assert_eq!(AppSink::copy_from(&mut sink[..], 4, b"xy"), Ok(()));
+        assert_eq!(&sink, b"\0\0\0\0xy");
+        assert_eq!(AppSource::len(source), 6);
+        let part = SourcePart::new(source, 1, 3);
+        let mut three = [0u8; 2];
+        assert_eq!(part.copy_to(1, &mut three), Ok(()));
+        assert_eq!(&three, b"cd");
+        assert_eq!(SourcePart::new(source, 4, 10).len(), 2, "cut to the source");
+        assert!(<[u8] as AppSink>::is_empty(&[]));
     }
 
     #[test]

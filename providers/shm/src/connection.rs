@@ -45,8 +45,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use san_api::{
-    Access, Capabilities, Completion, CompletionError, CompletionKind, LocalSegment, MemRange,
-    PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, WrId,
+    Access, AppSource, BadAddress, Capabilities, Completion, CompletionError, CompletionKind,
+    LocalSegment, MemRange, PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, WrId,
 };
 
 use crate::domain::{self, DomainShared, ShmDomain};
@@ -507,21 +507,31 @@ impl ShmConnection {
 
     /// Writes `bytes`, stream bytes from `offset` on, into our journal (at most
     /// [`ShmConnection::journal_size`] bytes). The first write allocates the journal's pages;
-    /// a full file system fails it with [`JournalUnavailable`] (and nothing is written).
-    pub fn journal_write(&mut self, offset: u64, bytes: &[u8]) -> Result<(), JournalUnavailable> {
+    /// a full file system fails it with [`JournalUnavailable`] (and nothing is written), and
+    /// so does a source that cannot be read (what was written then is not to be trusted).
+    pub fn journal_write<S: AppSource + ?Sized>(
+        &mut self,
+        offset: u64,
+        bytes: &S,
+    ) -> Result<(), JournalUnavailable> {
         let size = self.journal_size();
-        if bytes.len() > size {
+        let len = bytes.len();
+        if len > size {
             return Err(JournalUnavailable);
         }
         let me = self.me.index();
         // NOTE(cast): the remainder is below `size`, a u32.
         let pos = (offset % size as u64) as usize;
-        let first = bytes.len().min(size - pos);
+        let first = len.min(size - pos);
         self.journal_allocate(pos, first)?;
-        self.journal_allocate(0, bytes.len() - first)?;
+        self.journal_allocate(0, len - first)?;
         let map = self.segment.map();
-        map.copy_in(self.geometry.journal(me, pos), &bytes[..first]);
-        map.copy_in(self.geometry.journal(me, 0), &bytes[first..]);
+        // Bytes the application's buffer no longer gives (changed under a call in flight)
+        // leave a journal that cannot be trusted: as unavailable as a full file system.
+        map.copy_in_from(self.geometry.journal(me, pos), bytes, 0, first)
+            .map_err(|BadAddress| JournalUnavailable)?;
+        map.copy_in_from(self.geometry.journal(me, 0), bytes, first, len - first)
+            .map_err(|BadAddress| JournalUnavailable)?;
         Ok(())
     }
 
@@ -1989,7 +1999,7 @@ mod tests {
         let size = p.creator.journal_size() as u64;
         // Stream bytes [size - 100, size + 400): the journal wraps around.
         let rest: Vec<u8> = (0..500u32).map(|i| (i * 7) as u8).collect();
-        p.creator.journal_write(size - 100, &rest).unwrap();
+        p.creator.journal_write(size - 100, &rest[..]).unwrap();
         p.creator.journal_publish(size + 400);
         p.creator.publish_consumed(42);
         p.creator.close();

@@ -18,6 +18,7 @@
 use core::ffi::CStr;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicU64};
+use san_api::{AppSource, BadAddress};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -135,6 +136,27 @@ impl Mapping {
         unsafe {
             core::ptr::copy_nonoverlapping(src.as_ptr(), self.base.as_ptr().add(offset), src.len())
         }
+    }
+
+    /// Copies `len` bytes of `source` from `start` on into the segment at `offset`, for the
+    /// part of the segment only this process writes while it lives (its outbound journal,
+    /// which the peer reads only after we closed or died). The source may be the
+    /// application's memory, whose copy can fail: what landed is then unspecified.
+    pub(crate) fn copy_in_from<S: AppSource + ?Sized>(
+        &self,
+        offset: usize,
+        source: &S,
+        start: usize,
+        len: usize,
+    ) -> Result<(), BadAddress> {
+        self.check(offset, len, 1);
+        // SAFETY: in bounds (checked); `u8` accepts every bit pattern. No other view of this
+        // part of the segment exists in this process while the slice lives (the caller
+        // writes its own journal through `&mut` of its connection, and only the peer reads
+        // it, after we are gone), so the exclusive view holds for the copy.
+        let target =
+            unsafe { core::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) };
+        source.copy_to(start, target)
     }
 
     /// A read-only view of `len` bytes at `offset`.

@@ -51,6 +51,7 @@
 
 pub mod credits;
 mod driver;
+mod tx_ring;
 
 pub use credits::{Credits, MessageClass, CREDIT_RESERVE};
 pub use driver::{drive, Progress, Pump};
@@ -62,9 +63,11 @@ use crate::wire::{ctrl, PROTOCOL_VERSION};
 use alloc::collections::VecDeque;
 use alloc::vec::Vec;
 use san_api::{
-    Access, Capabilities, Completion, CompletionError, CompletionKind, LocalSegment, MemRange,
-    PostError, RecvSlot, Registration, RemoteDescriptor, SlotConfig, WrId,
+    Access, AppSink, AppSource, BadAddress, Capabilities, Completion, CompletionError,
+    CompletionKind, LocalSegment, MemRange, PostError, RecvSlot, Registration, RemoteDescriptor,
+    SlotConfig, WrId,
 };
+use tx_ring::TxRing;
 
 /// Smallest slot the protocol works with: a header, the largest body and some payload.
 pub const MIN_SLOT_SIZE: u32 = 64;
@@ -486,7 +489,7 @@ pub struct Session {
     rdma_in_flight: Vec<WrId>,
 
     // Send side.
-    tx_buffer: VecDeque<u8>,
+    tx_buffer: TxRing,
     /// Stream offsets (absolute, counted from the first byte ever queued) one past each
     /// urgent byte still in `tx_buffer`.
     tx_urgent_ends: VecDeque<u64>,
@@ -564,7 +567,7 @@ impl Session {
             controls: VecDeque::new(),
             release_on_completion: Vec::new(),
             rdma_in_flight: Vec::new(),
-            tx_buffer: VecDeque::new(),
+            tx_buffer: TxRing::new(),
             tx_urgent_ends: VecDeque::new(),
             tx_queued_total: 0,
             tx_sent_total: 0,
@@ -1677,17 +1680,30 @@ impl Session {
     /// Returns the count accepted (short counts happen, like a non-blocking TCP send);
     /// `Ok(0)` only for an empty `data` (no message is sent, as on Linux).
     pub fn send(&mut self, data: &[u8], flags: SendFlags) -> Result<usize, SendError> {
+        self.send_from(data, flags)
+    }
+
+    /// [`Session::send`] of the application's bytes in `source`, copied straight into the
+    /// send buffer: a copy that fails (a buffer the process may not read) queues nothing and
+    /// answers [`SendError::BadAddress`].
+    pub fn send_from<S: AppSource + ?Sized>(
+        &mut self,
+        source: &S,
+        flags: SendFlags,
+    ) -> Result<usize, SendError> {
         self.settle_downgrade();
         self.check_send()?;
-        if data.is_empty() {
+        if source.is_empty() {
             return Ok(0);
         }
         let space = self.send_space();
         if space == 0 {
             return Err(SendError::WouldBlock);
         }
-        let n = data.len().min(space);
-        self.tx_buffer.extend(&data[..n]);
+        let n = source.len().min(space);
+        self.tx_buffer
+            .push_from(source, n)
+            .map_err(|BadAddress| SendError::BadAddress)?;
         self.tx_queued_total += n as u64;
         if flags.urgent {
             self.tx_urgent_ends.push_back(self.tx_queued_total);
@@ -1788,6 +1804,18 @@ impl Session {
     /// urgent byte unless it is the first byte. When the next bytes are a rendezvous
     /// segment, returns [`RecvError::RemoteSegment`] (use [`Session::post_recv`]).
     pub fn recv(&mut self, buf: &mut [u8], flags: RecvFlags) -> Result<usize, RecvError> {
+        self.recv_into(buf, flags)
+    }
+
+    /// [`Session::recv`] into the application's memory `buf`. A segment whose bytes cannot
+    /// all be written there (a buffer the process may not write) stays unread, as the kernel
+    /// leaves a segment it could not copy: the call returns what the segments before it
+    /// gave, or [`RecvError::BadAddress`] when there were none.
+    pub fn recv_into<D: AppSink + ?Sized>(
+        &mut self,
+        buf: &mut D,
+        flags: RecvFlags,
+    ) -> Result<usize, RecvError> {
         self.settle_downgrade();
         self.check_recv(flags)?;
         if buf.is_empty() {
@@ -1822,7 +1850,12 @@ impl Session {
                 }
             }
             let n = (end - seg.read).min(buf.len() - copied);
-            copy_from_ring(&self.rx_bytes, offset, &mut buf[copied..copied + n]);
+            if copy_from_ring(&self.rx_bytes, offset, buf, copied, n).is_err() {
+                if copied > 0 {
+                    return Ok(copied);
+                }
+                return Err(RecvError::BadAddress);
+            }
             copied += n;
             if flags.peek {
                 // Peek walks the queue without changing it.
@@ -2225,8 +2258,7 @@ impl Session {
             // instead of rotating the whole buffer (megabytes) for every message.
             let mut n = self
                 .tx_buffer
-                .as_slices()
-                .0
+                .front()
                 .len()
                 .min(max.saturating_sub(ctrl::HEADER_LEN));
             // A message ends at an urgent byte, so the URG flag marks its last byte.
@@ -2242,7 +2274,7 @@ impl Session {
                 return None;
             }
             let credits = self.credits_to_return();
-            let data = self.tx_buffer.as_slices().0;
+            let data = self.tx_buffer.front();
             let repr = ctrl::Repr {
                 credits,
                 message: ctrl::Message::Data { urgent },
@@ -2251,7 +2283,7 @@ impl Session {
             let message_len = repr.emit(buf).ok()?;
             self.note_returned(credits);
             let payload_len = n;
-            self.tx_buffer.drain(..payload_len);
+            self.tx_buffer.consume(payload_len);
             self.tx_sent_total += payload_len as u64;
             if urgent {
                 self.tx_urgent_ends.pop_front();
@@ -2341,25 +2373,32 @@ fn message_class(kind: ctrl::MessageType) -> MessageClass {
     }
 }
 
-/// Copies `dst.len()` bytes of `ring` starting at `start` into `dst`. The caller's
+/// Copies `len` bytes of `ring` starting at `start` into `dst` at offset `at`. The caller's
 /// invariant (segment lengths sum to the ring's length) keeps the range inside the ring; a
 /// range outside copies what exists rather than panicking.
-fn copy_from_ring(ring: &VecDeque<u8>, mut start: usize, mut dst: &mut [u8]) {
+fn copy_from_ring<D: AppSink + ?Sized>(
+    ring: &VecDeque<u8>,
+    mut start: usize,
+    dst: &mut D,
+    mut at: usize,
+    mut len: usize,
+) -> Result<(), BadAddress> {
     let (front, back) = ring.as_slices();
     for part in [front, back] {
-        if dst.is_empty() {
+        if len == 0 {
             break;
         }
         if start >= part.len() {
             start -= part.len();
             continue;
         }
-        let n = (part.len() - start).min(dst.len());
-        let (head, tail) = dst.split_at_mut(n);
-        head.copy_from_slice(&part[start..start + n]);
-        dst = tail;
+        let n = (part.len() - start).min(len);
+        dst.copy_from(at, &part[start..start + n])?;
+        at += n;
+        len -= n;
         start = 0;
     }
+    Ok(())
 }
 
 fn op_has_wr(op: &Op, wr: WrId) -> bool {

@@ -7,6 +7,7 @@ use libc::{size_t, ssize_t};
 
 use super::outcome::{Outcome, Why};
 use crate::errno::Errno;
+use crate::fault;
 use crate::fdtable::{table, FdEntry};
 use crate::guard::{self, ReentrancyGuard};
 use crate::record::Counter;
@@ -98,27 +99,29 @@ pub(super) fn one_buf(ptr: *const c_void, len: size_t) -> [RawBuf; 1] {
     }]
 }
 
-/// The caller's iovec array as buffers (an invalid count gives `EINVAL` from the SAN path
-/// exactly where the kernel would).
+/// The caller's iovec array as buffers, checked in the kernel's order: a count out of range
+/// is `EINVAL`, an array the process may not read (null included) `EFAULT`.
 ///
 /// # Safety
-/// `iov` must point to `count` iovecs when `count` is positive.
-pub(super) unsafe fn iov_bufs(iov: *const libc::iovec, count: c_int) -> Option<Vec<RawBuf>> {
-    if !(0..=libc::UIO_MAXIOV).contains(&count) || (count > 0 && iov.is_null()) {
-        return None;
+/// `iov` is the caller's, as for the C function (it may be a bad address).
+pub(super) unsafe fn iov_bufs(iov: *const libc::iovec, count: c_int) -> Result<Vec<RawBuf>, Errno> {
+    if !(0..=libc::UIO_MAXIOV).contains(&count) {
+        return Err(Errno(libc::EINVAL));
     }
-    if count == 0 {
-        return Some(Vec::new());
+    let count = count as usize;
+    let mut bufs: Vec<RawBuf> = Vec::with_capacity(count);
+    // SAFETY: `RawBuf` has the layout of `iovec` (checked where it is defined) and `bufs` has
+    // room for `count` of them; the source is the caller's array, which the guarded copy may
+    // find unreadable.
+    unsafe {
+        fault::copy(
+            bufs.as_mut_ptr().cast(),
+            iov.cast(),
+            count * core::mem::size_of::<libc::iovec>(),
+        )
     }
-    // SAFETY: the caller's vector of `count` entries.
-    let vector = unsafe { core::slice::from_raw_parts(iov, count as usize) };
-    Some(
-        vector
-            .iter()
-            .map(|v| RawBuf {
-                ptr: v.iov_base.cast(),
-                len: v.iov_len,
-            })
-            .collect(),
-    )
+    .map_err(|_| Errno(libc::EFAULT))?;
+    // SAFETY: all `count` entries were just written, and any bits are a valid `RawBuf`.
+    unsafe { bufs.set_len(count) };
+    Ok(bufs)
 }

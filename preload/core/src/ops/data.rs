@@ -13,42 +13,66 @@ use crate::guard::{self, bookkeeping};
 use crate::record::Counter;
 use crate::san::RawBuf;
 use crate::track::{count_bytes, decode_sockaddr, on_connect_started, tracked};
-use crate::{errno, real};
+use crate::{errno, fault, real};
 
-/// [`san_send`] of a caller's iovec array (`None`: an invalid one, `EINVAL`).
+/// [`san_send`] of a caller's iovec array (or the errno reading it gave).
 fn san_send_iov(
     fd: c_int,
     index: u32,
-    bufs: Option<Vec<RawBuf>>,
+    bufs: Result<Vec<RawBuf>, Errno>,
     send_flags: c_int,
 ) -> Outcome<ssize_t> {
     match bufs {
-        Some(bufs) => san_send(fd, index, &bufs, send_flags),
-        None => Outcome::Failed(Errno(libc::EINVAL)),
+        Ok(bufs) => san_send(fd, index, &bufs, send_flags),
+        Err(errno) => Outcome::Failed(errno),
     }
 }
 
-/// [`san_recv`] into a caller's iovec array (`None`: an invalid one, `EINVAL`).
+/// [`san_recv`] into a caller's iovec array (or the errno reading it gave).
 fn san_recv_iov(
     fd: c_int,
     index: u32,
-    bufs: Option<Vec<RawBuf>>,
+    bufs: Result<Vec<RawBuf>, Errno>,
     recv_flags: c_int,
 ) -> Outcome<ssize_t> {
     match bufs {
-        Some(bufs) => san_recv(fd, index, &bufs, recv_flags),
-        None => Outcome::Failed(Errno(libc::EINVAL)),
+        Ok(bufs) => san_recv(fd, index, &bufs, recv_flags),
+        Err(errno) => Outcome::Failed(errno),
     }
 }
 
-/// A connected TCP socket reports no source address: `*addrlen = 0`, as the kernel does.
+/// The caller's message header, or `EFAULT` when the process may not read it.
 ///
 /// # Safety
-/// `addrlen` must be null or writable.
-unsafe fn clear_addrlen(addrlen: *mut socklen_t) {
-    if !addrlen.is_null() {
-        // SAFETY: writable per the contract.
-        unsafe { addrlen.write_unaligned(0) };
+/// `msg` is the caller's pointer (it may be a bad address).
+unsafe fn message_header(msg: *const libc::msghdr) -> Result<libc::msghdr, Errno> {
+    // SAFETY: `msghdr` is plain C data; the read is guarded.
+    unsafe { fault::read_app(msg) }.ok_or(Errno(libc::EFAULT))
+}
+
+/// A field of the caller's struct at `base` (which may be a bad address: nothing is read).
+fn field<T, F>(base: *mut T, offset: usize) -> *mut F {
+    base.cast::<u8>().wrapping_add(offset).cast()
+}
+
+/// After a receive on a connected TCP socket with `addr` given, the kernel reports no
+/// source address: `*addrlen = 0` (untouched without `addr`). An `addrlen` the process may
+/// not write turns the receive into `EFAULT`, its bytes consumed, as the kernel does.
+///
+/// # Safety
+/// `addr` and `addrlen` are the caller's pointers (they may be bad addresses).
+unsafe fn report_no_address(
+    result: Outcome<ssize_t>,
+    addr: *mut sockaddr,
+    addrlen: *mut socklen_t,
+) -> Outcome<ssize_t> {
+    if !matches!(result, Outcome::Done(_)) || addr.is_null() {
+        return result;
+    }
+    // SAFETY: the caller's length, handed over to be written.
+    match unsafe { fault::write_app(addrlen, 0) } {
+        Ok(()) => result,
+        Err(_) => Outcome::Failed(Errno(libc::EFAULT)),
     }
 }
 
@@ -106,25 +130,24 @@ data_ops! {
     recv(fd, buf: *mut c_void, len: size_t, recv_flags: c_int) => TcpReceived,
         |index| san_recv(fd, index, &one_buf(buf, len), recv_flags);
     recvfrom(fd, buf: *mut c_void, len: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
-        |index| {
-            let _ = addr;
-            let result = san_recv(fd, index, &one_buf(buf, len), recv_flags);
-            if let Outcome::Done(_) = result {
-                clear_addrlen(addrlen);
-            }
-            result
-        };
+        |index| report_no_address(san_recv(fd, index, &one_buf(buf, len), recv_flags), addr, addrlen);
     recvmsg(fd, msg: *mut libc::msghdr, recv_flags: c_int) => TcpReceived,
-        |index| if msg.is_null() {
-            Outcome::Failed(Errno(libc::EFAULT))
-        } else {
-            let result = san_recv_iov(fd, index, iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int), recv_flags);
-            if let Outcome::Done(_) = result {
-                (*msg).msg_namelen = 0;
-                (*msg).msg_controllen = 0;
-                (*msg).msg_flags = 0;
+        |index| match message_header(msg) {
+            Err(errno) => Outcome::Failed(errno),
+            Ok(header) => {
+                let result = san_recv_iov(fd, index, iov_bufs(header.msg_iov, header.msg_iovlen as c_int), recv_flags);
+                if let Outcome::Done(_) = result {
+                    // No address, no control data, no flags; the header was readable, and a
+                    // write that fails now (it changed under the call) is the kernel's EFAULT.
+                    let written = fault::write_app(field::<_, socklen_t>(msg, core::mem::offset_of!(libc::msghdr, msg_namelen)), 0)
+                        .and_then(|()| fault::write_app(field::<_, usize>(msg, core::mem::offset_of!(libc::msghdr, msg_controllen)), 0))
+                        .and_then(|()| fault::write_app(field::<_, c_int>(msg, core::mem::offset_of!(libc::msghdr, msg_flags)), 0));
+                    if written.is_err() {
+                        return Outcome::Failed(Errno(libc::EFAULT));
+                    }
+                }
+                result
             }
-            result
         };
     __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived,
         // An overflowing request goes to the real function, which aborts as it must.
@@ -133,12 +156,7 @@ data_ops! {
         |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, len), recv_flags) };
     __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,
         |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else {
-            let _ = addr;
-            let result = san_recv(fd, index, &one_buf(buf, len), recv_flags);
-            if let Outcome::Done(_) = result {
-                clear_addrlen(addrlen);
-            }
-            result
+            report_no_address(san_recv(fd, index, &one_buf(buf, len), recv_flags), addr, addrlen)
         };
 }
 
@@ -156,15 +174,14 @@ pub unsafe fn sendmsg(fd: c_int, msg: *const libc::msghdr, send_flags: c_int) ->
         Counter::TcpSent,
         // SAFETY: the caller's message, valid as for the C function.
         |index| unsafe {
-            if msg.is_null() {
-                Outcome::Failed(Errno(libc::EFAULT))
-            } else {
-                san_send_iov(
+            match message_header(msg) {
+                Err(errno) => Outcome::Failed(errno),
+                Ok(header) => san_send_iov(
                     fd,
                     index,
-                    iov_bufs((*msg).msg_iov, (*msg).msg_iovlen as c_int),
+                    iov_bufs(header.msg_iov, header.msg_iovlen as c_int),
                     send_flags,
-                )
+                ),
             }
         },
         // SAFETY: forwarded.
@@ -183,13 +200,36 @@ unsafe fn downgrade_passed(msg: *const libc::msghdr) {
     if crate::san::live_sockets() == 0 || msg.is_null() || guard::is_inside() {
         return;
     }
-    // SAFETY: a valid message.
-    let header = unsafe { &*msg };
-    if header.msg_control.is_null() || header.msg_controllen == 0 {
+    // A message or control buffer the process may not read is the kernel's to refuse
+    // (`EFAULT`): they are read here through guarded copies, and walked in our copy.
+    // SAFETY: the caller's pointer, read guardedly.
+    let Ok(mut header) = (unsafe { message_header(msg) }) else {
+        return;
+    };
+    // More than the kernel ever takes (its limit, `optmem_max`, is far below).
+    const MOST_CONTROL: usize = 1 << 20;
+    if header.msg_control.is_null()
+        || header.msg_controllen == 0
+        || header.msg_controllen > MOST_CONTROL
+    {
         return;
     }
+    let mut control = vec![0u8; header.msg_controllen];
+    // SAFETY: `control` is ours, `msg_controllen` bytes; the source is the caller's.
+    let copied = unsafe {
+        fault::copy(
+            control.as_mut_ptr(),
+            header.msg_control.cast(),
+            control.len(),
+        )
+    };
+    if copied.is_err() {
+        return;
+    }
+    header.msg_control = control.as_mut_ptr().cast();
+    let msg = &header as *const libc::msghdr;
     let mut passed: Vec<u32> = Vec::new();
-    // SAFETY: walking the caller's control buffer with the libc macros, which stay inside
+    // SAFETY: walking our copy of the control buffer with the libc macros, which stay inside
     // `msg_controllen`.
     unsafe {
         let mut cmsg = libc::CMSG_FIRSTHDR(msg);
@@ -325,9 +365,16 @@ unsafe fn san_mmsg(
 ) -> Outcome<ssize_t> {
     let mut done = 0;
     for position in 0..vlen.min(libc::UIO_MAXIOV as c_uint) as usize {
-        // SAFETY: inside the caller's vector.
-        let message = unsafe { &mut *msgvec.add(position) };
-        // SAFETY: the message's own iovec array.
+        let entry = msgvec.wrapping_add(position);
+        // SAFETY: the caller's vector, read guardedly (`mmsghdr` is plain C data).
+        let Some(message) = (unsafe { fault::read_app(entry) }) else {
+            return if done > 0 {
+                Outcome::Done(done)
+            } else {
+                Outcome::Failed(Errno(libc::EFAULT))
+            };
+        };
+        // SAFETY: the message's own iovec array (read guardedly).
         let bufs =
             unsafe { iov_bufs(message.msg_hdr.msg_iov, message.msg_hdr.msg_iovlen as c_int) };
         let flags = if done > 0 {
@@ -345,7 +392,16 @@ unsafe fn san_mmsg(
             Outcome::Failed(_) if done > 0 => return Outcome::Done(done),
             other => return other,
         };
-        message.msg_len = result as c_uint;
+        let length = field::<_, c_uint>(entry, core::mem::offset_of!(libc::mmsghdr, msg_len));
+        // SAFETY: the caller's vector, whose entry was just readable, written guardedly.
+        if unsafe { fault::write_app(length, result as c_uint) }.is_err() {
+            // As the kernel: the messages before this one, or EFAULT.
+            return if done > 0 {
+                Outcome::Done(done)
+            } else {
+                Outcome::Failed(Errno(libc::EFAULT))
+            };
+        }
         done += 1;
         if !sending && result == 0 {
             break;
@@ -443,7 +499,7 @@ pub unsafe fn splice(
 /// write.
 ///
 /// # Safety
-/// `off_out` must be null or valid.
+/// `off_out` is the caller's (null, or a pointer that may be a bad address: `EFAULT`).
 unsafe fn san_splice_out(
     fd_in: c_int,
     index: u32,
@@ -453,6 +509,16 @@ unsafe fn san_splice_out(
     splice_flags: c_uint,
 ) -> Outcome<ssize_t> {
     const CHUNK: usize = 64 << 10;
+    // The kernel reads the offset first.
+    let position = if off_out.is_null() {
+        None
+    } else {
+        // SAFETY: the caller's offset, read guardedly.
+        match unsafe { fault::read_app(off_out) } {
+            Some(position) => Some(position),
+            None => return Outcome::Failed(Errno(libc::EFAULT)),
+        }
+    };
     let mut chunk = vec![0u8; len.min(CHUNK)];
     let flags = if splice_flags & libc::SPLICE_F_NONBLOCK != 0 {
         libc::MSG_PEEK | libc::MSG_DONTWAIT
@@ -469,41 +535,42 @@ unsafe fn san_splice_out(
         Outcome::Done(peeked) => peeked,
         other => return other,
     };
-    let written = if off_out.is_null() {
+    let mut offset_written = Ok(());
+    let written = match position {
         // SAFETY: `chunk` holds `peeked` bytes.
-        unsafe { libc::write(fd_out, chunk.as_ptr().cast(), peeked as usize) }
-    } else {
-        // SAFETY: as above; `off_out` valid per the contract.
-        let n = unsafe {
-            libc::pwrite64(
-                fd_out,
-                chunk.as_ptr().cast(),
-                peeked as usize,
-                off_out.read_unaligned(),
-            )
-        };
-        if n > 0 {
-            // SAFETY: valid per the contract.
-            unsafe { off_out.write_unaligned(off_out.read_unaligned() + n as i64) };
+        None => unsafe { libc::write(fd_out, chunk.as_ptr().cast(), peeked as usize) },
+        Some(position) => {
+            // SAFETY: as above.
+            let n =
+                unsafe { libc::pwrite64(fd_out, chunk.as_ptr().cast(), peeked as usize, position) };
+            if n > 0 {
+                // SAFETY: the caller's offset, written guardedly.
+                offset_written = unsafe { fault::write_app(off_out, position + n as i64) };
+            }
+            n
         }
-        n
     };
     if written <= 0 {
         return Outcome::from_kernel(written);
     }
     chunk.truncate(written as usize);
-    san_recv(
+    let moved = san_recv(
         fd_in,
         index,
         &one_buf(chunk.as_mut_ptr().cast(), chunk.len()),
         0,
-    )
+    );
+    // As the kernel: the bytes moved, then the offset could not be written back.
+    match offset_written {
+        Ok(()) => moved,
+        Err(_) => Outcome::Failed(Errno(libc::EFAULT)),
+    }
 }
 
 /// `splice` from a pipe (or file) into a SAN socket: one chunk read, then sent in full.
 ///
 /// # Safety
-/// `off_in` must be null or valid.
+/// `off_in` is the caller's (null, or a pointer that may be a bad address: `EFAULT`).
 unsafe fn san_splice_in(
     fd_in: c_int,
     off_in: *mut libc::loff_t,
@@ -520,7 +587,8 @@ unsafe fn san_splice_in(
 /// then advances by what was sent) and sent through the session. Short counts are allowed.
 ///
 /// # Safety
-/// `offset` must be null or point to a valid offset.
+/// `offset` is the caller's (null, or a pointer that may be a bad address: `EFAULT`, as the
+/// kernel reads it first and writes it back last).
 unsafe fn san_sendfile(
     out_fd: c_int,
     index: u32,
@@ -529,6 +597,15 @@ unsafe fn san_sendfile(
     count: size_t,
 ) -> Outcome<ssize_t> {
     const CHUNK: usize = 64 << 10;
+    let mut position = if offset.is_null() {
+        None
+    } else {
+        // SAFETY: the caller's offset, read guardedly.
+        match unsafe { fault::read_app(offset) } {
+            Some(position) => Some(position),
+            None => return Outcome::Failed(Errno(libc::EFAULT)),
+        }
+    };
     let mut chunk = vec![0u8; count.min(CHUNK)];
     // As the kernel's: as much as the socket takes, up to `count`. A short count must mean
     // "no room now" (an edge-triggered caller then waits for EPOLLOUT, as nginx does), so
@@ -536,19 +613,11 @@ unsafe fn san_sendfile(
     let mut total: usize = 0;
     while total < count {
         let want = (count - total).min(chunk.len());
-        let read = if offset.is_null() {
+        let read = match position {
             // SAFETY: `chunk` is writable for `want <= len` bytes.
-            unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), want) }
-        } else {
-            // SAFETY: as above; `offset` is valid per the contract.
-            unsafe {
-                libc::pread64(
-                    in_fd,
-                    chunk.as_mut_ptr().cast(),
-                    want,
-                    offset.read_unaligned(),
-                )
-            }
+            None => unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), want) },
+            // SAFETY: as above.
+            Some(at) => unsafe { libc::pread64(in_fd, chunk.as_mut_ptr().cast(), want, at) },
         };
         if read <= 0 {
             return if total > 0 {
@@ -581,15 +650,21 @@ unsafe fn san_sendfile(
                 };
             }
         };
-        if offset.is_null() {
-            // Give back what was read but not sent, so the file position matches.
-            if sent < read {
-                // SAFETY: plain lseek on the caller's fd.
-                unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+        match position.as_mut() {
+            None => {
+                // Give back what was read but not sent, so the file position matches.
+                if sent < read {
+                    // SAFETY: plain lseek on the caller's fd.
+                    unsafe { libc::lseek64(in_fd, sent as i64 - read as i64, libc::SEEK_CUR) };
+                }
             }
-        } else {
-            // SAFETY: valid per the contract.
-            unsafe { offset.write_unaligned(offset.read_unaligned() + sent as i64) };
+            Some(at) => {
+                *at += sent as i64;
+                // SAFETY: the caller's offset (readable at the start), written guardedly.
+                if unsafe { fault::write_app(offset, *at) }.is_err() {
+                    return Outcome::Failed(Errno(libc::EFAULT));
+                }
+            }
         }
         total += sent as usize;
         if sent < read {

@@ -196,8 +196,12 @@ pub unsafe fn ioctl(fd: c_int, request: c_ulong, arg: usize) -> c_int {
         if let Some(index) = crate::san::san_index(entry) {
             let _guard = ReentrancyGuard::enter();
             if let Some(bytes) = crate::san::readable_bytes(fd, index) {
-                // SAFETY: FIONREAD takes an int pointer (the caller's, as for the C function).
-                unsafe { (arg as *mut c_int).write_unaligned(bytes) };
+                // SAFETY: FIONREAD takes an int pointer (the caller's, written guardedly: one
+                // the process may not write is the kernel's EFAULT).
+                if unsafe { crate::fault::write_app(arg as *mut c_int, bytes) }.is_err() {
+                    crate::errno::set(libc::EFAULT);
+                    return -1;
+                }
                 return 0;
             }
         }

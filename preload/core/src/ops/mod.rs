@@ -35,6 +35,7 @@ pub mod fd;
 mod outcome;
 pub mod process;
 pub mod readiness;
+pub mod signals;
 pub mod socket;
 #[cfg(test)]
 mod tests;
@@ -44,4 +45,5 @@ pub use data::*;
 pub use fd::*;
 pub use process::*;
 pub use readiness::*;
+pub use signals::*;
 pub use socket::*;

@@ -469,6 +469,9 @@ unsafe fn exec_with(
     envp: Option<*const *const libc::c_char>,
     exec: impl FnOnce(Option<*const *const libc::c_char>) -> c_int,
 ) -> c_int {
+    // The new image starts with the fault signals the application ignores still ignored (our
+    // handler, as any handler, would become the default); put back if the exec fails.
+    let _dispositions = crate::fault::ExecDispositions::prepare();
     let Some(ours) = prepare_exec() else {
         return exec(None);
     };
@@ -569,6 +572,7 @@ pub unsafe fn execvp(file: *const libc::c_char, argv: *const *const libc::c_char
 
 /// `pthread_atfork` child handler. Async-signal-safe: syscalls and atomics only.
 pub extern "C" fn after_fork_in_child() {
+    crate::fault::after_fork_in_child();
     crate::process::note_process_id();
     registry().after_fork_in_child();
     crate::san::after_fork_in_child();

@@ -19,9 +19,11 @@ use super::stashed::Stashed;
 use super::switchover::{assist_all_in_process, epoll_back_to_tcp, switch_if_attached};
 use super::table::{forget_name, lock, san_index, SanObject, COUNTERS, LIVE};
 use super::tunables::{FORK_BUDGET, MARKER_WAIT};
+use crate::errno::Errno;
 use crate::real;
 use crate::record::{flags, Bypass, DataPath, SocketState};
 use crate::registry::registry;
+use san_api::BadAddress;
 
 /// A descriptor of the stash memfd `memfd` (inode `inode`) for the image about to be
 /// exec'd: the number itself while it still names that memfd, else a fresh one opened
@@ -274,10 +276,10 @@ fn drain_step(item: &mut Draining, slot: &mut Option<SanObject>) -> bool {
     let mut buf = [0u8; 16 << 10];
     // Bounded: each turn takes bytes out of the session's finite queue.
     for _ in 0..4096 {
-        match socket.recv(&mut buf, false) {
+        match socket.recv(&mut buf[..], false) {
             Ok(0) => break,
             Ok(n) => item.received.extend_from_slice(&buf[..n]),
-            Err(SanError::SegmentAhead) => {
+            Err(SanError::SegmentAhead { .. }) => {
                 // The sender gets a short count and sends the rest on TCP, after its
                 // `Downgrade`.
                 if socket.reject_remote_head().is_err() {
@@ -476,7 +478,10 @@ pub(super) fn recv_stashed(
     recv_flags: c_int,
 ) -> SanCall<isize> {
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
-    let done = recv_stashed_after(fd, index, bufs, 0, recv_flags);
+    let done = match recv_stashed_after(fd, index, bufs, 0, recv_flags) {
+        Ok(done) => done,
+        Err(BadAddress) => return Some(Err(Errno(libc::EFAULT))),
+    };
     if done == 0 {
         return if total == 0 { Some(Ok(0)) } else { None };
     }
@@ -485,29 +490,34 @@ pub(super) fn recv_stashed(
 
 /// A read into `bufs` after `done` bytes the call already has: the stash (if the socket
 /// holds one), then, for `MSG_WAITALL`, TCP until the request is complete (blocking as the
-/// kernel socket does). Returns the new `done`.
+/// kernel socket does). Returns the new `done`; `Err` when the buffers could not be written
+/// and the call has no byte (the stash's bytes stay unread).
 pub(super) fn recv_stashed_after(
     fd: c_int,
     index: u32,
     bufs: &[RawBuf],
     mut done: usize,
     recv_flags: c_int,
-) -> usize {
+) -> Result<usize, BadAddress> {
     let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
     let peek = recv_flags & libc::MSG_PEEK != 0;
     let mut slot = lock(index);
     if let Some(SanObject::Stashed(stashed)) = slot.as_mut() {
-        stashed.stash.read(total - done, peek, |bytes| {
-            scatter(bufs, done, bytes);
-            done += bytes.len();
-        });
+        match stashed
+            .stash
+            .read(total - done, peek, |bytes| scatter(bufs, done, bytes))
+        {
+            Ok(n) => done += n,
+            Err(BadAddress) if done == 0 => return Err(BadAddress),
+            Err(BadAddress) => return Ok(done),
+        }
         if !peek && stashed.stash.remaining() == 0 {
             release_stash(index, &mut slot);
         }
     }
     drop(slot);
     if done == 0 {
-        return 0;
+        return Ok(0);
     }
     if recv_flags & libc::MSG_WAITALL != 0 && !peek {
         // Each kernel call is one MSG_WAITALL read; it returns short only at end of stream,
@@ -523,7 +533,7 @@ pub(super) fn recv_stashed_after(
             }
         }
     }
-    done
+    Ok(done)
 }
 
 /// The stash is empty (or its socket is gone): the socket is plain TCP.

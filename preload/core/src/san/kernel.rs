@@ -1,28 +1,152 @@
-//! The kernel side of the SAN path's calls: the application's I/O vectors, nonblocking TCP
-//! reads and writes on its socket (the pending client's counted bytes, the acceptor's
-//! pre-switch bytes, a downgraded stream's continuation), socket options and names, and file
+//! The kernel side of the SAN path's calls: the application's I/O vectors (copied only
+//! through [`AppBufs`], which answers `EFAULT` for a bad buffer), nonblocking TCP reads and
+//! writes on its socket (the pending client's counted bytes, the acceptor's pre-switch
+//! bytes, a downgraded stream's continuation), socket options and names, and file
 //! identities. Plain system calls through the real symbols; no SAN state.
 
+use core::cell::Cell;
 use core::ffi::c_int;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::errno::Errno;
+use crate::fault::{self, Fault};
 use crate::real;
 use crate::record::Counter;
 use crate::registry::registry;
+use san_api::{AppSink, AppSource, BadAddress};
 
 /// How long a graceful close may wait for queued data to leave when `SO_LINGER` is off.
 pub(super) const DEFAULT_LINGER: Duration = Duration::from_secs(2);
 
-/// One buffer of an I/O vector, as raw parts (the hooks' callers own the memory).
+/// One buffer of an I/O vector, as raw parts (the hooks' callers own the memory). It has the
+/// layout of a `struct iovec`, so the application's vector is copied into `RawBuf`s as it is.
 #[derive(Clone, Copy, Debug)]
+#[repr(C)]
 pub struct RawBuf {
     /// Start.
     pub ptr: *mut u8,
     /// Length.
     pub len: usize,
 }
+
+/// The application's buffers `bufs` from byte `start` of the vector on, `len` bytes: the
+/// source of a send or the sink of a receive. Every copy goes through [`fault::copy`], so a
+/// buffer the process may not access is `EFAULT` instead of a crash (a null pointer too, as
+/// the kernel has it); where the first fault was is kept ([`AppBufs::readable`]).
+pub(super) struct AppBufs<'a> {
+    bufs: &'a [RawBuf],
+    start: usize,
+    len: usize,
+    /// Bytes of this view before the first fault seen.
+    fault: Cell<Option<usize>>,
+}
+
+impl<'a> AppBufs<'a> {
+    /// `len` bytes of `bufs` from byte `start` on (cut to what they hold).
+    pub(super) fn new(bufs: &'a [RawBuf], start: usize, len: usize) -> AppBufs<'a> {
+        let total: usize = bufs.iter().map(|b| b.len).fold(0, usize::saturating_add);
+        let start = start.min(total);
+        AppBufs {
+            bufs,
+            start,
+            len: len.min(total - start),
+            fault: Cell::new(None),
+        }
+    }
+
+    /// Every byte of `bufs` after the first `done`.
+    pub(super) fn rest(bufs: &'a [RawBuf], done: usize) -> AppBufs<'a> {
+        AppBufs::new(bufs, done, usize::MAX)
+    }
+
+    /// After a copy failed: how many bytes of this view, from its start, the process could
+    /// access before the first fault.
+    pub(super) fn readable(&self) -> usize {
+        self.fault.get().unwrap_or(0)
+    }
+
+    /// Runs `copy(address, at, n)` for each buffer piece under `[offset, offset + n)` of this
+    /// view (`at`: the piece's place in that range); the first fault stops it.
+    fn walk(
+        &self,
+        offset: usize,
+        n: usize,
+        mut copy: impl FnMut(*mut u8, usize, usize) -> Result<(), Fault>,
+    ) -> Result<(), BadAddress> {
+        let mut skip = self.start + offset;
+        let mut at = 0;
+        for buf in self.bufs {
+            if at == n {
+                break;
+            }
+            if skip >= buf.len {
+                skip -= buf.len;
+                continue;
+            }
+            let take = (buf.len - skip).min(n - at);
+            let piece = buf.ptr.wrapping_add(skip);
+            let outcome = if buf.ptr.is_null() {
+                Err(Fault {
+                    address: piece as usize,
+                })
+            } else {
+                copy(piece, at, take)
+            };
+            if let Err(fault) = outcome {
+                // The bytes of this piece before the faulting address were accessible.
+                let before = fault
+                    .address
+                    .checked_sub(piece as usize)
+                    .filter(|&before| before < take)
+                    .unwrap_or(0);
+                let readable = offset + at + before;
+                self.fault.set(Some(
+                    self.fault.get().map_or(readable, |seen| seen.min(readable)),
+                ));
+                return Err(BadAddress);
+            }
+            at += take;
+            skip = 0;
+        }
+        Ok(())
+    }
+}
+
+impl AppSource for AppBufs<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+        let target = dst.as_mut_ptr();
+        self.walk(offset, dst.len(), |piece, at, n| {
+            // SAFETY: `dst` is our slice with `at + n` bytes; the piece is the application's
+            // buffer, handed to this send (a fault is reported, not taken).
+            unsafe { fault::copy(target.add(at), piece, n) }
+        })
+    }
+}
+
+impl AppSink for AppBufs<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn copy_from(&mut self, offset: usize, src: &[u8]) -> Result<(), BadAddress> {
+        self.walk(offset, src.len(), |piece, at, n| {
+            // SAFETY: the piece is the application's buffer, handed to this receive to be
+            // written (a fault is reported, not taken); `src` is ours with `at + n` bytes.
+            unsafe { fault::copy(piece, src.as_ptr().add(at), n) }
+        })
+    }
+}
+
+const _: () = assert!(
+    core::mem::size_of::<RawBuf>() == core::mem::size_of::<libc::iovec>()
+        && core::mem::align_of::<RawBuf>() == core::mem::align_of::<libc::iovec>()
+        && core::mem::offset_of!(RawBuf, len) == core::mem::offset_of!(libc::iovec, iov_len)
+);
 
 /// Plain C data a socket option is read into: every bit pattern (all zeroes included) is a
 /// valid value, so [`socket_option`] may start from zeroes and keep what the kernel wrote.
@@ -125,17 +249,43 @@ pub(super) fn next_piece<'a>(bufs: &[RawBuf], mut done: usize) -> &'a [u8] {
     &[]
 }
 
-/// Copies `data` into `bufs` after the first `done` bytes (as far as they reach).
-pub(super) fn scatter(bufs: &[RawBuf], done: usize, mut data: &[u8]) {
-    for buf in remaining_pieces(bufs, done) {
-        if data.is_empty() || buf.iov_base.is_null() {
-            break;
+/// How many of the application's `len` bytes at `start` the process may read (`write`: and
+/// write), before the first that it may not: each page is touched once (read, and with
+/// `write` the byte written back as it was), before a zero-copy transfer hands the range to
+/// the provider, which would meet a bad page mid-transfer. A page that changes under the
+/// call meanwhile is the application's race, as with the kernel.
+pub(super) fn accessible_prefix(start: *mut u8, len: usize, write: bool) -> usize {
+    const PAGE: usize = 4096;
+    let mut offset = 0;
+    while offset < len {
+        let at = start.wrapping_add(offset);
+        let mut byte = 0u8;
+        // SAFETY: one byte of the application's buffer into ours, and back to where it was
+        // (the receive is about to overwrite it anyway); both copies are guarded.
+        let touched = unsafe {
+            fault::copy(&mut byte, at, 1).and_then(|()| {
+                if write {
+                    fault::copy(at, &byte, 1)
+                } else {
+                    Ok(())
+                }
+            })
+        };
+        if touched.is_err() {
+            return offset;
         }
-        let n = buf.iov_len.min(data.len());
-        // SAFETY: the caller's buffer is writable for its length; `n` ≤ both lengths.
-        unsafe { core::ptr::copy_nonoverlapping(data.as_ptr(), buf.iov_base.cast::<u8>(), n) };
-        data = &data[n..];
+        // The next page's first byte.
+        offset += PAGE - (at as usize % PAGE);
     }
+    len
+}
+
+/// Copies `data` into `bufs` after the first `done` bytes (as far as they reach); `Err` when
+/// the application's buffers could not all be written.
+pub(super) fn scatter(bufs: &[RawBuf], done: usize, data: &[u8]) -> Result<(), BadAddress> {
+    let mut sink = AppBufs::rest(bufs, done);
+    let n = data.len().min(AppSink::len(&sink));
+    sink.copy_from(0, &data[..n])
 }
 
 /// Reads TCP bytes (at most `limit`) into `bufs` after `done`, nonblocking: the bytes read

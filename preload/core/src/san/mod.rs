@@ -81,12 +81,16 @@
 //! (iWARP by default, or `SANDIRECT_SAN_RDMA_READ=0`), we RDMA-WRITE it into its sink. The call returns when the
 //! session reports the send complete (a short count is legal). A refused registration (over
 //! verbs: `RLIMIT_MEMLOCK` without `CAP_IPC_LOCK`) is `ENOBUFS` with nothing sent; the bytes
-//! before and after it keep their order. Nonblocking sends always go inline.
+//! before and after it keep their order. Nonblocking sends always go inline, and so does a
+//! buffer whose pages are not all readable (each is touched first, through the guarded copy of
+//! `crate::fault`): the inline copy then answers `EFAULT` as the kernel does.
 //!
 //! The receiver registers the application's buffer when the next bytes are a rendezvous
 //! segment and receives min(buffer, remaining) bytes into it; `MSG_PEEK` reads them without
 //! consuming them; a refused registration ends the rendezvous at what was consumed (the
-//! sender gets a short count and sends the rest again, nothing is lost).
+//! sender gets a short count and sends the rest again, nothing is lost). A buffer the segment
+//! would land in that the process may not write is `EFAULT` before anything starts, the
+//! segment left unread.
 //!
 //! While a rendezvous uses the application's buffer the call cannot return: a signal or an
 //! `SO_SNDTIMEO`/`SO_RCVTIMEO` deadline during one is acted on only once it completed, and a

@@ -21,9 +21,12 @@ pub(crate) enum SanError {
     /// The SAN part of the stream is over in this direction (a downgrade, see
     /// `SanSocket::begin_downgrade`): the rest of it is on kernel TCP.
     Downgraded,
-    /// The receive found a rendezvous segment at the head of the stream: the caller receives
-    /// it zero-copy (`SanSocket::start_recv_rendezvous`).
-    SegmentAhead,
+    /// The receive found a rendezvous segment at the head of the stream, `len` bytes of it
+    /// unread: the caller receives it zero-copy (`SanSocket::start_recv_rendezvous`).
+    SegmentAhead {
+        /// Bytes of the segment still unread.
+        len: u64,
+    },
 }
 
 impl SanError {
@@ -34,7 +37,7 @@ impl SanError {
         match self {
             SanError::Errno(errno) => errno,
             SanError::Downgraded => libc::ENOTCONN,
-            SanError::SegmentAhead => libc::EAGAIN,
+            SanError::SegmentAhead { .. } => libc::EAGAIN,
         }
     }
 }
@@ -55,7 +58,7 @@ impl From<switch::error::RecvError> for SanError {
     fn from(error: switch::error::RecvError) -> SanError {
         match error {
             switch::error::RecvError::Downgraded => SanError::Downgraded,
-            switch::error::RecvError::RemoteSegment { .. } => SanError::SegmentAhead,
+            switch::error::RecvError::RemoteSegment { len } => SanError::SegmentAhead { len },
             other => SanError::Errno(other.errno()),
         }
     }
@@ -88,7 +91,7 @@ mod tests {
         assert_eq!(SanError::from(RecvError::Downgraded), SanError::Downgraded);
         assert_eq!(
             SanError::from(RecvError::RemoteSegment { len: 1 }),
-            SanError::SegmentAhead
+            SanError::SegmentAhead { len: 1 }
         );
     }
 
@@ -97,7 +100,7 @@ mod tests {
         assert_eq!(SanError::Downgraded.errno(), SendError::Downgraded.errno());
         assert_eq!(SanError::Downgraded.errno(), RecvError::Downgraded.errno());
         assert_eq!(
-            SanError::SegmentAhead.errno(),
+            SanError::SegmentAhead { len: 1 }.errno(),
             RecvError::RemoteSegment { len: 1 }.errno()
         );
         assert_eq!(SanError::Errno(libc::EPIPE).errno(), libc::EPIPE);

@@ -6,12 +6,18 @@
 //!
 //! The loop takes the socket's lock, works without blocking, and releases the lock around
 //! the one place it blocks.
+//!
+//! A buffer the process may not write answers `EFAULT` as the kernel's receive does, and the
+//! bytes stay unread: the session consumes a message's bytes only once they were all copied
+//! (the messages before it stay taken, as the kernel's segments do).
 
 use core::ffi::c_int;
 use std::time::Instant;
 
 use super::downgrade;
-use super::kernel::{fail, partial, recv_tcp, remaining_pieces, scatter, RawBuf};
+use super::kernel::{
+    accessible_prefix, fail, partial, recv_tcp, remaining_pieces, scatter, AppBufs, RawBuf,
+};
 use super::outcome::{SanCall, SanError};
 use super::socket::stream::SinkRefused;
 use super::socket::{Phase, SanSocket};
@@ -89,7 +95,7 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                 } else {
                     recv_flags
                 };
-                done = downgrade::recv_stashed_after(fd, index, bufs, done, flags);
+                done = downgrade::recv_stashed_after(fd, index, bufs, done, flags).unwrap_or(done);
             }
             return if done > 0 {
                 Some(Ok(done as isize))
@@ -273,9 +279,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     }
                     // The peer's `Downgrade` was just taken in: the next turn reads TCP.
                     Err(SanError::Downgraded) => continue,
-                    Err(SanError::SegmentAhead) => {
+                    Err(SanError::SegmentAhead { len }) => {
                         drop(slot);
-                        match recv_rendezvous(index, fd, bufs, done, peek) {
+                        match recv_rendezvous(index, fd, bufs, done, peek, len) {
                             Ok(None) => continue,
                             Ok(Some(n)) => {
                                 done += n;
@@ -298,17 +304,20 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     }
 }
 
-/// The rendezvous segment at the head of the stream, zero-copy into the caller's buffers
-/// after `done` bytes (the first remaining buffer; with `peek`, a staging buffer of the whole
-/// remaining length, scattered). `Ok(Some(n))`: `n` bytes received; `Ok(None)`: nothing
-/// yet, read on (the segment was turned down, or another thread is receiving it).
-/// Like a rendezvous send, the wait ignores signals and deadlines (the buffer is in use).
+/// The rendezvous segment at the head of the stream (`segment` bytes unread), zero-copy into
+/// the caller's buffers after `done` bytes (the first remaining buffer; with `peek`, a
+/// staging buffer of the whole remaining length, scattered). `Ok(Some(n))`: `n` bytes
+/// received; `Ok(None)`: nothing yet, read on (the segment was turned down, or another thread
+/// is receiving it). Like a rendezvous send, the wait ignores signals and deadlines (the
+/// buffer is in use). A buffer the process may not write where the segment would land is
+/// `EFAULT` before anything starts, the segment left unread, as the kernel answers.
 fn recv_rendezvous(
     index: u32,
     fd: c_int,
     bufs: &[RawBuf],
     done: usize,
     peek: bool,
+    segment: u64,
 ) -> Result<Option<usize>, c_int> {
     let mut staging = Vec::new();
     let target: &mut [u8] = if peek {
@@ -319,7 +328,8 @@ fn recv_rendezvous(
         let Some(first) = remaining_pieces(bufs, done).next() else {
             return Ok(Some(0));
         };
-        if first.iov_base.is_null() {
+        let landing = usize::try_from(segment).map_or(first.iov_len, |n| n.min(first.iov_len));
+        if accessible_prefix(first.iov_base.cast(), landing, true) < landing {
             return Err(libc::EFAULT);
         }
         // SAFETY: the caller's buffer is writable for its length during the hook call, which
@@ -364,45 +374,20 @@ fn recv_rendezvous(
         };
         let _ = block(index, fd, wait, None);
     };
-    if peek {
-        scatter(bufs, done, &staging[..received.min(staging.len())]);
+    if peek && scatter(bufs, done, &staging[..received.min(staging.len())]).is_err() {
+        return Err(libc::EFAULT);
     }
     Ok(Some(received))
 }
 
-/// Copies SAN stream bytes into `bufs` after `done` bytes: `Ok(n)` (0 at end of stream).
+/// Copies SAN stream bytes into `bufs` after `done` bytes, in one pass over the vector (a
+/// peek sees the stream from its start in every buffer): `Ok(n)` (0 at end of stream), or
+/// `EFAULT` with the bytes left unread when the buffers cannot be written.
 fn recv_into(
     socket: &mut SanSocket,
     bufs: &[RawBuf],
     done: usize,
     peek: bool,
 ) -> Result<usize, SanError> {
-    if peek {
-        // A peek must see the stream from its start in every buffer: read once, scatter.
-        let want: usize = bufs.iter().map(|b| b.len).sum::<usize>() - done;
-        let mut staging = vec![0u8; want];
-        let n = socket.recv(&mut staging, true)?;
-        scatter(bufs, done, &staging[..n]);
-        return Ok(n);
-    }
-    let mut copied = 0;
-    for buf in remaining_pieces(bufs, done) {
-        if buf.iov_base.is_null() {
-            break;
-        }
-        // SAFETY: the caller's buffer is writable for its length during the hook call.
-        let target =
-            unsafe { core::slice::from_raw_parts_mut(buf.iov_base.cast::<u8>(), buf.iov_len) };
-        match socket.recv(target, false) {
-            Ok(n) => {
-                copied += n;
-                if n < target.len() {
-                    break;
-                }
-            }
-            Err(code) if copied == 0 => return Err(code),
-            Err(_) => break,
-        }
-    }
-    Ok(copied)
+    socket.recv(&mut AppBufs::rest(bufs, done), peek)
 }

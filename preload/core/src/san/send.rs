@@ -5,11 +5,17 @@
 //!
 //! The loop takes the socket's lock, works without blocking, and releases the lock around
 //! the one place it blocks.
+//!
+//! A buffer the process may not read answers `EFAULT` as the kernel's send does: nothing of
+//! it is taken (the session commits a copy only when all of it succeeded), except whole
+//! 64 KiB units of the call before the fault, which make a short count.
 
 use core::ffi::c_int;
 
 use super::downgrade;
-use super::kernel::{fail, next_piece, partial, send_on_tcp, RawBuf};
+use super::kernel::{
+    accessible_prefix, fail, next_piece, partial, remaining_pieces, send_on_tcp, AppBufs, RawBuf,
+};
 use super::outcome::{SanCall, SanError};
 use super::socket::Phase;
 use super::switchover::switch_if_attached;
@@ -17,7 +23,12 @@ use super::table::{claim_of, lock, orphaned, record_flag, still_claimed, SanObje
 use super::wait::{block, timeout_of};
 use crate::errno::Errno;
 use crate::record::flags;
+use san_api::SourcePart;
 use switch::session::SendTicket;
+
+/// The unit in which a send whose buffer faults is taken (see `send_iov`): the kernel's
+/// segments are up to 64 KiB.
+const FAULT_UNIT: usize = 64 << 10;
 
 /// `send`/`write`/`writev`/`sendmsg` on a SAN socket: the count sent (a partial count
 /// included) or the errno. `None`: not (or no longer) a SAN socket — the caller makes the
@@ -89,14 +100,28 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
             socket.prepare_wait(libc::POLLOUT)
         } else {
             let piece = next_piece(bufs, done);
-            if !socket.queues_without_drive(piece.len()) {
+            let rendezvous_possible = !nonblocking && !urgent && !inline_only;
+            // Inline, the rest of the call goes into the session as one run (so a vector
+            // faults as a whole, as the kernel copies it), up to a later buffer that goes by
+            // rendezvous.
+            let span = inline_span(bufs, done, |len| {
+                rendezvous_possible && socket.wants_rendezvous(len)
+            });
+            let source = AppBufs::new(bufs, done, span);
+            if !socket.queues_without_drive(span) {
                 socket.service();
             }
             if total == 0 {
                 return Some(Ok(0));
             }
             socket.wake_pending_client(fd);
-            if !nonblocking && !urgent && !inline_only && socket.wants_rendezvous(piece.len()) {
+            if rendezvous_possible && socket.wants_rendezvous(piece.len()) {
+                if accessible_prefix(piece.as_ptr().cast_mut(), piece.len(), false) < piece.len() {
+                    // Not all of it can be read: inline, where a fault is taken as the kernel
+                    // takes it (the provider or the peer would meet it mid-transfer).
+                    inline_only = true;
+                    continue;
+                }
                 match socket.start_send_rendezvous(piece) {
                     Ok(ticket) => {
                         drop(slot);
@@ -131,15 +156,31 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                     Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
                 }
             }
-            match socket.send(piece, urgent) {
+            match socket.send(&source, urgent) {
                 Ok(n) => {
                     socket.service();
-                    socket.journal_sent(piece);
+                    socket.journal_sent(&source);
                     done += n;
                     if done >= total {
                         return Some(Ok(done as isize));
                     }
                     continue;
+                }
+                Err(SanError::Errno(libc::EFAULT)) => {
+                    // The kernel copies a send into its buffer in segments of up to 64 KiB
+                    // and keeps the whole ones it copied before the fault: so do we, by the
+                    // call's 64 KiB units; nothing of the unit that faulted is taken.
+                    let faulted_at = done + source.readable();
+                    let keep = (faulted_at - faulted_at % FAULT_UNIT).saturating_sub(done);
+                    if keep > 0 {
+                        let before = SourcePart::new(&source, 0, keep);
+                        if let Ok(n) = socket.send(&before, urgent) {
+                            socket.service();
+                            socket.journal_sent(&before);
+                            done += n;
+                        }
+                    }
+                    return Some(partial(done, libc::EFAULT));
                 }
                 Err(SanError::Downgraded) => {
                     // Our stream goes on on TCP (after the session's queued bytes and its
@@ -185,6 +226,20 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
             return Some(partial(done, code));
         }
     }
+}
+
+/// How many bytes after `done` go into the session as one inline run: the rest of the
+/// current buffer and the whole buffers after it, up to the first of those that
+/// `by_rendezvous` (by its length) would send by rendezvous.
+fn inline_span(bufs: &[RawBuf], done: usize, by_rendezvous: impl Fn(usize) -> bool) -> usize {
+    let mut span = 0usize;
+    for (position, piece) in remaining_pieces(bufs, done).enumerate() {
+        if position > 0 && by_rendezvous(piece.iov_len) {
+            break;
+        }
+        span = span.saturating_add(piece.iov_len);
+    }
+    span
 }
 
 /// A send failed with `code` after `done` bytes: the count if any, else the error (and

@@ -15,6 +15,8 @@
 use core::sync::atomic::{AtomicU64, Ordering};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+use san_api::BadAddress;
+
 /// `Header::magic`: "SDSTASH1".
 const MAGIC: u64 = u64::from_le_bytes(*b"SDSTASH1");
 /// Bytes before the data (one cache line).
@@ -160,9 +162,16 @@ impl Stash {
         (header.total - header.consumed.load(Ordering::Acquire).min(header.total)) as usize
     }
 
-    /// Copies up to `room` unread bytes to `sink` (in order, possibly in several pieces) and
-    /// consumes them unless `peek`. Returns the number of bytes.
-    pub(crate) fn read(&self, room: usize, peek: bool, mut sink: impl FnMut(&[u8])) -> usize {
+    /// Hands up to `room` unread bytes to `sink` (in one piece; again, with the bytes then
+    /// unread, if another reader took them meanwhile) and consumes them unless `peek`.
+    /// Returns the number of bytes; a sink that fails (the application's buffer could not be
+    /// written) consumes nothing.
+    pub(crate) fn read(
+        &self,
+        room: usize,
+        peek: bool,
+        mut sink: impl FnMut(&[u8]) -> Result<(), BadAddress>,
+    ) -> Result<usize, BadAddress> {
         let header = self.header();
         // Bounded: each failed exchange means another reader consumed bytes, and there are
         // at most `total` of them.
@@ -170,7 +179,7 @@ impl Stash {
             let consumed = header.consumed.load(Ordering::Acquire).min(header.total);
             let n = room.min((header.total - consumed) as usize);
             if n == 0 {
-                return 0;
+                return Ok(0);
             }
             // SAFETY: `consumed + n <= total`, inside the mapping; the bytes never change.
             let bytes = unsafe {
@@ -179,9 +188,9 @@ impl Stash {
                     n,
                 )
             };
-            sink(bytes);
+            sink(bytes)?;
             if peek {
-                return n;
+                return Ok(n);
             }
             if header
                 .consumed
@@ -196,7 +205,7 @@ impl Stash {
                 if consumed + n as u64 == header.total {
                     self.sync_ready();
                 }
-                return n;
+                return Ok(n);
             }
         }
     }
@@ -237,7 +246,13 @@ mod tests {
 
     fn read_all(stash: &Stash, room: usize, peek: bool) -> Vec<u8> {
         let mut out = Vec::new();
-        stash.read(room, peek, |bytes| out.extend_from_slice(bytes));
+        let n = stash
+            .read(room, peek, |bytes| {
+                out = bytes.to_vec();
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(n, out.len());
         out
     }
 

@@ -26,6 +26,9 @@ pub(crate) struct Stashed {
 impl Stashed {
     /// A stash holder for `stash`, of the socket whose inode is `socket_inode`.
     pub(super) fn new(stash: Stash, socket_inode: Option<u64>) -> Stashed {
+        // Reads copy the stash into the application's buffers (an image that inherited the
+        // stash across exec may never have switched a connection itself).
+        crate::fault::arm();
         let memfd_inode = file_inode(stash.memfd()).map(|(_, inode)| inode);
         Stashed {
             stash,

@@ -2,6 +2,7 @@
 //! order, errnos as on kernel TCP, no hang) over seeded simulated links.
 
 use super::*;
+use std::os::fd::AsRawFd;
 
 /// Bytes written on TCP while the client is pending, then over the SAN after the switch,
 /// arrive once each and in order; the acceptor's early bytes (sent before the handshake
@@ -504,5 +505,161 @@ fn transport_error_is_a_reset() {
         };
         assert_eq!(first, Err(libc::ECONNRESET));
         assert_eq!(pair.recv(a, &mut buf, libc::MSG_DONTWAIT), Ok(0));
+    });
+}
+
+/// `writev`/`readv` on a kernel socket: the count or the errno.
+fn kernel_vector(fd: c_int, bufs: &[RawBuf], sending: bool) -> Result<usize, c_int> {
+    // SAFETY: `RawBuf` has the layout of `iovec`; the kernel checks every address.
+    let n = unsafe {
+        let iov = bufs.as_ptr().cast::<libc::iovec>();
+        if sending {
+            libc::writev(fd, iov, bufs.len() as c_int)
+        } else {
+            libc::readv(fd, iov, bufs.len() as c_int)
+        }
+    };
+    if n < 0 {
+        Err(errno::get())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// A buffer the process may not access answers as kernel TCP answers (the oracle: the same
+/// calls on a loopback pair): `EFAULT`, with nothing of a send taken and the bytes of a
+/// receive left unread, a vector faulting as a whole (a bad second buffer behind a good
+/// first one takes nothing of either); the stream then goes on with every byte intact.
+#[test]
+fn bad_buffers_answer_efault_as_the_kernel_does_and_the_stream_stays_intact() {
+    for_seeds("bad buffers", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let (kernel_client, kernel_server) = kernel_pair();
+        let memory = BadMemory::new(BadMemory::PAGE);
+        let san = |end: &End, bufs: &[RawBuf], sending: bool| {
+            let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+            let result = if sending {
+                send_iov(end.fd, end.index, bufs, flags)
+            } else {
+                recv_iov(end.fd, end.index, bufs, flags)
+            };
+            result
+                .expect("a SAN socket")
+                .map(|n| n as usize)
+                .map_err(|Errno(code)| code)
+        };
+        let vectors = [
+            vec![memory.up_to_wall(0, 100)],
+            vec![memory.up_to_wall(50, 100)],
+            vec![BadMemory::unmapped(100)],
+            vec![RawBuf {
+                ptr: core::ptr::null_mut(),
+                len: 10,
+            }],
+            vec![memory.good(100), memory.up_to_wall(0, 100)],
+            vec![memory.good(100), BadMemory::unmapped(10)],
+        ];
+        for bufs in &vectors {
+            let kernel = kernel_vector(kernel_client.as_raw_fd(), bufs, true);
+            assert_eq!(kernel, Err(libc::EFAULT), "the kernel's send of {bufs:?}");
+            assert_eq!(san(c, bufs, true), kernel, "send of {bufs:?}");
+        }
+        // Nothing of those sends was taken.
+        let after = pattern(3000, 41);
+        pair.send_all(c, a, &after);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        assert_same(
+            &pair.read_exact(a, c, after.len(), &mut rng),
+            &after,
+            "client → acceptor after the bad sends",
+        );
+
+        // One message queued on each side, then the same bad receives.
+        let message = pattern(100, 42);
+        assert_eq!(kernel_send(&kernel_client, &message), Ok(100));
+        assert_eq!(pair.send(a, &message, 0), Ok(100));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut peeked = [0u8; 200];
+        while pair.recv(c, &mut peeked, libc::MSG_PEEK | libc::MSG_DONTWAIT) != Ok(100) {
+            assert!(Instant::now() < deadline, "the message did not arrive");
+            pair.service(a);
+        }
+        let mut kernel_arrival = libc::pollfd {
+            fd: kernel_server.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd.
+        assert_eq!(unsafe { libc::poll(&mut kernel_arrival, 1, 5000) }, 1);
+        let mut first = [0u8; 10];
+        let good_then_bad = [
+            RawBuf {
+                ptr: first.as_mut_ptr(),
+                len: first.len(),
+            },
+            memory.up_to_wall(0, 100),
+        ];
+        let receives = [
+            vec![memory.up_to_wall(0, 100)],
+            vec![memory.up_to_wall(10, 100)],
+            vec![BadMemory::unmapped(100)],
+            good_then_bad.to_vec(),
+        ];
+        for bufs in &receives {
+            let kernel = kernel_vector(kernel_server.as_raw_fd(), bufs, false);
+            assert_eq!(
+                kernel,
+                Err(libc::EFAULT),
+                "the kernel's receive into {bufs:?}"
+            );
+            assert_eq!(san(c, bufs, false), kernel, "receive into {bufs:?}");
+        }
+        // The bytes stayed, whole, on both.
+        let mut got = vec![0u8; 200];
+        assert_eq!(kernel_recv(&kernel_server, &mut got), Ok(100));
+        assert_same(&got[..100], &message, "kernel bytes after the bad receives");
+        assert_same(
+            &pair.read_exact(c, a, 100, &mut rng),
+            &message,
+            "acceptor → client after the bad receives",
+        );
+    });
+}
+
+/// A send whose buffers fault after more than 64 KiB keeps the whole 64 KiB units before the
+/// fault, as the kernel keeps the whole segments it copied (a short count), and nothing
+/// after them.
+#[test]
+fn a_send_faulting_past_64_kib_takes_the_whole_units_before_the_fault() {
+    for_seeds("send faulting past 64 KiB", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let memory = BadMemory::new(BadMemory::PAGE);
+        let data = pattern(100_000, 43);
+        let bufs = [
+            RawBuf {
+                ptr: data.as_ptr().cast_mut(),
+                len: data.len(),
+            },
+            memory.up_to_wall(0, 100),
+        ];
+        let sent = send_iov(
+            c.fd,
+            c.index,
+            &bufs,
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        );
+        assert_eq!(sent, Some(Ok(64 << 10)));
+        let tail = pattern(500, 44);
+        pair.send_all(c, a, &tail);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut want = data[..64 << 10].to_vec();
+        want.extend_from_slice(&tail);
+        assert_same(
+            &pair.read_exact(a, c, want.len(), &mut rng),
+            &want,
+            "the units before the fault, then what followed",
+        );
     });
 }

@@ -744,6 +744,71 @@ fn for_seeds(test: &str, body: impl Fn(u64) + Send + Sync + 'static) {
     }
 }
 
+/// Memory the process may not access: `readable` bytes (whole pages) readable and writable,
+/// then an inaccessible page (`PROT_NONE`); and an address no process maps (below the
+/// kernel's lowest mappable address).
+struct BadMemory {
+    base: *mut u8,
+    readable: usize,
+}
+
+impl BadMemory {
+    const PAGE: usize = 4096;
+    const UNMAPPED: usize = 0x1000;
+
+    fn new(readable: usize) -> BadMemory {
+        assert_eq!(readable % Self::PAGE, 0);
+        // SAFETY: a fresh anonymous mapping of our own, then its last page made
+        // inaccessible.
+        unsafe {
+            let base = libc::mmap(
+                core::ptr::null_mut(),
+                readable + Self::PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(base, libc::MAP_FAILED);
+            let base = base.cast::<u8>();
+            assert_eq!(
+                libc::mprotect(base.add(readable).cast(), Self::PAGE, libc::PROT_NONE),
+                0
+            );
+            BadMemory { base, readable }
+        }
+    }
+
+    /// `len` bytes starting `lead` bytes before the inaccessible page.
+    fn up_to_wall(&self, lead: usize, len: usize) -> RawBuf {
+        RawBuf {
+            ptr: self.base.wrapping_add(self.readable - lead),
+            len,
+        }
+    }
+
+    fn unmapped(len: usize) -> RawBuf {
+        RawBuf {
+            ptr: Self::UNMAPPED as *mut u8,
+            len,
+        }
+    }
+
+    fn good(&self, len: usize) -> RawBuf {
+        RawBuf {
+            ptr: self.base,
+            len: len.min(self.readable),
+        }
+    }
+}
+
+impl Drop for BadMemory {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping.
+        unsafe { libc::munmap(self.base.cast(), self.readable + Self::PAGE) };
+    }
+}
+
 /// A fresh loopback pair of plain kernel sockets, `(client, server)`: the oracle the SAN's
 /// answers are compared with.
 fn kernel_pair() -> (OwnedFd, OwnedFd) {

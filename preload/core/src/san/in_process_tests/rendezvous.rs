@@ -332,3 +332,100 @@ fn rendezvous_under_rough_faults_in_read_mode() {
 fn rendezvous_under_rough_faults_in_write_mode() {
     rendezvous_under_rough_faults(Rendezvous::WRITE);
 }
+
+/// A blocking send big enough for a rendezvous from a buffer with a page the process may not
+/// read goes inline instead, where the fault is taken as the kernel takes it: the whole
+/// 64 KiB units before the fault (a short count), nothing after them; the stream stays
+/// intact. (By rendezvous the peer or the provider would meet the page mid-transfer.)
+fn a_bad_page_in_a_big_send_is_a_short_count(mode: Rendezvous) {
+    for_seeds(&format!("bad page in a big send {mode:?}"), move |seed| {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xfa);
+        let (pair, _) = established(seed, benign_faults(), mode);
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let memory = BadMemory::new(THRESHOLD + 4 * BadMemory::PAGE);
+        let data = pattern(THRESHOLD + 4 * BadMemory::PAGE, 25);
+        let good = memory.good(data.len());
+        // SAFETY: our own mapping's readable part, `data.len()` bytes.
+        unsafe { core::ptr::copy_nonoverlapping(data.as_ptr(), good.ptr, data.len()) };
+        let start = memory.up_to_wall(data.len(), 0).ptr as usize;
+        let len = data.len() + 100;
+        let units = data.len() - data.len() % (64 << 10);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let bufs = [RawBuf {
+                    ptr: start as *mut u8,
+                    len,
+                }];
+                let sent = send_iov(c.fd, c.index, &bufs, libc::MSG_NOSIGNAL);
+                assert_eq!(sent, Some(Ok(units as isize)), "the units before the fault");
+            });
+            let got = pair.read_blocking(a, units, 1 << 20);
+            assert_same(&got, &data[..units], "the units before the fault");
+        });
+        let after = pattern(1000, 26);
+        assert_eq!(pair.send(c, &after, 0), Ok(after.len()));
+        assert_same(
+            &pair.read_exact(a, c, after.len(), &mut rng),
+            &after,
+            "what follows, and nothing of the rest",
+        );
+        assert_eq!(
+            pair.counter(c, Counter::SanRendezvousSent),
+            0,
+            "nothing by rendezvous"
+        );
+    });
+}
+
+#[test]
+fn a_bad_page_in_a_big_send_is_a_short_count_in_read_mode() {
+    a_bad_page_in_a_big_send_is_a_short_count(Rendezvous::READ);
+}
+
+#[test]
+fn a_bad_page_in_a_big_send_is_a_short_count_in_write_mode() {
+    a_bad_page_in_a_big_send_is_a_short_count(Rendezvous::WRITE);
+}
+
+/// A receive of a rendezvous segment into a buffer the process may not write is `EFAULT`
+/// before anything moves, the segment unread; a good buffer then gets all of it, zero-copy.
+fn a_segment_into_a_bad_buffer_is_efault(mode: Rendezvous) {
+    for_seeds(
+        &format!("segment into a bad buffer {mode:?}"),
+        move |seed| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0xfb);
+            let (pair, warm_up) = established(seed, benign_faults(), mode);
+            let (c, a) = (&pair.client, &pair.acceptor);
+            let data = pattern(THRESHOLD + rng.gen_range(0..=100_000), 27);
+            let memory = BadMemory::new(BadMemory::PAGE);
+            std::thread::scope(|scope| {
+                scope.spawn(|| assert_eq!(pair.send(c, &data, 0), Ok(data.len()), "one call"));
+                let bad = [
+                    vec![memory.up_to_wall(0, data.len())],
+                    vec![memory.up_to_wall(100, data.len())],
+                    vec![BadMemory::unmapped(data.len())],
+                ];
+                for bufs in &bad {
+                    assert_eq!(
+                        recv_iov(a.fd, a.index, bufs, 0),
+                        Some(Err(Errno(libc::EFAULT))),
+                        "a receive into {bufs:?}"
+                    );
+                }
+                let got = pair.read_blocking(a, data.len(), data.len());
+                assert_same(&got, &data, "the segment after the bad receives");
+            });
+            assert_rendezvous(&pair, c, a, data.len(), warm_up);
+        },
+    );
+}
+
+#[test]
+fn a_segment_into_a_bad_buffer_is_efault_in_read_mode() {
+    a_segment_into_a_bad_buffer_is_efault(Rendezvous::READ);
+}
+
+#[test]
+fn a_segment_into_a_bad_buffer_is_efault_in_write_mode() {
+    a_segment_into_a_bad_buffer_is_efault(Rendezvous::WRITE);
+}

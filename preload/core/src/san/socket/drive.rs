@@ -138,7 +138,7 @@ impl SanSocket {
             .flatten()
         {
             sent |= self.drive_again();
-            self.journal_accepted(&moved);
+            self.journal_accepted(&moved[..]);
         }
         if self.early.is_empty() {
             if let Some(how) = self.deferred_shutdown.take() {

@@ -7,6 +7,7 @@ use crate::record::Counter;
 use crate::san::kernel::send_all_on_tcp;
 use crate::san::outcome::SanError;
 use crate::san::tunables::EARLY_LIMIT;
+use san_api::AppSource;
 use switch::error::SendError;
 use switch::session::{SendFlags, SessionState};
 
@@ -43,9 +44,11 @@ impl SanSocket {
     /// Before the peer's `Hello` (or behind bytes still waiting for it), a send is buffered
     /// here as the kernel would buffer it, up to a socket buffer's worth; order is kept
     /// because the session takes these first. `None`: the session takes `data` itself.
-    pub(super) fn send_early(
+    /// `data` is the application's memory: a buffer it may not read is `EFAULT`, nothing
+    /// taken.
+    pub(super) fn send_early<S: AppSource + ?Sized>(
         &mut self,
-        data: &[u8],
+        data: &S,
         handshaking: bool,
     ) -> Option<Result<usize, SanError>> {
         if !handshaking && self.early.is_empty() {
@@ -59,7 +62,12 @@ impl SanSocket {
             return Some(Err(SanError::Errno(libc::EAGAIN)));
         }
         let n = data.len().min(room);
-        self.early.extend_from_slice(&data[..n]);
+        let before = self.early.len();
+        self.early.resize(before + n, 0);
+        if data.copy_to(0, &mut self.early[before..]).is_err() {
+            self.early.truncate(before);
+            return Some(Err(SanError::Errno(libc::EFAULT)));
+        }
         self.record.count(Counter::SanInlineSent, n as u64);
         Some(Ok(n))
     }

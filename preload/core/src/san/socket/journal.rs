@@ -15,14 +15,15 @@
 use super::SanSocket;
 use crate::record::Counter;
 use crate::san::link::Link;
+use san_api::{AppSource, SourcePart};
 
 impl SanSocket {
-    /// After the drive that followed an inline send of `piece`: journals what that send put
-    /// in the session and has not left.
-    pub(crate) fn journal_sent(&mut self, piece: &[u8]) {
-        let n = core::mem::take(&mut self.just_accepted).min(piece.len());
+    /// After the drive that followed an inline send from `source`: journals what that send
+    /// put in the session (its first bytes) and has not left.
+    pub(crate) fn journal_sent<S: AppSource + ?Sized>(&mut self, source: &S) {
+        let n = core::mem::take(&mut self.just_accepted).min(source.len());
         if n > 0 {
-            self.journal_accepted(&piece[..n]);
+            self.journal_accepted(&SourcePart::new(source, 0, n));
             if self.downgrade_wanted {
                 self.service();
             }
@@ -32,7 +33,7 @@ impl SanSocket {
     /// `accepted` just entered the session, and the drive that followed transmitted what it
     /// could: writes the part still queued here into the journal and publishes the stream's
     /// new end.
-    pub(super) fn journal_accepted(&mut self, accepted: &[u8]) {
+    pub(super) fn journal_accepted<S: AppSource + ?Sized>(&mut self, accepted: &S) {
         let (Some(session), Some(Link::Shm(conn))) = (self.session.as_ref(), self.conn.as_mut())
         else {
             return;
@@ -45,13 +46,12 @@ impl SanSocket {
         let keep = queued.min(accepted.len());
         if keep > 0 {
             let from = self.stream_accepted - keep as u64;
-            if conn
-                .journal_write(from, &accepted[accepted.len() - keep..])
-                .is_err()
-            {
-                // The file system is full: the journal's end stays where it was (what it
-                // covers is still whole) and the connection moves to kernel TCP, which
-                // keeps everything sent from now on.
+            let unsent = SourcePart::new(accepted, accepted.len() - keep, keep);
+            if conn.journal_write(from, &unsent).is_err() {
+                // The file system is full (or the application's buffer changed under the
+                // call): the journal's end stays where it was (what it covers is still
+                // whole) and the connection moves to kernel TCP, which keeps everything
+                // sent from now on.
                 // (A drive may be under way: it lets our `Downgrade` out itself.)
                 tracing::debug!(name = %self.name, "journal unavailable: downgrading to TCP");
                 self.journal_lost = true;

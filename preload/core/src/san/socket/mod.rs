@@ -521,13 +521,15 @@ impl SanSocket {
 
     /// The session starts on this socket, with its mirror and words page: the socket is
     /// switched. Our `Hello` (and the receives it needs) goes out at the next service and
-    /// must wake the peer.
+    /// must wake the peer. From now on the application's buffers are copied in user space:
+    /// the fault handler that makes a bad one `EFAULT` is installed first (once per process).
     pub(super) fn start_session(
         &mut self,
         session: Session,
         mirror: Mirror<SideWords>,
         page: Arc<WordsPage>,
     ) {
+        crate::fault::arm();
         self.session = Some(session);
         self.mirror = Some(mirror);
         self.page = Some(page);

@@ -4,7 +4,7 @@
 
 use core::ffi::c_int;
 
-use san_api::Access;
+use san_api::{Access, AppSink, AppSource};
 use switch::error::{RecvError, SendError};
 use switch::session::{RecvFlags, RecvTicket, ResetCause, SendFlags, SendTicket, SessionState};
 
@@ -58,11 +58,18 @@ impl SanSocket {
         self.tcp_eof
     }
 
-    /// Copies queued stream bytes out: `Ok(0)` at end of stream.
-    pub(crate) fn recv(&mut self, buf: &mut [u8], peek: bool) -> Result<usize, SanError> {
+    /// Copies queued stream bytes out into `buf` (the application's memory): `Ok(0)` at end
+    /// of stream; `EFAULT`, and the bytes left unread, when `buf` cannot be written.
+    pub(crate) fn recv<D: AppSink + ?Sized>(
+        &mut self,
+        buf: &mut D,
+        peek: bool,
+    ) -> Result<usize, SanError> {
         if !self.restored.is_empty() {
             let n = buf.len().min(self.restored.len());
-            buf[..n].copy_from_slice(&self.restored[..n]);
+            if buf.copy_from(0, &self.restored[..n]).is_err() {
+                return Err(SanError::Errno(libc::EFAULT));
+            }
             if !peek {
                 self.restored.drain(..n);
                 self.note_consumed(n);
@@ -76,7 +83,7 @@ impl SanSocket {
             peek,
             ..RecvFlags::default()
         };
-        match session.recv(buf, flags) {
+        match session.recv_into(buf, flags) {
             Ok(n) => {
                 if !peek && n > 0 {
                     self.record.count(Counter::SanInlineReceived, n as u64);
@@ -114,8 +121,13 @@ impl SanSocket {
             })
     }
 
-    /// Queues stream bytes for sending: a short count when the send buffer fills.
-    pub(crate) fn send(&mut self, data: &[u8], urgent: bool) -> Result<usize, SanError> {
+    /// Queues stream bytes for sending: a short count when the send buffer fills; `EFAULT`,
+    /// with nothing taken, when `data` (the application's memory) cannot be read.
+    pub(crate) fn send<S: AppSource + ?Sized>(
+        &mut self,
+        data: &S,
+        urgent: bool,
+    ) -> Result<usize, SanError> {
         if self.write_shut {
             return Err(SanError::Errno(libc::EPIPE));
         }
@@ -141,18 +153,22 @@ impl SanSocket {
     }
 
     /// Queues stream bytes in the session (after the early bytes).
-    fn send_inline(&mut self, data: &[u8], urgent: bool) -> Result<usize, SanError> {
+    fn send_inline<S: AppSource + ?Sized>(
+        &mut self,
+        data: &S,
+        urgent: bool,
+    ) -> Result<usize, SanError> {
         let Some(session) = self.session.as_mut() else {
             return Err(SanError::Errno(libc::ENOTCONN));
         };
-        match session.send(data, SendFlags { urgent }) {
+        match session.send_from(data, SendFlags { urgent }) {
             Ok(n) => {
                 self.sent_after_fin |= self.peer_fin;
                 self.record.count(Counter::SanInlineSent, n as u64);
                 self.just_accepted = n;
                 Ok(n)
             }
-            Err(SendError::Reset) if self.peer_fin => self.send_after_peer_close(data.len()),
+            Err(SendError::Reset) if self.peer_fin => self.send_after_peer_close(data),
             Err(SendError::Reset) => Err(SanError::Errno(self.send_reset_errno())),
             Err(error) => Err(error.into()),
         }
@@ -393,9 +409,18 @@ impl SanSocket {
     /// that closed gracefully (its FIN, then its connection ended: not a `Rst`) is what TCP
     /// calls `CLOSE_WAIT`: the first send is accepted (the peer's kernel answers it with a
     /// reset, the bytes are lost) and later ones fail with `EPIPE`; reads see end of stream.
-    fn send_after_peer_close(&mut self, len: usize) -> Result<usize, SanError> {
+    /// The bytes are lost, but they are read as the kernel reads them into its buffer: a
+    /// buffer the process may not read is `EFAULT`.
+    fn send_after_peer_close<S: AppSource + ?Sized>(
+        &mut self,
+        data: &S,
+    ) -> Result<usize, SanError> {
+        let len = data.len();
         let closed_gracefully = matches!(self.reset_cause, Some(ResetCause::Provider(_)));
         if closed_gracefully && !self.sent_after_fin {
+            if !readable(data) {
+                return Err(SanError::Errno(libc::EFAULT));
+            }
             self.sent_after_fin = true;
             self.reset_reported = true;
             self.record.count(Counter::SanInlineSent, len as u64);
@@ -433,4 +458,18 @@ impl SanSocket {
         self.service();
         self.ring_local_bell();
     }
+}
+
+/// Whether every byte of `data` can be read (copied through a small buffer, then dropped).
+fn readable<S: AppSource + ?Sized>(data: &S) -> bool {
+    let mut chunk = [0u8; 4096];
+    let mut offset = 0;
+    while offset < data.len() {
+        let n = (data.len() - offset).min(chunk.len());
+        if data.copy_to(offset, &mut chunk[..n]).is_err() {
+            return false;
+        }
+        offset += n;
+    }
+    true
 }
