@@ -182,17 +182,22 @@ fn a_journal_the_full_directory_cannot_hold_moves_the_connection_to_tcp() {
         return;
     };
     let (client, server) = exact_ends(&out, count, bytes);
+    // Whichever stream finds the directory full when its journal grows moves to TCP; the
+    // other may find room (the space a moved connection freed) and stay on the SAN.
     for (i, (c, s)) in client.iter().zip(&server).enumerate() {
-        // (An end that finished its stream before the other's downgrade reached it still
-        // shows the SAN.)
-        assert!(
-            c.1.eq_ignore_ascii_case("tcp") || s.1.eq_ignore_ascii_case("tcp"),
-            "connection {i} ends on TCP:\n{out}"
-        );
+        for (path, why) in [(c.1, c.2), (s.1, s.2)] {
+            assert!(
+                path == "san-shm" || (path.eq_ignore_ascii_case("tcp") && why == "downgraded"),
+                "connection {i}: on the SAN, or moved to TCP: {path} {why}\n{out}"
+            );
+        }
     }
     assert!(
-        client[0].2 == "downgraded" || server[0].2 == "downgraded",
-        "the first connection switched, then moved to TCP:\n{out}"
+        client
+            .iter()
+            .chain(&server)
+            .any(|(_, _, why)| *why == "downgraded"),
+        "a connection switched, then moved to TCP:\n{out}"
     );
 }
 

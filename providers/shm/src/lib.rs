@@ -69,5 +69,5 @@ pub use segment::{
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{
     allocate_file, futex_wake, internal_fd_floor, move_internal_fd, pid_namespace, pidfd_open,
-    process_cpu_time, relocate_internal_fd, ShmSafe,
+    process_cpu_time, relocate_internal_fd, remembered, ShmSafe,
 };

@@ -17,7 +17,7 @@
 
 use core::ffi::CStr;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU32, AtomicU64};
+use core::sync::atomic::{AtomicU32, AtomicU64, AtomicU8};
 use san_api::{AppSource, BadAddress};
 use std::fs::File;
 use std::io;
@@ -361,8 +361,27 @@ pub(crate) fn cma_probe(pid: u32, remote: u64) -> io::Result<u64> {
 /// off). Asked once: the standard library's answer reads the cgroup's CPU quota files, a
 /// dozen system calls that once made a tenth of a connection's set-up.
 pub(crate) fn multi_cpu() -> bool {
-    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ANSWER.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() > 1))
+    static ANSWER: AtomicU8 = AtomicU8::new(UNKNOWN);
+    remembered(&ANSWER, || {
+        std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
+    })
+}
+
+const UNKNOWN: u8 = 0;
+
+/// A process-wide yes/no found out once, without a lock: threads that ask at the same time
+/// may each find out (the answers agree). A `OnceLock` would make a thread wait for another
+/// that is finding out, and a child forked meanwhile wait for ever.
+pub fn remembered(answer: &AtomicU8, find_out: impl FnOnce() -> bool) -> bool {
+    use core::sync::atomic::Ordering;
+    match answer.load(Ordering::Acquire) {
+        UNKNOWN => {
+            let yes = find_out();
+            answer.store(if yes { 2 } else { 1 }, Ordering::Release);
+            yes
+        }
+        known => known == 2,
+    }
 }
 
 /// Whether CMA between this process and a same-user peer is likely to be allowed: the kernel
@@ -371,8 +390,8 @@ pub(crate) fn multi_cpu() -> bool {
 /// through the segments' write windows, which are then allocated at set-up (a full file
 /// system keeps the connection on TCP); where it is, a window is allocated only if it is used.
 pub(crate) fn cma_likely() -> bool {
-    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ANSWER.get_or_init(|| {
+    static ANSWER: AtomicU8 = AtomicU8::new(UNKNOWN);
+    remembered(&ANSWER, || {
         let marker = 0x5a5a_5a5a_5a5a_5a5au64;
         let own = cma_probe(std::process::id(), core::ptr::from_ref(&marker) as u64);
         let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope");
@@ -465,8 +484,8 @@ const PAGE: usize = 4096;
 /// Whether this kernel lets a mapping's pages be allocated up front (`MADV_POPULATE_WRITE`):
 /// the journals are then allocated when first used; without it, at creation.
 pub(crate) fn can_populate() -> bool {
-    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ANSWER.get_or_init(|| {
+    static ANSWER: AtomicU8 = AtomicU8::new(UNKNOWN);
+    remembered(&ANSWER, || {
         // SAFETY: a private anonymous page of our own, advised, then unmapped.
         unsafe {
             let page = libc::mmap(
@@ -493,11 +512,18 @@ pub(crate) fn can_populate() -> bool {
 /// A process's own pid namespace never changes (`unshare`/`setns` affect its children), so
 /// the value is read once.
 pub fn pid_namespace() -> u64 {
-    static NAMESPACE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *NAMESPACE.get_or_init(|| {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata("/proc/self/ns/pid").map_or(0, |meta| meta.ino())
-    })
+    use core::sync::atomic::Ordering;
+    use std::os::unix::fs::MetadataExt;
+    // 0 until read (and when it cannot be): see `remembered` for why no `OnceLock`.
+    static NAMESPACE: AtomicU64 = AtomicU64::new(0);
+    match NAMESPACE.load(Ordering::Acquire) {
+        0 => {
+            let namespace = std::fs::metadata("/proc/self/ns/pid").map_or(0, |meta| meta.ino());
+            NAMESPACE.store(namespace, Ordering::Release);
+            namespace
+        }
+        known => known,
+    }
 }
 
 /// Takes a shared `flock` on `file` (nonblocking): the creator of a segment holds one for as

@@ -198,8 +198,10 @@ thread_local! {
 
 /// This machine has more than one CPU for us (looking while the peer cannot run is waste).
 fn multi_cpu() -> bool {
-    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ANSWER.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() > 1))
+    static ANSWER: core::sync::atomic::AtomicU8 = core::sync::atomic::AtomicU8::new(0);
+    san_shm::remembered(&ANSWER, || {
+        std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
+    })
 }
 
 /// The next look's budget, within the time left until `deadline`.

@@ -11,7 +11,6 @@
 use core::cell::Cell;
 use core::ffi::c_int;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::OnceLock;
 
 /// Random ports tried before the kernel's own search.
 const TRIES: usize = 16;
@@ -24,15 +23,33 @@ struct Ports {
 }
 
 fn ports() -> Option<&'static Ports> {
-    static PORTS: OnceLock<Option<Ports>> = OnceLock::new();
-    PORTS
-        .get_or_init(|| {
-            let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
-            let reserved =
-                std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports").ok()?;
-            parse(&range, &reserved)
-        })
-        .as_ref()
+    use core::sync::atomic::{AtomicPtr, Ordering};
+    // Read without a lock (a `OnceLock` would make a child forked while another thread reads
+    // the files wait for ever); threads that read at the same time keep the first answer.
+    static PORTS: AtomicPtr<Ports> = AtomicPtr::new(core::ptr::null_mut());
+    let known = PORTS.load(Ordering::Acquire);
+    if !known.is_null() {
+        // SAFETY: set once below from a leaked box, never freed.
+        return Some(unsafe { &*known });
+    }
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let reserved = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_reserved_ports").ok()?;
+    let fresh = Box::into_raw(Box::new(parse(&range, &reserved)?));
+    match PORTS.compare_exchange(
+        core::ptr::null_mut(),
+        fresh,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
+        // SAFETY: just leaked, never freed.
+        Ok(_) => Some(unsafe { &*fresh }),
+        Err(first) => {
+            // SAFETY: ours, never published.
+            drop(unsafe { Box::from_raw(fresh) });
+            // SAFETY: set once from a leaked box, never freed.
+            Some(unsafe { &*first })
+        }
+    }
 }
 
 /// `ip_local_port_range` ("32768\t60999") and `ip_local_reserved_ports` ("", or
