@@ -142,6 +142,13 @@ unsafe fn epoll_wait_with_san(
             })
             .unwrap_or(n as usize);
             if kept > 0 {
+                // Real events to hand out: the sockets raised without data are lowered now,
+                // or every later wait would report them again (a busy server with many
+                // connections spent its time re-correcting them).
+                if !deferred.is_empty() {
+                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                    deferred.clear();
+                }
                 return kept as c_int;
             }
             if !deferred.is_empty() {
