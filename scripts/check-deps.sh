@@ -20,4 +20,4 @@ echo "switch and san-api depend on no OS crate:"
 cargo tree -p switch -e normal
 
 python3 scripts/check-layering.py --self-test
-python3 scripts/check-layering.py preload/core/src providers/verbs/src
+python3 scripts/check-layering.py preload/core/src providers/verbs/src providers/shm/src

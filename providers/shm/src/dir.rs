@@ -162,9 +162,9 @@ impl AsFd for ShmDir {
 }
 
 /// `name` as a C string for the directory-relative calls: one component (see
-/// `segment::validate_name`, which every caller applied or applies here).
+/// [`validate_name`], which every caller applied or applies here).
 pub(crate) fn entry_name(name: &str) -> Result<CString, ShmError> {
-    crate::segment::validate_name(name)?;
+    validate_name(name)?;
     CString::new(name.as_bytes()).map_err(|_| ShmError::InvalidName)
 }
 
@@ -184,4 +184,14 @@ fn check_private(meta: &fs::Metadata) -> Result<(), ShmError> {
         }));
     }
     Ok(())
+}
+
+/// A name of one directory entry: not empty, at most 200 bytes, not `.` or `..`, no `/` or NUL.
+pub(crate) fn validate_name(name: &str) -> Result<(), ShmError> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name != "."
+        && name != ".."
+        && !name.contains(['/', '\0']);
+    ok.then_some(()).ok_or(ShmError::InvalidName)
 }

@@ -224,15 +224,6 @@ fn first_use_ranges(geometry: &Geometry) -> Vec<(usize, usize)> {
     ranges
 }
 
-pub(crate) fn validate_name(name: &str) -> Result<(), ShmError> {
-    let ok = !name.is_empty()
-        && name.len() <= 200
-        && name != "."
-        && name != ".."
-        && !name.contains(['/', '\0']);
-    ok.then_some(()).ok_or(ShmError::InvalidName)
-}
-
 fn read_header(file: &File, file_len: u64) -> Result<(RawHeader, Geometry), ShmError> {
     if file_len < HEADER_SIZE as u64 {
         return Err(ShmError::Corrupt(CorruptSegment::Truncated));
