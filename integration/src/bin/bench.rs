@@ -711,7 +711,7 @@ fn redis_workload(
     }
 }
 
-fn nginx_config(root: &Path, port: u16) -> String {
+fn nginx_config(root: &Path, port: u16, workers: u32) -> String {
     let user = if is_root() {
         // Workers of a root master switch to `nobody`, who could not read the private
         // sandbox: keep them root.
@@ -723,7 +723,7 @@ fn nginx_config(root: &Path, port: u16) -> String {
     format!(
         r#"daemon off;
 master_process on;
-worker_processes 1;
+worker_processes {workers};
 {user}
 pid {root}/nginx-{port}.pid;
 error_log {root}/nginx-{port}.error.log warn;
@@ -746,7 +746,12 @@ http {{
     )
 }
 
-fn nginx_server(context: &Context, port: u16, preloaded: bool) -> io::Result<Command> {
+fn nginx_server(
+    context: &Context,
+    port: u16,
+    preloaded: bool,
+    workers: u32,
+) -> io::Result<Command> {
     let root = context.sandbox.path();
     std::fs::create_dir_all(root.join("tmp"))?;
     std::fs::create_dir_all(root.join("www"))?;
@@ -755,7 +760,7 @@ fn nginx_server(context: &Context, port: u16, preloaded: bool) -> io::Result<Com
         std::fs::write(root.join("www").join(name), body)?;
     }
     let config = root.join(format!("nginx-{port}.conf"));
-    std::fs::write(&config, nginx_config(root, port))?;
+    std::fs::write(&config, nginx_config(root, port, workers))?;
     let mut command = context.command("nginx", preloaded);
     command
         .arg("-p")
@@ -797,14 +802,16 @@ fn parse_wrk(stdout: &str) -> Option<Reported> {
     (reported.value > 0.0 && reported.ops > 0.0).then_some(reported)
 }
 
-fn nginx_workload(name: &str, document: &'static str, connections: u32) -> Workload {
+fn nginx_workload(name: &str, document: &'static str, connections: u32, workers: u32) -> Workload {
     Workload {
         name: name.to_owned(),
         unit: "req/s",
         op: "request",
         programs: vec!["nginx", "wrk"],
         variants: APP_VARIANTS,
-        server: Box::new(nginx_server),
+        server: Box::new(move |context: &Context, port, preloaded| {
+            nginx_server(context, port, preloaded, workers)
+        }),
         client: Box::new(move |context: &Context, port, preloaded| {
             let mut command = context.command("wrk", preloaded);
             command
@@ -1044,8 +1051,9 @@ fn workloads(context: &Context) -> Vec<Workload> {
             redis(200_000),
             APP_VARIANTS,
         ),
-        nginx_workload("nginx + wrk 1 KiB -c 10", "1k.bin", 10),
-        nginx_workload("nginx + wrk 64 KiB -c 10", "64k.bin", 10),
+        nginx_workload("nginx + wrk 1 KiB -c 10", "1k.bin", 10, 1),
+        nginx_workload("nginx (2 workers) + wrk 1 KiB -c 10", "1k.bin", 10, 2),
+        nginx_workload("nginx + wrk 64 KiB -c 10", "64k.bin", 10, 1),
         memcached_workload(context),
         iperf3_workload(),
         echo_workload(
