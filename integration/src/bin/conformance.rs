@@ -779,11 +779,7 @@ fn epoll_two_sets_and_nested() -> CaseResult {
 /// data comes.
 fn epoll_level_triggered_after_drain() -> CaseResult {
     let (client, server) = pair()?;
-    check(
-        // SAFETY: F_SETFL on a valid fd.
-        unsafe { libc::fcntl(server.raw(), libc::F_SETFL, libc::O_NONBLOCK) } as isize,
-        "O_NONBLOCK",
-    )?;
+    set_nonblocking(server.raw())?;
     let epfd = epoll_new()?;
     check(
         epoll_add(

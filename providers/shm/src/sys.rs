@@ -360,7 +360,7 @@ pub(crate) fn cma_probe(pid: u32, remote: u64) -> io::Result<u64> {
 /// Whether this process may run on more than one CPU (then a short spin for the peer can pay
 /// off). Asked once: the standard library's answer reads the cgroup's CPU quota files, a
 /// dozen system calls that once made a tenth of a connection's set-up.
-pub(crate) fn multi_cpu() -> bool {
+pub fn multi_cpu() -> bool {
     static ANSWER: AtomicU8 = AtomicU8::new(UNKNOWN);
     remembered(&ANSWER, || {
         std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)

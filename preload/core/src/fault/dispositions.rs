@@ -97,23 +97,23 @@ struct KernelAction {
     mask: u64,
 }
 
-/// `rt_sigaction(signal, act, old, 8)`: 0 or `-errno`.
+/// A raw system call with three arguments and the kernel's sigset size (8) as the fourth:
+/// 0 or `-errno`. Raw, not through `libc::syscall`, which the preload itself hooks.
 ///
 /// # Safety
-/// `act` and `old` are null or valid.
-unsafe fn rt_sigaction(signal: c_int, act: *const KernelAction, old: *mut KernelAction) -> isize {
+/// The arguments must be what system call `number` expects.
+unsafe fn syscall_with_sigset(number: isize, first: isize, second: usize, third: usize) -> isize {
     #[cfg(target_arch = "x86_64")]
     {
         let ret: isize;
-        // SAFETY: the rt_sigaction system call (13) with the caller's pointers; it clobbers
-        // rcx and r11 only.
+        // SAFETY: a system call with the caller's arguments; it clobbers rcx and r11 only.
         unsafe {
             core::arch::asm!(
                 "syscall",
-                inlateout("rax") 13isize => ret,
-                in("rdi") signal as isize,
-                in("rsi") act,
-                in("rdx") old,
+                inlateout("rax") number => ret,
+                in("rdi") first,
+                in("rsi") second,
+                in("rdx") third,
                 in("r10") 8usize,
                 lateout("rcx") _,
                 lateout("r11") _,
@@ -124,9 +124,18 @@ unsafe fn rt_sigaction(signal: c_int, act: *const KernelAction, old: *mut Kernel
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (signal, act, old);
+        let _ = (number, first, second, third);
         -(libc::ENOSYS as isize)
     }
+}
+
+/// `rt_sigaction(signal, act, old, 8)`: 0 or `-errno`.
+///
+/// # Safety
+/// `act` and `old` are null or valid.
+unsafe fn rt_sigaction(signal: c_int, act: *const KernelAction, old: *mut KernelAction) -> isize {
+    // SAFETY: rt_sigaction (13) reads `act` and writes `old`, each null or valid.
+    unsafe { syscall_with_sigset(13, signal as isize, act as usize, old as usize) }
 }
 
 /// `rt_sigprocmask(how, set, old, 8)` of the calling thread.
@@ -134,31 +143,8 @@ unsafe fn rt_sigaction(signal: c_int, act: *const KernelAction, old: *mut Kernel
 /// # Safety
 /// `set` and `old` are null or valid.
 unsafe fn rt_sigprocmask(how: c_int, set: *const u64, old: *mut u64) -> isize {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let ret: isize;
-        // SAFETY: the rt_sigprocmask system call (14) with the caller's pointers; it clobbers
-        // rcx and r11 only.
-        unsafe {
-            core::arch::asm!(
-                "syscall",
-                inlateout("rax") 14isize => ret,
-                in("rdi") how as isize,
-                in("rsi") set,
-                in("rdx") old,
-                in("r10") 8usize,
-                lateout("rcx") _,
-                lateout("r11") _,
-                options(nostack),
-            );
-        }
-        ret
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (how, set, old);
-        -(libc::ENOSYS as isize)
-    }
+    // SAFETY: rt_sigprocmask (14) reads `set` and writes `old`, each null or valid.
+    unsafe { syscall_with_sigset(14, how as isize, set as usize, old as usize) }
 }
 
 // ---- the record ---------------------------------------------------------------------------

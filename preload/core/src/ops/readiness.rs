@@ -203,18 +203,10 @@ thread_local! {
     };
 }
 
-/// This machine has more than one CPU for us (looking while the peer cannot run is waste).
-fn multi_cpu() -> bool {
-    static ANSWER: core::sync::atomic::AtomicU8 = core::sync::atomic::AtomicU8::new(0);
-    san_shm::remembered(&ANSWER, || {
-        std::thread::available_parallelism().is_ok_and(|n| n.get() > 1)
-    })
-}
-
 /// The next look's budget, within the time left until `deadline`.
 fn look_budget(deadline: Option<std::time::Instant>) -> std::time::Duration {
     let most = crate::settings::poll_us();
-    if most == 0 || !multi_cpu() {
+    if most == 0 || !san_shm::multi_cpu() {
         return std::time::Duration::ZERO;
     }
     let budget_us = LOOK.with(|look| {
