@@ -60,7 +60,11 @@ pub(super) fn block(
     // Verbs, a reader: poll before sleeping when that pays; signals held back meanwhile are
     // let in atomically by the sleep below.
     let held_signals = match fds.spin.then(|| poll_with_signals_held(index, &fds)) {
-        Some(Polled::Done) => return Ok(()),
+        Some(Polled::Done { signal_came: false }) => return Ok(()),
+        // A signal came while we polled and was let in as the mask was restored: the call was
+        // blocked when it came, so it ends as an interrupted call does. (Returning to look
+        // again would spend the signal before the next sleep, which then sleeps on.)
+        Some(Polled::Done { signal_came: true }) => return interrupted_outcome(deadline),
         Some(Polled::Sleep(outer)) => Some(outer),
         Some(Polled::NotHeld) | None => None,
     };
@@ -154,14 +158,7 @@ pub(super) fn block(
         socket.finish_wait(&fds, bell_rung);
     }
     if interrupted {
-        // The kernel restarts a socket call interrupted by a handler installed with
-        // SA_RESTART unless the socket has a timeout (signal(7)); poll() never restarts, so
-        // decide here. Which signal arrived is unknown: restart only when every installed
-        // handler asked for it.
-        if deadline.is_none() && every_handler_restarts() {
-            return Ok(());
-        }
-        return Err(libc::EINTR);
+        return interrupted_outcome(deadline);
     }
     if deadline.is_some_and(|d| Instant::now() >= d) {
         return Err(libc::EAGAIN);
@@ -169,11 +166,23 @@ pub(super) fn block(
     Ok(())
 }
 
+/// How a blocking call a signal interrupted ends. The kernel restarts a socket call
+/// interrupted by a handler installed with SA_RESTART unless the socket has a timeout
+/// (signal(7)); poll() never restarts, so decide here. Which signal arrived is unknown:
+/// restart (`Ok`: the caller looks again) only when every installed handler asked for it.
+fn interrupted_outcome(deadline: Option<Instant>) -> Result<(), c_int> {
+    if deadline.is_none() && every_handler_restarts() {
+        return Ok(());
+    }
+    Err(libc::EINTR)
+}
+
 /// What [`poll_with_signals_held`] leaves the wait to do.
 enum Polled {
     /// News came (or the queue was settled for sleeping and the call looks again): the
-    /// wait is over, the caller's signal mask restored.
-    Done,
+    /// wait is over, the caller's signal mask restored. `signal_came`: a signal the caller's
+    /// mask lets in arrived while it was held back (its handler ran as the mask was restored).
+    Done { signal_came: bool },
     /// Nothing came: sleep, letting in the signals held back with this mask (the caller's).
     Sleep(libc::sigset_t),
     /// Signals could not be held back: sleep at once, without polling.
@@ -212,9 +221,26 @@ fn poll_with_signals_held(index: u32, fds: &WaitFds) -> Polled {
     if after == AfterPolling::Sleep {
         return Polled::Sleep(outer);
     }
+    let signal_came = signal_pending_for(&outer);
     // SAFETY: restores the caller's own mask.
     unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &outer, core::ptr::null_mut()) };
-    Polled::Done
+    Polled::Done { signal_came }
+}
+
+/// Whether a signal is pending for this thread (or its process) that `mask` does not block:
+/// one that restoring `mask` delivers at once.
+fn signal_pending_for(mask: &libc::sigset_t) -> bool {
+    let mut pending = core::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: sigpending writes the pending set into `pending` (only read when it succeeded).
+    if unsafe { libc::sigpending(pending.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: written by the successful sigpending above.
+    let pending = unsafe { pending.assume_init() };
+    (1..=libc::SIGRTMAX()).any(|signal| {
+        // SAFETY: both sets are initialised; `signal` is a valid signal number.
+        unsafe { libc::sigismember(&pending, signal) == 1 && libc::sigismember(mask, signal) == 0 }
+    })
 }
 
 /// A blocked verbs reader polls the completion queue, its lock taken per round so other
