@@ -117,14 +117,15 @@ pub(super) fn block(
         .min(fds.cap.unwrap_or(wait_slice()));
     // The sleep is where signals come in: a handler may `siglongjmp` out of it, past our
     // frames, so the reentrancy guard is not held across it (see `guard::released_while`).
-    let rc = guard::released_while(|| match held_signals.as_ref() {
+    let (rc, signal_came) = guard::released_while(|| match held_signals.as_ref() {
         // SAFETY: `count` valid pollfds.
         None => unsafe {
-            real::poll(
+            let rc = real::poll(
                 pollfds.as_mut_ptr(),
                 count as libc::nfds_t,
                 slice.as_millis().max(1) as c_int,
-            )
+            );
+            (rc, false)
         },
         Some(outer) => {
             let millis = slice.as_millis().max(1) as u64;
@@ -138,13 +139,18 @@ pub(super) fn block(
                 real::ppoll(pollfds.as_mut_ptr(), count as libc::nfds_t, &timeout, outer)
             };
             let saved = errno::get();
+            // A ppoll that returns events (or times out) puts the held mask back before it
+            // returns, leaving a signal that came meanwhile pending: restoring the caller's
+            // mask below runs its handler, and the call must end as interrupted (looking
+            // again would sleep on with the signal spent).
+            let signal_came = rc >= 0 && signal_pending_for(outer);
             // SAFETY: restores the caller's own mask.
             unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, outer, core::ptr::null_mut()) };
             errno::set(saved);
-            rc
+            (rc, signal_came)
         }
     });
-    let interrupted = rc < 0 && errno::get() == libc::EINTR;
+    let interrupted = signal_came || (rc < 0 && errno::get() == libc::EINTR);
     // Verbs: the connection's own fd woke us (it is first in the set): collect its channel
     // and connection events, as the service thread does when it wakes on them.
     let link_ready = fds.link.is_some() && rc > 0 && pollfds[0].revents != 0;
