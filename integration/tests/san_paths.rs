@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 const SAN_ECHO: &str = env!("CARGO_BIN_EXE_san_echo");
 const SAN_EPOLL: &str = env!("CARGO_BIN_EXE_san_epoll");
 const SAN_FDS: &str = env!("CARGO_BIN_EXE_san_fds");
+const SAN_MANY: &str = env!("CARGO_BIN_EXE_san_many");
 const HIGH_FDS: &str = env!("CARGO_BIN_EXE_high_fds");
 
 /// `libsandirect.so`, built once per test run (same profile as this test).
@@ -44,11 +45,13 @@ impl Dirs {
         }
     }
 
-    /// Segment files (and half-created ones) left behind.
+    /// Segment files (and half-created ones) left behind (the pending-ports table, shared by
+    /// every connection, stays by design).
     fn leftover_segments(&self) -> Vec<String> {
         std::fs::read_dir(&self.shm)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name != san_shm::PENDING_PORTS_FILE)
             .collect()
     }
 }
@@ -690,6 +693,87 @@ fn plain_client_and_preloaded_server_stay_on_tcp() {
         expect(&server, "server", 200_000, "TCP");
         expect(&client, "client", 200_000, "tcp");
     }
+    assert_eq!(dirs.leftover_segments(), Vec::<String>::new());
+}
+
+/// A preloaded `san_many` server and a preloaded client making one connection after another,
+/// streaming `sizes[i]` bytes both ways on the i-th (`env` set on the client); returns the
+/// client's (path, reason) per connection, after checking every echo on both sides.
+fn connection_sequence(dirs: &Dirs, sizes: &[usize], env: &[(&str, &str)]) -> Vec<String> {
+    let mut server = command(SAN_MANY, true, dirs)
+        .args(["server", &sizes.len().to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = BufReader::new(server.stdout.take().unwrap());
+    let mut first = String::new();
+    reader.read_line(&mut first).unwrap();
+    let port = first.trim().strip_prefix("port ").unwrap().to_owned();
+    let client = command(SAN_MANY, true, dirs)
+        .arg("sequence")
+        .arg(&port)
+        .args(sizes.iter().map(usize::to_string))
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client = finish(client, "client");
+    server.stdout = Some(reader.into_inner());
+    let server = finish(server, "server");
+    let lines: Vec<&str> = client
+        .lines()
+        .filter(|l| l.starts_with("client "))
+        .collect();
+    assert_eq!(lines.len(), sizes.len(), "{client}");
+    for (i, (line, size)) in lines.iter().zip(sizes).enumerate() {
+        assert!(
+            line.starts_with(&format!("client {i} ok bytes={size} ")),
+            "{client}"
+        );
+    }
+    assert_eq!(
+        server.lines().filter(|l| l.contains(" ok bytes=")).count(),
+        sizes.len(),
+        "{server}"
+    );
+    lines
+        .iter()
+        .map(|line| {
+            let path = line.split("path=").nth(1).unwrap_or_default();
+            path.split(' ').next().unwrap_or_default().to_owned()
+                + " "
+                + line.split("reason=").nth(1).unwrap_or_default()
+        })
+        .collect()
+}
+
+#[test]
+fn a_client_whose_connections_are_short_keeps_new_ones_on_tcp_until_they_grow() {
+    let dirs = Dirs::new("short-connections");
+    // 100 bytes each way is short (below 1 KiB), 5000 long.
+    let sizes = [100, 100, 100, 5000, 5000, 100];
+    let paths = connection_sequence(&dirs, &sizes, &[]);
+    let (san, short) = ("san-shm -", "TCP short-connections");
+    assert_eq!(
+        paths,
+        [
+            san,   // the server's first connection takes the SAN
+            san,   // one short connection is not enough to turn it
+            short, // two are: the next stays on TCP, spared the set-up
+            short, // long connections on TCP are measured too
+            short, san, // two long ones bring the score back above the line: the SAN returns
+        ],
+        "{paths:?}"
+    );
+    // Turned off, every connection takes the SAN.
+    let paths = connection_sequence(
+        &dirs,
+        &[100, 100, 100],
+        &[("SANDIRECT_SHORT_CONNECTION_BYTES", "0")],
+    );
+    assert_eq!(paths, ["san-shm -"; 3], "{paths:?}");
     assert_eq!(dirs.leftover_segments(), Vec::<String>::new());
 }
 

@@ -7,7 +7,10 @@
 //! * `sandirect`        — server and client preloaded (the SAN path);
 //! * `fallback`         — only the client preloaded, the server plain (TCP through the hooks);
 //! * `plain->preloaded` — only the server preloaded (connection set-up workloads: what a plain
-//!   client pays for talking to a preloaded server).
+//!   client pays for talking to a preloaded server);
+//! * `sandirect, set-up forced` — both preloaded, the client told to take the SAN for every
+//!   connection however short (`SANDIRECT_SHORT_CONNECTION_BYTES=0`; connection set-up
+//!   workloads: what the SAN set-up itself costs, which the default spares short connections).
 //!
 //! For each workload both servers (plain and preloaded) run side by side, and every round runs
 //! each variant's client once, in an order that rotates from round to round, so drift, warm-up
@@ -63,6 +66,10 @@ enum Variant {
     Sandirect,
     Fallback,
     ServerOnly,
+    /// Both ends preloaded, the client told to set every connection up on the SAN however
+    /// short its connections are (`SANDIRECT_SHORT_CONNECTION_BYTES=0`): what the set-up
+    /// itself costs.
+    SetUpForced,
     RawRing,
 }
 
@@ -73,16 +80,31 @@ impl Variant {
             Variant::Sandirect => "sandirect",
             Variant::Fallback => "fallback",
             Variant::ServerOnly => "plain->preloaded",
+            Variant::SetUpForced => "sandirect, set-up forced",
             Variant::RawRing => "raw ring",
         }
     }
 
     fn client_preloaded(self) -> bool {
-        matches!(self, Variant::Sandirect | Variant::Fallback)
+        matches!(
+            self,
+            Variant::Sandirect | Variant::Fallback | Variant::SetUpForced
+        )
     }
 
     fn server_preloaded(self) -> bool {
-        matches!(self, Variant::Sandirect | Variant::ServerOnly)
+        matches!(
+            self,
+            Variant::Sandirect | Variant::ServerOnly | Variant::SetUpForced
+        )
+    }
+
+    /// Settings of the client's beyond the preload.
+    fn client_env(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Variant::SetUpForced => &[("SANDIRECT_SHORT_CONNECTION_BYTES", "0")],
+            _ => &[],
+        }
     }
 }
 
@@ -93,6 +115,7 @@ const SETUP_VARIANTS: &[Variant] = &[
     Variant::Sandirect,
     Variant::Fallback,
     Variant::ServerOnly,
+    Variant::SetUpForced,
 ];
 
 // ---------------------------------------------------------------------------------------------
@@ -1177,7 +1200,8 @@ fn run_workload(context: &Context, workload: &Workload) -> Outcome {
                 row.insert(variant, None);
                 continue;
             }
-            let command = (workload.client)(context, port, variant.client_preloaded());
+            let mut command = (workload.client)(context, port, variant.client_preloaded());
+            command.envs(variant.client_env().iter().copied());
             let recorder = PathRecorder::start(&context.sandbox, Duration::from_millis(100));
             let server_cpu = server.cpu_ns();
             let result = run_client(command, workload.timeout);
@@ -1517,9 +1541,14 @@ fn draw_chart(path: &Path, report: &Value, title: &str) -> Result<(), String> {
     }
     // Variants in their table order within a workload (the JSON map is sorted by name).
     let order = |label: &str| {
-        [Variant::Sandirect, Variant::Fallback, Variant::ServerOnly]
-            .iter()
-            .position(|v| v.label() == label)
+        [
+            Variant::Sandirect,
+            Variant::Fallback,
+            Variant::ServerOnly,
+            Variant::SetUpForced,
+        ]
+        .iter()
+        .position(|v| v.label() == label)
     };
     let first: BTreeMap<String, usize> = rows
         .iter()
@@ -1603,6 +1632,7 @@ fn draw_chart(path: &Path, report: &Value, title: &str) -> Result<(), String> {
             "sandirect" if s.median >= 1.0 => RGBColor(46, 139, 87),
             "sandirect" => RGBColor(200, 70, 60),
             "fallback" => RGBColor(110, 130, 180),
+            "sandirect, set-up forced" => RGBColor(150, 110, 170),
             _ => RGBColor(180, 150, 80),
         };
         chart

@@ -5,6 +5,8 @@
 //! ```text
 //! san_many server N                     # prints "port P", echoes N connections, prints N reports
 //! san_many client PORT N BYTES [reopen]  # opens N connections, then streams BYTES on each in turn
+//! san_many sequence PORT BYTES…          # one connection after another, each closed before
+//!                                        # the next opens, streaming BYTES on the i-th
 //! ```
 //!
 //! The client connects all N first and keeps every one open until the last is done, so
@@ -141,6 +143,18 @@ fn client(
     Ok(reports)
 }
 
+/// One connection per entry of `sizes`, each streamed, checked and closed before the next is
+/// opened (a client that reconnects for every request, in the small).
+fn sequence(port: u16, sizes: &[usize]) -> Vec<std::io::Result<String>> {
+    sizes
+        .iter()
+        .map(|&bytes| {
+            let stream = TcpStream::connect(("127.0.0.1", port))?;
+            stream_and_check(&stream, &pattern(bytes))
+        })
+        .collect()
+}
+
 fn main() -> std::io::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let number = |i: usize| -> usize {
@@ -159,8 +173,15 @@ fn main() -> std::io::Result<()> {
             let port = number(2) as u16;
             ("client", client(port, number(3), number(4), reopen)?)
         }
+        Some("sequence") => {
+            let sizes: Vec<usize> = (3..args.len()).map(number).collect();
+            ("client", sequence(number(2) as u16, &sizes))
+        }
         _ => {
-            eprintln!("usage: san_many server N | san_many client PORT N BYTES [reopen]");
+            eprintln!(
+                "usage: san_many server N | san_many client PORT N BYTES [reopen] | \
+                 san_many sequence PORT BYTES…"
+            );
             std::process::exit(2);
         }
     };

@@ -92,6 +92,9 @@ pub enum Bypass {
     /// noticed, so the acceptor declined and both ends stay on TCP (its client shows
     /// `peer-resources`).
     PeerPidNamespace = 14,
+    /// The server is preloaded, but this client's recent connections to it were short (see
+    /// `SANDIRECT_SHORT_CONNECTION_BYTES`): setting up the SAN would cost more than it saves.
+    ShortConnections = 15,
 }
 
 impl Bypass {
@@ -112,6 +115,7 @@ impl Bypass {
             12 => Self::NoVerbsLibrary,
             13 => Self::PeerResources,
             14 => Self::PeerPidNamespace,
+            15 => Self::ShortConnections,
             _ => Self::None,
         }
     }
@@ -134,6 +138,7 @@ impl Bypass {
             Self::NoVerbsLibrary => "no-verbs-library",
             Self::PeerResources => "peer-resources",
             Self::PeerPidNamespace => "peer-pid-namespace",
+            Self::ShortConnections => "short-connections",
         }
     }
 }

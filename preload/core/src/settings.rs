@@ -52,6 +52,8 @@ pub const SAN: &str = "SANDIRECT_SAN";
 pub const WAIT_SLICE_MS: &str = "SANDIRECT_WAIT_SLICE_MS";
 /// `SANDIRECT_POLL_US`.
 pub const POLL_US: &str = "SANDIRECT_POLL_US";
+/// `SANDIRECT_SHORT_CONNECTION_BYTES`.
+pub const SHORT_CONNECTION_BYTES: &str = "SANDIRECT_SHORT_CONNECTION_BYTES";
 /// `SANDIRECT_SHM_DIR`.
 pub const SHM_DIR: &str = "SANDIRECT_SHM_DIR";
 /// `SANDIRECT_SAN_RENDEZVOUS`.
@@ -180,6 +182,13 @@ pub const KNOBS: &[Knob] = &[
         values: "0..=1000",
         default: "50",
         effect: "longest time an epoll wait looks for the next message of a SAN socket it just reported, before it sleeps (adaptive below it; 0: never); not read when privileged",
+        privileged: false,
+    },
+    Knob {
+        name: SHORT_CONNECTION_BYTES,
+        values: "0..=1073741824",
+        default: "1024",
+        effect: "a client's connections to a server that carried fewer bytes (both ways) are short: while most of its recent ones were, new connections to it stay on TCP, sparing the SAN set-up they could not pay back (0: always set up); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -342,6 +351,14 @@ pub fn load(argv0: Option<&CStr>) {
             }
         }
     }
+    if let Some(value) = var(SHORT_CONNECTION_BYTES) {
+        match value.parse::<u32>() {
+            Ok(bytes) if bytes <= 1 << 30 => SHORT_BYTES.store(bytes, Ordering::Relaxed),
+            _ => eprintln!(
+                "sandirect: {SHORT_CONNECTION_BYTES}={value:?} is not 0..=1073741824; using {DEFAULT_SHORT_BYTES}"
+            ),
+        }
+    }
     let _ = SETTINGS.set(Settings {
         mode,
         program,
@@ -407,6 +424,17 @@ static POLL: AtomicU32 = AtomicU32::new(DEFAULT_POLL_US);
 /// over shared memory; the wait adapts below this bound to how often looking pays off.
 pub fn poll_us() -> u32 {
     POLL.load(Ordering::Relaxed)
+}
+
+/// The default of [`short_connection_bytes`].
+const DEFAULT_SHORT_BYTES: u32 = 1024;
+
+static SHORT_BYTES: AtomicU32 = AtomicU32::new(DEFAULT_SHORT_BYTES);
+
+/// A client connection that carried fewer bytes than this (sent and received, over either
+/// path) counts as short; 0 turns the prediction off (see `san::history`).
+pub fn short_connection_bytes() -> u32 {
+    SHORT_BYTES.load(Ordering::Relaxed)
 }
 
 /// [`wait_slice_ms`] as a duration.

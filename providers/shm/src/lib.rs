@@ -51,6 +51,7 @@ mod dir;
 mod domain;
 mod error;
 mod layout;
+mod pending;
 mod segment;
 mod setup;
 mod sys;
@@ -63,6 +64,7 @@ pub use dir::ShmDir;
 pub use domain::{DomainConfig, ShmDomain, MAX_RDMA_LEN};
 pub use error::{CorruptSegment, PermissionProblem, ShmError};
 pub use layout::{HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_SETUP_DATA};
+pub use pending::{PendingMark, PendingPorts, PENDING_PORTS_FILE};
 pub use segment::{
     contact, set_contact, AccessPolicy, NamespacedPid, SegmentConfig, ShmSegment, Side,
 };

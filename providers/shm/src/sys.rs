@@ -39,6 +39,8 @@ pub unsafe trait ShmSafe: Sync {}
 unsafe impl ShmSafe for AtomicU32 {}
 // SAFETY: as for `AtomicU32`.
 unsafe impl ShmSafe for AtomicU64 {}
+// SAFETY: as for `AtomicU32`.
+unsafe impl ShmSafe for AtomicU8 {}
 // SAFETY: an array of `ShmSafe` values is laid out contiguously and inherits their properties.
 unsafe impl<T: ShmSafe, const N: usize> ShmSafe for [T; N] {}
 

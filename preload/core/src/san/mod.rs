@@ -101,11 +101,13 @@
 
 // The files, bottom-up: each imports only from the groups above its own.
 // The ground: kernel calls, tunables, the memory budget, ephemeral ports, the epoll index,
-// the exchange, registrations, stashes, nudges, the stream operations' typed result.
+// the exchange, the servers' connection history, registrations, stashes, nudges, the stream
+// operations' typed result.
 mod budget;
 mod ephemeral;
 mod epoll_index;
 mod exchange;
+mod history;
 mod kernel;
 mod nudge;
 mod outcome;
@@ -219,6 +221,9 @@ pub enum ClientPlan {
     NoVerbsLibrary,
     /// A pending SAN socket was set up; it stays if the connect goes ahead.
     Pending,
+    /// The server is preloaded, but this process's recent connections to it were too short
+    /// to pay for the SAN set-up (see `history`): plain TCP.
+    ShortConnections,
     /// Setting up failed: plain TCP.
     Failed,
     /// This process had not the descriptors (or the SAN memory) the set-up needs: plain TCP.
@@ -243,6 +248,9 @@ pub fn before_connect(
         || record.flags() & flags::SAN != 0
     {
         return ClientPlan::Skip;
+    }
+    if history::predicts_short(peer) {
+        return ClientPlan::ShortConnections;
     }
     // Same host (a listener marker answers): shared memory. Otherwise, when a device serves
     // the route's source address: verbs (`verbs::connect::client`).
@@ -322,12 +330,18 @@ pub fn before_connect(
             }
         };
     }
+    // Before the SYN leaves: the acceptor looks here before it probes our exchange.
+    let pending = provider
+        .pending
+        .as_ref()
+        .map(|table| table.mark(local.port()));
     match SanSocket::client(
         record,
         provider.dir.handle(),
         &name,
         &provider.registrations,
         charge,
+        pending,
     ) {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
@@ -378,6 +392,11 @@ pub fn after_connect(
                 .bypass
                 .store(Bypass::PeerOtherUser as u32, Ordering::Release);
         }
+        ClientPlan::ShortConnections if connecting => {
+            record
+                .bypass
+                .store(Bypass::ShortConnections as u32, Ordering::Release);
+        }
         ClientPlan::NoVerbsLibrary if connecting => {
             record
                 .bypass
@@ -411,7 +430,13 @@ pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static 
     };
     let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
     let mode = crate::settings::provider_choice();
-    let shm = if mode == ProviderChoice::Verbs {
+    // No client of ours waits on the client's port: it is plain (or not on this host), no
+    // need to probe its exchange (see `san_shm::PendingPorts`).
+    let no_pending_client = provider
+        .pending
+        .as_ref()
+        .is_some_and(|table| !table.may_be_pending(peer.port()));
+    let shm = if mode == ProviderChoice::Verbs || no_pending_client {
         Err(SocketSetupError::PeerPlain)
     } else {
         match budget::charge_shm() {
@@ -496,6 +521,9 @@ fn decline(dir: &san_shm::ShmDir, name: &crate::discovery::SegmentName) {
 /// the linger time, or reset under `SO_LINGER` 0). `fd` is given when it is still open (a
 /// `close()` in progress); after `dup2` over it the number already names another file.
 pub fn on_released(index: u32, fd: Option<c_int>) {
+    if let Some(record) = registry().get(index) {
+        history::note_released(record);
+    }
     if orphaned(index) {
         return;
     }

@@ -18,6 +18,10 @@ pub(super) struct Provider {
     /// Where the segments are created: the directory opened and checked once, reached only
     /// through its descriptor from then on (see `SegmentDir`).
     pub(super) dir: SegmentDir,
+    /// Which local ports have a pending client of ours (see `san_shm::PendingPorts`): an
+    /// acceptor probes a client's exchange only when its port may have one. `None` (the
+    /// table could not be made): every acceptor probes.
+    pub(super) pending: Option<san_shm::PendingPorts>,
     /// Whether large blocking sends use the rendezvous (`SANDIRECT_SAN_RENDEZVOUS`).
     rendezvous: bool,
     /// Whether verbs connections offer to RDMA-READ their peers' rendezvous sends
@@ -66,6 +70,7 @@ pub(super) fn provider() -> Option<&'static Provider> {
             let override_dir = crate::settings::shm_dir();
             match SegmentDir::open(override_dir.as_deref()) {
                 Ok(dir) => Some(Provider {
+                    pending: san_shm::PendingPorts::open(dir.handle()),
                     registrations: SharedRegistrations::new(san_shm::ShmDomain::new(
                         san_shm::DomainConfig::default(),
                     )),

@@ -168,6 +168,9 @@ pub(crate) struct SanSocket {
     /// Client: the exchange listener while pending. Acceptor: the exchange connection until
     /// the client's raising end arrived.
     exchange: Option<OwnedFd>,
+    /// Client, while pending: its port's entry in the pending-ports table (acceptors of the
+    /// port probe while it is up).
+    pending_mark: Option<san_shm::PendingMark>,
     /// Client, shm, pending: what the switch needs, made before the client announced itself.
     reserve: Option<SwitchReserve>,
     /// Client: stream bytes written on TCP while pending.
@@ -332,6 +335,7 @@ impl SanSocket {
             journal_lost: false,
             leftovers_taken: false,
             epoll_on_tcp: false,
+            pending_mark: None,
             _charge: charge,
         }
     }
@@ -345,6 +349,7 @@ impl SanSocket {
         name: &SegmentName,
         registrations: &super::registrations::SharedRegistrations,
         charge: Charge,
+        pending: Option<san_shm::PendingMark>,
     ) -> Result<SanSocket, SocketSetupError> {
         let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
@@ -354,6 +359,7 @@ impl SanSocket {
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
         socket.exchange = Some(listener);
         socket.reserve = Some(reserve);
+        socket.pending_mark = pending;
         Ok(socket)
     }
 
