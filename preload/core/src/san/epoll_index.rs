@@ -9,16 +9,41 @@
 //! (`san::with_library_locks`).
 
 use core::ffi::c_int;
-use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-use crate::record::SocketRecord;
+use rustc_hash::FxHashMap;
 
-/// The index proper.
+use crate::record::{SocketRecord, EPOLL_SLOTS};
+
+/// The (epoll instance, event data) keys of one socket's registrations.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+struct Keys {
+    keys: [(c_int, u64); EPOLL_SLOTS],
+    len: usize,
+}
+
+impl Keys {
+    fn of(record: &SocketRecord) -> Keys {
+        let mut keys = Keys::default();
+        for (epfd, _, data) in record.epoll_registrations().take(EPOLL_SLOTS) {
+            keys.keys[keys.len] = (epfd, data);
+            keys.len += 1;
+        }
+        keys
+    }
+
+    fn as_slice(&self) -> &[(c_int, u64)] {
+        &self.keys[..self.len]
+    }
+}
+
+/// The index proper. (Hashed with FxHash: the keys are the application's own epoll data, and
+/// an `epoll_ctl` that only changes a registration's events, which event loops make twice a
+/// request, finds the keys unchanged and writes nothing.)
 #[derive(Default)]
 pub(super) struct Index {
-    by_registration: HashMap<(c_int, u64), u32>,
-    registrations_of: HashMap<u32, Vec<(c_int, u64)>>,
+    by_registration: FxHashMap<(c_int, u64), u32>,
+    registrations_of: FxHashMap<u32, Keys>,
 }
 
 static INDEX: Mutex<Option<Index>> = Mutex::new(None);
@@ -34,17 +59,17 @@ pub(super) fn hold() -> MutexGuard<'static, Option<Index>> {
 
 /// Socket `index` (on the SAN path) is registered as `record` says now.
 pub(super) fn update(index: u32, record: &SocketRecord) {
-    let now: Vec<(c_int, u64)> = record
-        .epoll_registrations()
-        .map(|(epfd, _, data)| (epfd, data))
-        .collect();
+    let now = Keys::of(record);
     let mut guard = locked();
     let map = guard.get_or_insert_with(Index::default);
+    if map.registrations_of.get(&index) == Some(&now) {
+        return;
+    }
     map.remove(index);
-    for &key in &now {
+    for &key in now.as_slice() {
         map.by_registration.insert(key, index);
     }
-    if !now.is_empty() {
+    if now.len > 0 {
         map.registrations_of.insert(index, now);
     }
 }
@@ -67,9 +92,11 @@ pub(super) fn lookup(epfd: c_int, data: u64) -> Option<u32> {
 
 impl Index {
     fn remove(&mut self, index: u32) {
-        for key in self.registrations_of.remove(&index).unwrap_or_default() {
-            if self.by_registration.get(&key) == Some(&index) {
-                self.by_registration.remove(&key);
+        if let Some(keys) = self.registrations_of.remove(&index) {
+            for key in keys.as_slice() {
+                if self.by_registration.get(key) == Some(&index) {
+                    self.by_registration.remove(key);
+                }
             }
         }
     }
