@@ -620,7 +620,16 @@ fn wait_client(
     })
 }
 
+/// A port for a server, below the ephemeral range: the churn workloads leave tens of
+/// thousands of connections in TIME_WAIT there, and a port-0 bind can then find none free.
 fn free_port() -> io::Result<u16> {
+    let mut candidate = (std::process::id() as u16).wrapping_mul(7919) % 12_000;
+    for _ in 0..200 {
+        candidate = (candidate + 61) % 12_000;
+        if let Ok(listener) = TcpListener::bind((Ipv4Addr::LOCALHOST, 20_000 + candidate)) {
+            return Ok(listener.local_addr()?.port());
+        }
+    }
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?
         .local_addr()?
         .port())

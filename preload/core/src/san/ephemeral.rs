@@ -4,16 +4,21 @@
 //! `bind` to port 0 makes the kernel search the local port range for a port no socket uses,
 //! TIME_WAIT ones included, walking from a random start. Where connections churn, most of
 //! the range is in TIME_WAIT (`connect` may reuse such ports towards other peers; `bind`
-//! may not), and that walk cost a connection's set-up some 200 µs. A few binds to random
-//! ports of the range find a free one in a few microseconds; the kernel's search is the
-//! fallback. Ports the administrator reserved (`ip_local_reserved_ports`) are never chosen.
+//! may not), and that walk cost a connection's set-up some 200 µs; with the whole range in
+//! TIME_WAIT (tens of thousands of connections a minute) it took tens of milliseconds per
+//! bind, the client's CPU spent in the kernel. A few binds to random ports of the range find a
+//! free one in a few microseconds. When every one finds its port taken, the range is nearly
+//! full: the connection stays on TCP (`san-resources`), whose `connect` may reuse a TIME_WAIT
+//! port towards another peer. The kernel's search serves only where the range cannot be read.
+//! Ports the administrator reserved (`ip_local_reserved_ports`) are never chosen.
 
 use core::cell::Cell;
 use core::ffi::c_int;
 use std::net::{IpAddr, SocketAddr};
 
-/// Random ports tried before the kernel's own search.
-const TRIES: usize = 16;
+/// Random ports tried before the connection gives up the SAN (at 90% of the range taken,
+/// one connection in thirty).
+const TRIES: usize = 32;
 
 /// The automatic port range and the reserved ports, read once.
 struct Ports {
@@ -129,20 +134,21 @@ fn bind_to(fd: c_int, address: SocketAddr) -> Result<(), i32> {
 /// Binds the unbound socket `fd` to `source` and a free ephemeral port; false when no port
 /// could be had (the connection then stays on TCP and `connect` picks its own).
 pub(super) fn bind_ephemeral(fd: c_int, source: IpAddr) -> bool {
-    if let Some(ports) = ports() {
-        for _ in 0..TRIES {
-            let port = ports.pick(next_random());
-            if ports.is_reserved(port) {
-                continue;
-            }
-            match bind_to(fd, SocketAddr::new(source, port)) {
-                Ok(()) => return true,
-                Err(libc::EADDRINUSE) => continue,
-                Err(_) => break,
-            }
+    let Some(ports) = ports() else {
+        return bind_to(fd, SocketAddr::new(source, 0)).is_ok();
+    };
+    for _ in 0..TRIES {
+        let port = ports.pick(next_random());
+        if ports.is_reserved(port) {
+            continue;
+        }
+        match bind_to(fd, SocketAddr::new(source, port)) {
+            Ok(()) => return true,
+            Err(libc::EADDRINUSE) => continue,
+            Err(_) => return false,
         }
     }
-    bind_to(fd, SocketAddr::new(source, 0)).is_ok()
+    false
 }
 
 #[cfg(test)]

@@ -299,7 +299,9 @@ pub fn before_connect(
         };
         if local.port() == 0 {
             if !ephemeral::bind_ephemeral(fd, source) {
-                return ClientPlan::Failed;
+                // The port range is (nearly) full: TCP's own choice may reuse a port.
+                COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
+                return ClientPlan::Resources;
             }
             match socket_name(fd) {
                 Some(bound) => local = bound,
