@@ -179,7 +179,7 @@ pub const KNOBS: &[Knob] = &[
         name: POLL_US,
         values: "0..=1000",
         default: "50",
-        effect: "longest time an epoll wait looks for the next message of a SAN socket it just reported, before it sleeps (adaptive below it; 0: never); not read when privileged",
+        effect: "longest time an epoll, poll or select wait looks for the next message of a SAN socket a read just emptied, before it sleeps (adaptive below it; 0: never); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -401,8 +401,8 @@ const DEFAULT_POLL_US: u32 = 50;
 
 static POLL: AtomicU32 = AtomicU32::new(DEFAULT_POLL_US);
 
-/// Longest time, in microseconds, an epoll wait looks at the SAN sockets whose data it just
-/// handed out for their next message before it sleeps (0: never). Waking a sleeping thread
+/// Longest time, in microseconds, an epoll, poll or select wait looks at the SAN sockets a
+/// read just emptied for their next message before it sleeps (0: never). Waking a sleeping thread
 /// costs tens of microseconds on virtual machines, more than a request/response round trip
 /// over shared memory; the wait adapts below this bound to how often looking pays off.
 pub fn poll_us() -> u32 {
