@@ -13,12 +13,14 @@ use crate::track::{note_registration, record_of, track_epoll_instance, tracked};
 use crate::{errno, real};
 
 /// A poll-style wait (`poll`, `ppoll`, and `select`/`pselect` carried out as a poll) with
-/// SAN sockets alive. Every kernel wait (`call`, given how long it may last) watches the
-/// switched SAN sockets of the set through their mirrors (`san::poll_fds`; the application's
-/// entries are restored and corrected before the call returns) and lasts at most one slice
-/// (see [`crate::settings::wait_slice_ms`]), after which every SAN socket is serviced. Reports
-/// that were only a mirror's handshake or credit token are dropped, and a wait left with no
-/// report goes on until `timeout` (`None`: none).
+/// SAN sockets alive. Every kernel wait (`call`, given how long it may last, `None`: without
+/// end) watches the switched SAN sockets of the set through their mirrors (`san::poll_fds`;
+/// the application's entries are restored and corrected before the call returns). Unless the
+/// caller gives a signal mask for the kernel waits (`sliced` false: between two slices the
+/// thread's own mask would let in what the caller's keeps out), a kernel wait lasts at most one
+/// slice (see [`crate::settings::wait_slice_ms`]), after which every SAN socket is serviced.
+/// Reports that were only a mirror's handshake or credit token are dropped, and a wait left
+/// with no report goes on until `timeout` (`None`: none).
 ///
 /// A wait that begins with a SAN socket's mirror left raised by lazy lowering returns from the
 /// kernel at once; as an epoll wait does, it then looks for that socket's next message before
@@ -37,7 +39,8 @@ unsafe fn poll_with_san(
     fds: *mut libc::pollfd,
     nfds: libc::nfds_t,
     timeout: Option<Duration>,
-    mut call: impl FnMut(Duration) -> c_int,
+    sliced: bool,
+    mut call: impl FnMut(Option<Duration>) -> c_int,
 ) -> c_int {
     let entries: &mut [libc::pollfd] = if fds.is_null() || nfds == 0 {
         &mut []
@@ -48,7 +51,7 @@ unsafe fn poll_with_san(
     let start = Instant::now();
     // (A timeout past what an `Instant` can hold waits for ever.)
     let deadline = timeout.and_then(|t| start.checked_add(t));
-    let slice = crate::settings::wait_slice();
+    let slice = sliced.then(crate::settings::wait_slice);
     let mut serviced = start;
     let mut deferred = crate::san::Deferred::default();
     // This wait's look, if it gets to one (never with a zero timeout).
@@ -61,11 +64,13 @@ unsafe fn poll_with_san(
     loop {
         let rescanning = core::mem::take(&mut rescan);
         let wait = if rescanning {
-            Duration::ZERO
+            Some(Duration::ZERO)
         } else {
-            deadline.map_or(slice, |d| {
-                d.saturating_duration_since(Instant::now()).min(slice)
-            })
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            match (left, slice) {
+                (Some(left), Some(slice)) => Some(left.min(slice)),
+                (left, slice) => left.or(slice),
+            }
         };
         // (A panic of ours: the call goes on with the array as it stands.)
         // Only the first kernel wait may be followed by a look (see above).
@@ -122,7 +127,7 @@ unsafe fn poll_with_san(
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return 0;
         }
-        if (rc == 0 && !rescanning) || serviced.elapsed() >= slice {
+        if (rc == 0 && !rescanning) || slice.is_some_and(|slice| serviced.elapsed() >= slice) {
             let _ = guard::contained(crate::san::service_all);
             serviced = Instant::now();
         }
@@ -145,12 +150,25 @@ unsafe fn requested_wait(timeout: *const libc::timespec) -> Option<Option<Durati
     valid.then(|| Some(Duration::new(t.tv_sec as u64, t.tv_nsec as u32)))
 }
 
-/// `wait` as a `timespec` (for `ppoll`).
-fn timespec_of(wait: Duration) -> libc::timespec {
-    libc::timespec {
+/// `ppoll` for `wait` (`None`: without end).
+///
+/// # Safety
+/// `fds` must point to `nfds` pollfds (or be null with `nfds == 0`), `sigmask` null or valid.
+unsafe fn ppoll_for(
+    fds: *mut libc::pollfd,
+    nfds: libc::nfds_t,
+    wait: Option<Duration>,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    let spec = wait.map(|wait| libc::timespec {
         tv_sec: wait.as_secs().min(libc::time_t::MAX as u64) as libc::time_t,
         tv_nsec: wait.subsec_nanos() as libc::c_long,
-    }
+    });
+    let spec = spec
+        .as_ref()
+        .map_or(core::ptr::null(), |spec| spec as *const libc::timespec);
+    // SAFETY: per the contract; `spec` null or our timespec.
+    unsafe { real::ppoll(fds, nfds, spec, sigmask) }
 }
 
 /// `poll(2)`: SAN sockets are watched through their mirrors.
@@ -166,10 +184,12 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
     let timeout = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
     // SAFETY: forwarded; `fds` is the caller's array.
     unsafe {
-        poll_with_san(fds, nfds, timeout, |wait| {
+        poll_with_san(fds, nfds, timeout, true, |wait| {
             // Rounded up, as the kernel rounds a timeout: the last sub-millisecond of a wait
             // sleeps instead of returning at once.
-            let ms = wait.as_nanos().div_ceil(1_000_000).min(c_int::MAX as u128) as c_int;
+            let ms = wait.map_or(-1, |wait| {
+                wait.as_nanos().div_ceil(1_000_000).min(c_int::MAX as u128) as c_int
+            });
             real::poll(fds, nfds, ms)
         })
     }
@@ -192,8 +212,8 @@ pub unsafe fn ppoll(
         if let Some(timeout) = unsafe { requested_wait(timeout) } {
             // SAFETY: forwarded; `fds` is the caller's array.
             return unsafe {
-                poll_with_san(fds, nfds, timeout, |wait| {
-                    real::ppoll(fds, nfds, &timespec_of(wait), sigmask)
+                poll_with_san(fds, nfds, timeout, sigmask.is_null(), |wait| {
+                    ppoll_for(fds, nfds, wait, sigmask)
                 })
             };
         }
@@ -225,8 +245,8 @@ unsafe fn select_with_san(
     let (set, len) = (pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t);
     // SAFETY: our own set of `len` entries.
     let rc = unsafe {
-        poll_with_san(set, len, timeout, |wait| {
-            real::ppoll(set, len, &timespec_of(wait), sigmask)
+        poll_with_san(set, len, timeout, sigmask.is_null(), |wait| {
+            ppoll_for(set, len, wait, sigmask)
         })
     };
     if rc < 0 {
