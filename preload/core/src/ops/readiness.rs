@@ -24,9 +24,11 @@ use crate::{errno, real};
 ///
 /// A wait that begins with a SAN socket's mirror left raised by lazy lowering returns from the
 /// kernel at once; as an epoll wait does, it then looks for that socket's next message before
-/// it sleeps (`san::look_for_news`, same budget and [`LookPolicy`]). Found, the set is polled
-/// once more with a zero timeout, so every entry reports what the kernel reports after the
-/// arrival; not found, the mirror is lowered and the wait sleeps. Only that first kernel wait
+/// it sleeps (`san::look_for_news`, same budget and [`LookPolicy`]). Found, the wait reports
+/// `POLLIN` for the sockets found when that is exactly what the kernel would report
+/// (`san::hand_out_input`), else polls the set once more with a zero timeout, so every entry
+/// reports what the kernel reports after the arrival; not found, the mirror is lowered and the
+/// wait sleeps. Only that first kernel wait
 /// may be followed by a look: until it returned the call had not slept, so a signal whose
 /// handler runs during the look is one that came before the call (the wait then goes on, as
 /// the kernel's would), and one held back (blocked, or kept out by `ppoll`'s mask) reaches
@@ -114,6 +116,10 @@ unsafe fn poll_with_san(
                 note_look(true, looked.in_time);
                 if looked.found == 0 {
                     let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                } else if let Some(ready) =
+                    guard::contained(|| crate::san::hand_out_input(&deferred, entries)).flatten()
+                {
+                    return ready as c_int;
                 }
                 deferred.clear();
                 if looked.found > 0 {

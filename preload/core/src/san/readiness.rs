@@ -393,11 +393,55 @@ pub fn look_for_messages(
 }
 
 /// A poll's or select's `look`, ended by the first deferred socket with news. The wait
-/// then polls its whole set again with a zero timeout, so that every entry, the socket's
-/// and those of the other descriptors, reports what the kernel reports after the arrival
-/// (a readiness another descriptor gained before it included).
+/// then reports it directly where that is exact ([`hand_out_input`]), else polls its whole set
+/// again with a zero timeout, so that every entry, the socket's and those of the other
+/// descriptors, reports what the kernel reports after the arrival (a readiness another
+/// descriptor gained before it included).
 pub fn look_for_news(deferred: &Deferred, budget: std::time::Duration) -> Looked {
     look(deferred, budget, |_, _, _| false)
+}
+
+/// After a poll's look found news: when every descriptor of the set (`fds`) is a deferred
+/// socket polled for input alone, and what each has now is plain input (see
+/// `SanSocket::plain_input`: bytes, no FIN, error or shutdown), the kernel would report
+/// exactly `POLLIN` for those with input and nothing for the others. Their entries are then
+/// set so and the count returned, without another kernel call; `None`: poll the set again.
+pub fn hand_out_input(deferred: &Deferred, fds: &mut [libc::pollfd]) -> Option<usize> {
+    let positions = || {
+        deferred.events[..deferred.len]
+            .iter()
+            .map(|e| e.u64 as usize)
+    };
+    let watched = fds.iter().filter(|entry| entry.fd >= 0).count();
+    if watched != deferred.len
+        || positions().any(|p| {
+            fds.get(p)
+                .is_none_or(|e| e.fd < 0 || e.events & !libc::POLLIN != 0)
+        })
+    {
+        return None;
+    }
+    let mut ready = [false; DEFERRED];
+    for (slot, &index) in deferred.indices().iter().enumerate() {
+        if orphaned(index) {
+            return None;
+        }
+        let guard = lock(index);
+        let Some(SanObject::Socket(socket)) = guard.as_ref() else {
+            return None;
+        };
+        let readiness = socket.readiness();
+        ready[slot] = socket.plain_input();
+        if !ready[slot] && (readiness.readable || readiness.read_hup || readiness.error) {
+            return None;
+        }
+    }
+    let mut count = 0;
+    for (slot, position) in positions().enumerate() {
+        fds[position].revents = if ready[slot] { libc::POLLIN } else { 0 };
+        count += usize::from(ready[slot]);
+    }
+    (count > 0).then_some(count)
 }
 
 /// Lowers the deferred sockets that still have nothing to read, before the wait sleeps.

@@ -176,6 +176,17 @@ impl SanSocket {
             && !self.tcp_bytes_pending()
     }
 
+    /// What a TCP socket polled for input alone reports now is exactly `POLLIN`: bytes to read,
+    /// and no FIN, error or shutdown of ours (which add or change other bits).
+    pub(crate) fn plain_input(&self) -> bool {
+        let readiness = self.readiness();
+        (readiness.readable || self.tcp_bytes_pending())
+            && !readiness.read_hup
+            && !readiness.error
+            && !self.write_shut
+            && !self.peer_closed_gracefully()
+    }
+
     /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
     pub(super) fn raise_own_mirror(&self) {
         let Some(conn) = self.conn.as_ref().filter(|conn| !conn.is_intra_host()) else {
