@@ -946,6 +946,368 @@ fn poll_and_select() -> CaseResult {
     ))
 }
 
+/// A `select()` over `read` and `write` (descriptors below `FD_SETSIZE`) with a timeout in
+/// microseconds: its result, which of `read` and `write` it left set (`r`/`w` per descriptor,
+/// `-` for cleared), and whether the time not waited it wrote back is `0` or `left` (more than
+/// zero, less than asked).
+fn select_sets(read: &[c_int], write: &[c_int], timeout_us: i64) -> String {
+    // SAFETY: zeroed fd_sets are valid; FD_SET on them with descriptors below FD_SETSIZE.
+    let (mut read_set, mut write_set): (libc::fd_set, libc::fd_set) =
+        unsafe { (zeroed(), zeroed()) };
+    for &fd in read {
+        // SAFETY: as above.
+        unsafe { libc::FD_SET(fd, &mut read_set) };
+    }
+    for &fd in write {
+        // SAFETY: as above.
+        unsafe { libc::FD_SET(fd, &mut write_set) };
+    }
+    let nfds = read.iter().chain(write).max().map_or(0, |fd| fd + 1);
+    let mut timeout = libc::timeval {
+        tv_sec: timeout_us / 1_000_000,
+        tv_usec: timeout_us % 1_000_000,
+    };
+    // SAFETY: live sets and timeval.
+    let rc = unsafe {
+        libc::select(
+            nfds,
+            &mut read_set,
+            &mut write_set,
+            null_mut(),
+            &mut timeout,
+        )
+    };
+    let result = outcome(rc as isize);
+    let marks = |fds: &[c_int], set: &libc::fd_set, mark: char| -> String {
+        fds.iter()
+            .map(|&fd| {
+                // SAFETY: live sets, descriptors below FD_SETSIZE.
+                if unsafe { libc::FD_ISSET(fd, set) } {
+                    mark
+                } else {
+                    '-'
+                }
+            })
+            .collect()
+    };
+    let left_us = timeout.tv_sec * 1_000_000 + timeout.tv_usec;
+    let left = if left_us == 0 {
+        "0"
+    } else if left_us > 0 && left_us < timeout_us {
+        "left"
+    } else {
+        "unchanged"
+    };
+    format!(
+        "{result} {}/{} {left}",
+        marks(read, &read_set, 'r'),
+        marks(write, &write_set, 'w')
+    )
+}
+
+/// A pipe: (read end, write end).
+fn pipe_pair() -> Result<(Fd, Fd), String> {
+    let mut ends = [0; 2];
+    check(
+        // SAFETY: pipe2 writes two descriptors into `ends`.
+        unsafe { libc::pipe2(ends.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } as isize,
+        "pipe2",
+    )?;
+    Ok((Fd(ends[0]), Fd(ends[1])))
+}
+
+/// Writes `bytes` to `server`, reads them back and reads once more (`EAGAIN`): the state a
+/// reader that waits in poll() for its next message is in (over the SAN the mirror may be
+/// left raised, lazily, with nothing to read).
+fn drain_after(client: &Fd, server: &Fd, bytes: &[u8]) -> Result<String, String> {
+    write_all(client.raw(), bytes)?;
+    wait_for(server.raw(), libc::POLLIN, 2000)?;
+    let (n, _) = read_some(server.raw(), 256);
+    Ok(format!(
+        "read {n} then {}",
+        outcome(read_some(server.raw(), 256).0)
+    ))
+}
+
+/// Poll and select on a socket whose queue a read just emptied (over the SAN its mirror may be
+/// left raised by lazy lowering): no readiness without data, timeouts that run out, negative
+/// descriptors ignored, select's sets rewritten and its time not waited written back.
+fn poll_and_select_after_drain() -> CaseResult {
+    let (client, server) = pair()?;
+    set_nonblocking(server.raw())?;
+    let mut report = Vec::new();
+    for round in 0..3 {
+        let drained = drain_after(&client, &server, format!("request {round}").as_bytes())?;
+        let now = revents_text(poll_one(server.raw(), libc::POLLIN, 0)?);
+        let later = revents_text(poll_one(server.raw(), libc::POLLIN | libc::POLLRDHUP, 30)?);
+        let selected_now = select_sets(&[server.raw()], &[], 0);
+        let selected_later = select_sets(&[server.raw()], &[server.raw()], 30_000);
+        let selected_idle = select_sets(&[server.raw()], &[], 30_000);
+        report.push(format!(
+            "{drained}; poll {now}/{later}; select {selected_now}, {selected_later}, {selected_idle}"
+        ));
+    }
+    // A drained socket beside a ready pipe and two entries the kernel ignores.
+    let (pipe_read, pipe_write) = pipe_pair()?;
+    report.push(drain_after(&client, &server, b"again")?);
+    write_all(pipe_write.raw(), b"p")?;
+    let mut fds = [
+        libc::pollfd {
+            fd: -1,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: server.raw(),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: pipe_read.raw(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: -7,
+            events: libc::POLLOUT,
+            revents: 0,
+        },
+    ];
+    // SAFETY: a live array of four entries.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 4, 2000) };
+    let revents: Vec<_> = fds.iter().map(|f| revents_text(f.revents)).collect();
+    let selected = select_sets(&[server.raw(), pipe_read.raw()], &[server.raw()], 2_000_000);
+    // The timeout of ppoll: nothing comes.
+    let mut one = libc::pollfd {
+        fd: server.raw(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let timeout = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 30_000_000,
+    };
+    // SAFETY: live pollfd and timespec, no mask.
+    let ppolled = outcome(unsafe { libc::ppoll(&mut one, 1, &timeout, null()) } as isize);
+    report.push(format!(
+        "poll {} [{}], select {selected}, ppoll {ppolled} {}",
+        outcome(rc as isize),
+        revents.join(" "),
+        revents_text(one.revents)
+    ));
+    Ok(report.join("; "))
+}
+
+static POLL_SIGNALS: AtomicUsize = AtomicUsize::new(0);
+
+extern "C" fn count_usr1(_: c_int) {
+    POLL_SIGNALS.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Runs `act` on a helper thread right after this thread announces, through the returned
+/// closure, that it is about to wait: the arrival then lands while the wait begins (over the
+/// SAN: while it looks for the next message before sleeping).
+fn soon(
+    act: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> (impl FnOnce(), std::thread::JoinHandle<Result<(), String>>) {
+    let go = std::sync::Arc::new(AtomicBool::new(false));
+    let seen = go.clone();
+    let helper = std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        // Bounded: the waiting thread announces itself at once.
+        while !seen.load(Ordering::Acquire) {
+            if start.elapsed() > Duration::from_secs(5) {
+                return Err("the waiter never started".to_string());
+            }
+            std::hint::spin_loop();
+        }
+        // A few microseconds into the wait.
+        let begun = std::time::Instant::now();
+        while begun.elapsed() < Duration::from_micros(5) {
+            std::hint::spin_loop();
+        }
+        act()
+    });
+    (move || go.store(true, Ordering::Release), helper)
+}
+
+fn sigset_of(signals: &[c_int]) -> libc::sigset_t {
+    // SAFETY: sigemptyset initialises the set; sigaddset with valid signals.
+    unsafe {
+        let mut set: libc::sigset_t = zeroed();
+        libc::sigemptyset(&mut set);
+        for &signal in signals {
+            libc::sigaddset(&mut set, signal);
+        }
+        set
+    }
+}
+
+/// Arrivals while poll, select, ppoll and pselect wait on a socket whose queue a read just
+/// emptied: a message, a message beside a descriptor that stays silent, a FIN, and signals
+/// that ppoll's and pselect's masks hold back or let in.
+fn poll_and_select_arrivals() -> CaseResult {
+    let (client, server) = pair()?;
+    set_nonblocking(server.raw())?;
+    let (pipe_read, _pipe_write) = pipe_pair()?;
+    let client_fd = client.raw();
+    let mut report = Vec::new();
+
+    report.push(drain_after(&client, &server, b"first")?);
+    let (begin, helper) = soon(move || write_all(client_fd, b"message"));
+    begin();
+    let polled = poll_one(server.raw(), libc::POLLIN, 2000);
+    join(helper)?;
+    report.push(format!(
+        "poll {} {:?}",
+        revents_text(polled?),
+        read_text(server.raw())?
+    ));
+
+    report.push(drain_after(&client, &server, b"second")?);
+    let mut fds = [
+        libc::pollfd {
+            fd: pipe_read.raw(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: server.raw(),
+            events: libc::POLLIN | libc::POLLOUT,
+            revents: 0,
+        },
+    ];
+    // Writable at once: the wait returns at once, without reporting input.
+    // SAFETY: a live array of two entries.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, 2000) };
+    report.push(format!(
+        "poll in+out {} [{} {}]",
+        outcome(rc as isize),
+        revents_text(fds[0].revents),
+        revents_text(fds[1].revents)
+    ));
+    fds[1].events = libc::POLLIN;
+    let (begin, helper) = soon(move || write_all(client_fd, b"pair"));
+    begin();
+    // SAFETY: as above.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, 2000) };
+    join(helper)?;
+    report.push(format!(
+        "poll pair {} [{} {}] {:?}",
+        outcome(rc as isize),
+        revents_text(fds[0].revents),
+        revents_text(fds[1].revents),
+        read_text(server.raw())?
+    ));
+
+    report.push(drain_after(&client, &server, b"third")?);
+    let (begin, helper) = soon(move || write_all(client_fd, b"selected"));
+    begin();
+    let selected = select_sets(&[pipe_read.raw(), server.raw()], &[], 2_000_000);
+    join(helper)?;
+    report.push(format!("select {selected} {:?}", read_text(server.raw())?));
+
+    // ppoll whose mask holds SIGUSR1 back: the handler runs only once the call returned.
+    // SAFETY: installing a handler of ours (the default is put back below).
+    unsafe {
+        let mut action: libc::sigaction = zeroed();
+        action.sa_sigaction = count_usr1 as *const () as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(libc::SIGUSR1, &action, null_mut());
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let target = unsafe { libc::pthread_self() };
+    let target = target as usize;
+    report.push(drain_after(&client, &server, b"fourth")?);
+    let (begin, helper) = soon(move || {
+        // SAFETY: the target thread outlives this helper (joined below).
+        unsafe { libc::pthread_kill(target as libc::pthread_t, libc::SIGUSR1) };
+        write_all(client_fd, b"masked")
+    });
+    let hold_usr1 = sigset_of(&[libc::SIGUSR1]);
+    let mut one = libc::pollfd {
+        fd: server.raw(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let timeout = libc::timespec {
+        tv_sec: 2,
+        tv_nsec: 0,
+    };
+    begin();
+    // SAFETY: live pollfd, timespec and mask.
+    let rc = unsafe { libc::ppoll(&mut one, 1, &timeout, &hold_usr1) };
+    join(helper)?;
+    // Whether the signal came before the call or during it, its handler has run by now.
+    report.push(format!(
+        "ppoll {} {} signals {} {:?}",
+        outcome(rc as isize),
+        revents_text(one.revents),
+        POLL_SIGNALS.load(Ordering::SeqCst),
+        read_text(server.raw())?
+    ));
+
+    // pselect whose mask lets in SIGUSR1, which this thread blocks: EINTR.
+    report.push(drain_after(&client, &server, b"fifth")?);
+    let blocked = sigset_of(&[libc::SIGUSR1]);
+    // SAFETY: a valid set; the previous mask is not needed (restored as empty below).
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &blocked, null_mut()) };
+    let before = POLL_SIGNALS.load(Ordering::SeqCst);
+    let (begin, helper) = soon(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        // SAFETY: as above.
+        unsafe { libc::pthread_kill(target as libc::pthread_t, libc::SIGUSR1) };
+        Ok(())
+    });
+    let let_in = sigset_of(&[]);
+    // SAFETY: zeroed fd_set; the server's descriptor is below FD_SETSIZE.
+    let mut set: libc::fd_set = unsafe { zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::FD_SET(server.raw(), &mut set) };
+    begin();
+    // SAFETY: live set, timespec and mask.
+    let rc = unsafe {
+        libc::pselect(
+            server.raw() + 1,
+            &mut set,
+            null_mut(),
+            null_mut(),
+            &timeout,
+            &let_in,
+        )
+    };
+    let interrupted = outcome(rc as isize);
+    join(helper)?;
+    // SAFETY: as above.
+    unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &blocked, null_mut()) };
+    // SAFETY: the default disposition back.
+    unsafe { libc::signal(libc::SIGUSR1, libc::SIG_DFL) };
+    report.push(format!(
+        "pselect {interrupted} signals {}",
+        POLL_SIGNALS.load(Ordering::SeqCst) - before
+    ));
+
+    // The peer's FIN arrives.
+    report.push(drain_after(&client, &server, b"last")?);
+    let (begin, helper) = soon(move || {
+        // SAFETY: a valid socket.
+        check(
+            unsafe { libc::shutdown(client_fd, libc::SHUT_WR) } as isize,
+            "shutdown",
+        )
+        .map(|_| ())
+    });
+    begin();
+    let fin = poll_one(server.raw(), libc::POLLIN | libc::POLLRDHUP, 2000);
+    join(helper)?;
+    report.push(format!(
+        "fin {} then {}",
+        revents_text(fin?),
+        outcome(read_some(server.raw(), 256).0)
+    ));
+    Ok(report.join("; "))
+}
+
 extern "C" {
     // glibc's FORTIFY_SOURCE entry points (debug/poll_chk.c, debug/ppoll_chk.c): what `poll`
     // and `ppoll` become in a program built with `-D_FORTIFY_SOURCE=2` when the compiler knows
@@ -2554,6 +2916,8 @@ const CASES: &[Case] = &[
         epoll_level_triggered_after_drain,
     ),
     ("poll-and-select", poll_and_select),
+    ("poll-and-select-arrivals", poll_and_select_arrivals),
+    ("poll-and-select-after-drain", poll_and_select_after_drain),
     ("fortify-poll", fortify_poll),
     ("fortify-poll-overflow", fortify_poll_overflow),
     ("eintr", eintr),

@@ -12,6 +12,16 @@ pub fn note_process_id() {
     PROCESS_ID.store(unsafe { libc::getpid() }, Ordering::Relaxed);
 }
 
+/// This process's id, as noted at init and after each `fork` (no system call; before init,
+/// `getpid`). A `vfork` child, whose hooks leave the SAN state alone, reads its parent's.
+pub fn id() -> u32 {
+    match PROCESS_ID.load(Ordering::Relaxed) {
+        // SAFETY: getpid has no preconditions.
+        0 => unsafe { libc::getpid() as u32 },
+        pid => pid as u32,
+    }
+}
+
 /// True in a `vfork` child: it runs on its parent's memory, whose SAN state it must not touch.
 pub fn in_vfork_child() -> bool {
     let noted = PROCESS_ID.load(Ordering::Relaxed);

@@ -181,14 +181,14 @@ pub const KNOBS: &[Knob] = &[
         name: POLL_US,
         values: "0..=1000",
         default: "50",
-        effect: "longest time an epoll wait looks for the next message of a SAN socket it just reported, before it sleeps (adaptive below it; 0: never); not read when privileged",
+        effect: "longest time an epoll, poll or select wait looks for the next message of a SAN socket a read just emptied, before it sleeps (adaptive below it; 0: never); not read when privileged",
         privileged: false,
     },
     Knob {
         name: SHORT_CONNECTION_BYTES,
         values: "0..=1073741824",
         default: "1024",
-        effect: "a client's connections to a server that carried fewer bytes (both ways) are short: while most of its recent ones were, new connections to it stay on TCP, sparing the SAN set-up they could not pay back (0: always set up); not read when privileged",
+        effect: "a client's connection that carried fewer bytes (both ways) is short; while two more of its recent connections to a server were short than long, new ones to that server stay on TCP, sparing the SAN set-up they could not pay back (0: always set up); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -418,8 +418,8 @@ const DEFAULT_POLL_US: u32 = 50;
 
 static POLL: AtomicU32 = AtomicU32::new(DEFAULT_POLL_US);
 
-/// Longest time, in microseconds, an epoll wait looks at the SAN sockets whose data it just
-/// handed out for their next message before it sleeps (0: never). Waking a sleeping thread
+/// Longest time, in microseconds, an epoll, poll or select wait looks at the SAN sockets a
+/// read just emptied for their next message before it sleeps (0: never). Waking a sleeping thread
 /// costs tens of microseconds on virtual machines, more than a request/response round trip
 /// over shared memory; the wait adapts below this bound to how often looking pays off.
 pub fn poll_us() -> u32 {

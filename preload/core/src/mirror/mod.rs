@@ -230,7 +230,8 @@ impl MirrorWords {
             && self.progress_wanted.swap(0, Ordering::AcqRel) != 0
     }
 
-    /// Whether the watched end is raised readable (unclaimed tokens counted; diagnostics).
+    /// Whether the watched end is raised readable (unclaimed tokens counted): a poll that
+    /// begins with it raised returns at once.
     pub fn is_readable_raised(&self) -> bool {
         self.readable.load(Ordering::Relaxed) != 0
     }

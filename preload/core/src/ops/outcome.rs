@@ -65,7 +65,7 @@ impl CReturn for c_int {
 }
 
 impl<T> Outcome<T> {
-    /// The SAN path's answer (`san::send_iov`, `san::recv_iov`, `san::select_via_poll`):
+    /// The SAN path's answer (`san::send_iov`, `san::recv_iov`, `san::select_results`):
     /// `None` means the real call, for the reason `none` (what that SAN function's `None`
     /// says); the value or the errno carries over as it is.
     #[inline]

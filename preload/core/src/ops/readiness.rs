@@ -2,6 +2,7 @@
 //! their mirrors) and the FORTIFY forms of `poll`.
 
 use core::ffi::c_int;
+use std::time::{Duration, Instant};
 
 use libc::size_t;
 
@@ -11,43 +12,171 @@ use crate::record::flags;
 use crate::track::{note_registration, record_of, track_epoll_instance, tracked};
 use crate::{errno, real};
 
-/// Runs a poll-style call with every switched SAN socket in `fds` replaced by its mirror's watched end
-/// for the duration of the call (the application's array is restored before returning).
+/// A poll-style wait (`poll`, `ppoll`, and `select`/`pselect` carried out as a poll) with
+/// SAN sockets alive. Every kernel wait (`call`, given how long it may last, `None`: without
+/// end) watches the switched SAN sockets of the set through their mirrors (`san::poll_fds`;
+/// the application's entries are restored and corrected before the call returns). Unless the
+/// caller gives a signal mask for the kernel waits (`sliced` false: between two slices the
+/// thread's own mask would let in what the caller's keeps out), a kernel wait lasts at most one
+/// slice (see [`crate::settings::wait_slice_ms`]), after which every SAN socket is serviced.
+/// Reports that were only a mirror's handshake or credit token are dropped, and a wait left
+/// with no report goes on until `timeout` (`None`: none).
+///
+/// A wait that begins with a SAN socket's mirror left raised by lazy lowering returns from the
+/// kernel at once; as an epoll wait does, it then looks for that socket's next message before
+/// it sleeps (`san::look_for_news`, same budget and [`LookPolicy`]). Found, the wait reports
+/// `POLLIN` for the sockets found when that is exactly what the kernel would report
+/// (`san::hand_out_input`), else polls the set once more with a zero timeout, so every entry
+/// reports what the kernel reports after the arrival; not found, the mirror is lowered and the
+/// wait sleeps. Only that first kernel wait
+/// may be followed by a look: until it returned the call had not slept, so a signal whose
+/// handler runs during the look is one that came before the call (the wait then goes on, as
+/// the kernel's would), and one held back (blocked, or kept out by `ppoll`'s mask) reaches
+/// the kernel wait that follows. A zero timeout never looks, and no look outlasts `timeout`.
 ///
 /// # Safety
 /// `fds` must point to `nfds` pollfds (or be null with `nfds == 0`).
 #[inline(always)]
-unsafe fn with_mirrors(
+unsafe fn poll_with_san(
     fds: *mut libc::pollfd,
     nfds: libc::nfds_t,
-    mut call: impl FnMut() -> c_int,
+    timeout: Option<Duration>,
+    sliced: bool,
+    mut call: impl FnMut(Option<Duration>) -> c_int,
 ) -> c_int {
-    if crate::san::live_sockets() == 0 || fds.is_null() || nfds == 0 || guard::is_inside() {
-        return call();
-    }
-    // SAFETY: the caller's array of `nfds` entries.
-    let entries = unsafe { core::slice::from_raw_parts_mut(fds, nfds as usize) };
+    let entries: &mut [libc::pollfd] = if fds.is_null() || nfds == 0 {
+        &mut []
+    } else {
+        // SAFETY: the caller's array of `nfds` entries.
+        unsafe { core::slice::from_raw_parts_mut(fds, nfds as usize) }
+    };
+    let start = Instant::now();
+    // (A timeout past what an `Instant` can hold waits for ever.)
+    let deadline = timeout.and_then(|t| start.checked_add(t));
+    let slice = sliced.then(crate::settings::wait_slice);
+    let mut serviced = start;
+    let mut deferred = crate::san::Deferred::default();
+    // This wait's look, if it gets to one (never with a zero timeout).
+    let mut budget = if timeout == Some(Duration::ZERO) {
+        Duration::ZERO
+    } else {
+        look_budget(deadline)
+    };
+    let mut rescan = false;
     loop {
+        let rescanning = core::mem::take(&mut rescan);
+        let wait = if rescanning {
+            Some(Duration::ZERO)
+        } else {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            match (left, slice) {
+                (Some(left), Some(slice)) => Some(left.min(slice)),
+                (left, slice) => left.or(slice),
+            }
+        };
         // (A panic of ours: the call goes on with the array as it stands.)
-        let saved = guard::contained(|| crate::san::poll_fds(entries, None)).unwrap_or_default();
-        let rc = call();
-        if saved.is_empty() {
-            return rc;
-        }
+        // Only the first kernel wait may be followed by a look (see above).
+        let budget = core::mem::take(&mut budget);
+        let swapped = guard::contained(|| crate::san::poll_fds(entries, !budget.is_zero()))
+            .unwrap_or_default();
+        let rc = call(wait);
         let _errno = errno::Preserved::save();
-        if guard::contained(|| crate::san::poll_fds(entries, Some(&saved))).is_none() {
+        let look = !budget.is_zero() && swapped.raised && rc > 0;
+        if !swapped.saved.is_empty() {
+            let restored = guard::contained(|| {
+                crate::san::unpoll_fds(entries, &swapped.saved, look.then_some(&mut deferred))
+            });
+            if restored.is_none() {
+                return rc;
+            }
+        }
+        if rc < 0 {
             return rc;
         }
-        if rc <= 0 {
-            return rc;
+        if rc > 0 {
+            let ready = if swapped.saved.is_empty() {
+                rc
+            } else {
+                entries.iter().filter(|e| e.revents != 0).count() as c_int
+            };
+            if ready > 0 {
+                // Real reports to hand out: the sockets raised without data are lowered now.
+                if !deferred.is_empty() {
+                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                    deferred.clear();
+                }
+                return ready;
+            }
+            if !deferred.is_empty() {
+                // Only sockets raised without data: look for their next message before
+                // sleeping (within the caller's timeout).
+                let budget = look_budget_within(budget, deadline);
+                let looked = guard::contained(|| crate::san::look_for_news(&deferred, budget))
+                    .unwrap_or_default();
+                // (Only a find in time pays: a poll waiter whose peer needs its CPU gains
+                // nothing by looking, and its looks must stop.)
+                note_look(true, looked.in_time);
+                if looked.found == 0 {
+                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                } else if let Some(ready) =
+                    guard::contained(|| crate::san::hand_out_input(&deferred, entries)).flatten()
+                {
+                    return ready as c_int;
+                }
+                deferred.clear();
+                if looked.found > 0 {
+                    rescan = true;
+                    continue;
+                }
+            }
         }
-        let ready = entries.iter().filter(|e| e.revents != 0).count() as c_int;
-        if ready > 0 {
-            return ready;
+        // Nothing to report (the slice ended, or every report was dropped): wait on until
+        // the deadline, servicing every SAN socket once per slice of waiting.
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return 0;
         }
-        // Every report was a spurious mirror token (now lowered): wait again. The timeout
-        // restarts, so such a wait can last longer than asked (documented).
+        if (rc == 0 && !rescanning) || slice.is_some_and(|slice| serviced.elapsed() >= slice) {
+            let _ = guard::contained(crate::san::service_all);
+            serviced = Instant::now();
+        }
     }
+}
+
+/// The longest wait a `timespec` timeout asks for: `Some(None)` for none (null), `None` for
+/// one the kernel refuses (a negative field, or nanoseconds past a second), which the real
+/// call then answers with `EINVAL`.
+///
+/// # Safety
+/// `timeout` must be null or valid.
+unsafe fn requested_wait(timeout: *const libc::timespec) -> Option<Option<Duration>> {
+    if timeout.is_null() {
+        return Some(None);
+    }
+    // SAFETY: a valid timespec per the contract.
+    let t = unsafe { timeout.read_unaligned() };
+    let valid = t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec);
+    valid.then(|| Some(Duration::new(t.tv_sec as u64, t.tv_nsec as u32)))
+}
+
+/// `ppoll` for `wait` (`None`: without end).
+///
+/// # Safety
+/// `fds` must point to `nfds` pollfds (or be null with `nfds == 0`), `sigmask` null or valid.
+unsafe fn ppoll_for(
+    fds: *mut libc::pollfd,
+    nfds: libc::nfds_t,
+    wait: Option<Duration>,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    let spec = wait.map(|wait| libc::timespec {
+        tv_sec: wait.as_secs().min(libc::time_t::MAX as u64) as libc::time_t,
+        tv_nsec: wait.subsec_nanos() as libc::c_long,
+    });
+    let spec = spec
+        .as_ref()
+        .map_or(core::ptr::null(), |spec| spec as *const libc::timespec);
+    // SAFETY: per the contract; `spec` null or our timespec.
+    unsafe { real::ppoll(fds, nfds, spec, sigmask) }
 }
 
 /// `poll(2)`: SAN sockets are watched through their mirrors.
@@ -60,22 +189,22 @@ pub unsafe fn poll(fds: *mut libc::pollfd, nfds: libc::nfds_t, timeout: c_int) -
         // SAFETY: forwarded.
         return unsafe { real::poll(fds, nfds, timeout) };
     }
-    // Sliced like the epoll waits (see `settings::wait_slice_ms`).
-    let deadline = (timeout >= 0)
-        .then(|| std::time::Instant::now() + std::time::Duration::from_millis(timeout as u64));
-    loop {
-        let slice = crate::settings::next_slice_ms(deadline);
-        // SAFETY: forwarded; `fds` is the caller's array.
-        let rc = unsafe { with_mirrors(fds, nfds, || real::poll(fds, nfds, slice)) };
-        if rc != 0 || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-            return rc;
-        }
-        let _errno = errno::Preserved::save();
-        let _ = guard::contained(crate::san::service_all);
+    let timeout = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+    // SAFETY: forwarded; `fds` is the caller's array.
+    unsafe {
+        poll_with_san(fds, nfds, timeout, true, |wait| {
+            // Rounded up, as the kernel rounds a timeout: the last sub-millisecond of a wait
+            // sleeps instead of returning at once.
+            let ms = wait.map_or(-1, |wait| {
+                wait.as_nanos().div_ceil(1_000_000).min(c_int::MAX as u128) as c_int
+            });
+            real::poll(fds, nfds, ms)
+        })
     }
 }
 
-/// `ppoll(2)`: SAN sockets are watched through their mirrors.
+/// `ppoll(2)`: SAN sockets are watched through their mirrors; every kernel wait takes the
+/// caller's signal mask.
 ///
 /// # Safety
 /// As the C function.
@@ -86,8 +215,58 @@ pub unsafe fn ppoll(
     timeout: *const libc::timespec,
     sigmask: *const libc::sigset_t,
 ) -> c_int {
-    // SAFETY: forwarded; `fds` is the caller's array.
-    unsafe { with_mirrors(fds, nfds, || real::ppoll(fds, nfds, timeout, sigmask)) }
+    if crate::san::live_sockets() != 0 && !guard::is_inside() {
+        // SAFETY: a valid timespec or null per the C contract.
+        if let Some(timeout) = unsafe { requested_wait(timeout) } {
+            // SAFETY: forwarded; `fds` is the caller's array.
+            return unsafe {
+                poll_with_san(fds, nfds, timeout, sigmask.is_null(), |wait| {
+                    ppoll_for(fds, nfds, wait, sigmask)
+                })
+            };
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe { real::ppoll(fds, nfds, timeout, sigmask) }
+}
+
+/// `select()`/`pselect()` with SAN sockets in the sets: carried out as a poll over a set made
+/// from them (`san::select_pollfds`) with `ppoll` waits ([`poll_with_san`]), the sets then
+/// rewritten from its results. `None`: no SAN socket in the sets (or our own failure), make
+/// the real call.
+///
+/// # Safety
+/// The sets must be null or valid `fd_set`s; `sigmask` null or valid.
+unsafe fn select_with_san(
+    nfds: c_int,
+    readfds: *mut libc::fd_set,
+    writefds: *mut libc::fd_set,
+    exceptfds: *mut libc::fd_set,
+    timeout: Option<Duration>,
+    sigmask: *const libc::sigset_t,
+) -> Option<c_int> {
+    // SAFETY: the caller's sets.
+    let mut pollfds = guard::contained(|| unsafe {
+        crate::san::select_pollfds(nfds, readfds, writefds, exceptfds)
+    })
+    .flatten()?;
+    let (set, len) = (pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t);
+    // SAFETY: our own set of `len` entries.
+    let rc = unsafe {
+        poll_with_san(set, len, timeout, sigmask.is_null(), |wait| {
+            ppoll_for(set, len, wait, sigmask)
+        })
+    };
+    if rc < 0 {
+        return Some(rc);
+    }
+    // SAFETY: the caller's sets, which `pollfds` was made from.
+    let results = guard::contained(|| unsafe {
+        crate::san::select_results(&pollfds, readfds, writefds, exceptfds)
+    })?;
+    Outcome::from_san(Some(results), Why::NotOnSan)
+        .returned()
+        .ok()
 }
 
 /// An epoll wait with SAN sockets alive: connections with both ends in this process are
@@ -156,16 +335,19 @@ unsafe fn epoll_wait_with_san(
                 // sleeping (see `san::look_for_messages`); found, the next kernel wait
                 // reports it at once.
                 let budget = look_budget(deadline);
-                let found = if budget.is_zero() {
-                    0
+                let looked = if budget.is_zero() {
+                    crate::san::Looked::default()
                 } else {
                     guard::contained(|| crate::san::look_for_messages(&deferred, budget, returned))
-                        .unwrap_or(0)
+                        .unwrap_or_default()
                 };
-                note_look(!budget.is_zero(), found > 0);
-                if found > 0 {
+                // (Any find pays here, late ones included: measured on an epoll server
+                // with more busy threads than CPUs, counting only finds in time made it
+                // sleep and its clients write tokens for most requests.)
+                note_look(!budget.is_zero(), looked.found > 0);
+                if looked.found > 0 {
                     deferred.clear();
-                    return found as c_int;
+                    return looked.found as c_int;
                 }
                 let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
                 deferred.clear();
@@ -203,7 +385,8 @@ thread_local! {
     };
 }
 
-/// The next look's budget, within the time left until `deadline`.
+/// The next look's budget, within the time left until `deadline` (see
+/// [`look_budget_within`]).
 fn look_budget(deadline: Option<std::time::Instant>) -> std::time::Duration {
     let most = crate::settings::poll_us();
     if most == 0 || !san_shm::multi_cpu() {
@@ -226,13 +409,23 @@ fn look_budget(deadline: Option<std::time::Instant>) -> std::time::Duration {
         look.set(policy);
         budget
     });
-    let budget = std::time::Duration::from_micros(u64::from(budget_us));
+    look_budget_within(
+        std::time::Duration::from_micros(u64::from(budget_us)),
+        deadline,
+    )
+}
+
+/// `budget`, cut to the time left until `deadline`: no look outlasts the caller's timeout.
+fn look_budget_within(
+    budget: std::time::Duration,
+    deadline: Option<std::time::Instant>,
+) -> std::time::Duration {
     deadline.map_or(budget, |d| {
         budget.min(d.saturating_duration_since(std::time::Instant::now()))
     })
 }
 
-/// Records how a look went (`looked`: it had a budget).
+/// Records how a look went (`looked`: it had a budget; `found`: it paid off).
 fn note_look(looked: bool, found: bool) {
     if !looked {
         return;
@@ -325,7 +518,10 @@ pub unsafe fn epoll_pwait2(
     }
 }
 
-/// `select(2)`: with SAN sockets in the sets it runs as `ppoll` over their mirrors.
+/// `select(2)`: with SAN sockets in the sets, carried out as a poll (`select_with_san`). As
+/// glibc's `select` does, a negative field of `timeout` is `EINVAL` (the real call answers
+/// it), microseconds past a second carry into the seconds, and the time not waited is
+/// written back.
 ///
 /// # Safety
 /// As the C function.
@@ -338,41 +534,45 @@ pub unsafe fn select(
     timeout: *mut libc::timeval,
 ) -> c_int {
     if crate::san::live_sockets() != 0 && !guard::is_inside() {
-        let spec = (!timeout.is_null()).then(|| {
+        let requested = if timeout.is_null() {
+            Some(None)
+        } else {
             // SAFETY: a valid timeval per the C contract.
             let tv = unsafe { timeout.read_unaligned() };
-            libc::timespec {
-                tv_sec: tv.tv_sec,
-                tv_nsec: tv.tv_usec * 1000,
-            }
-        });
-        let spec_ptr = spec
-            .as_ref()
-            .map_or(core::ptr::null(), |t| t as *const libc::timespec);
-        // (A panic of ours: the real call.)
-        let selected = guard::contained(|| {
-            // SAFETY: the caller's sets; our timespec.
-            unsafe {
-                crate::san::select_via_poll(
-                    nfds,
-                    readfds,
-                    writefds,
-                    exceptfds,
-                    spec_ptr,
-                    core::ptr::null(),
+            (tv.tv_sec >= 0 && tv.tv_usec >= 0).then(|| {
+                Some(
+                    Duration::from_secs(tv.tv_sec as u64)
+                        .saturating_add(Duration::from_micros(tv.tv_usec as u64)),
                 )
+            })
+        };
+        if let Some(wait) = requested {
+            let start = Instant::now();
+            // SAFETY: the caller's sets.
+            let selected = unsafe {
+                select_with_san(nfds, readfds, writefds, exceptfds, wait, core::ptr::null())
+            };
+            if let Some(rc) = selected {
+                if let Some(wait) = wait.filter(|w| !w.is_zero()) {
+                    let left = wait.saturating_sub(start.elapsed());
+                    // SAFETY: a valid, writable timeval per the C contract.
+                    unsafe {
+                        timeout.write_unaligned(libc::timeval {
+                            tv_sec: left.as_secs() as libc::time_t,
+                            tv_usec: left.subsec_micros() as libc::suseconds_t,
+                        })
+                    };
+                }
+                return rc;
             }
-        })
-        .flatten();
-        if let Ok(rc) = Outcome::from_san(selected, Why::NotOnSan).returned() {
-            return rc;
         }
     }
     // SAFETY: forwarded.
     unsafe { real::select(nfds, readfds, writefds, exceptfds, timeout) }
 }
 
-/// `pselect(2)`: as [`select`].
+/// `pselect(2)`: as [`select`], every kernel wait taking the caller's signal mask (and
+/// `timeout` left as it is).
 ///
 /// # Safety
 /// As the C function.
@@ -386,15 +586,14 @@ pub unsafe fn pselect(
     sigmask: *const libc::sigset_t,
 ) -> c_int {
     if crate::san::live_sockets() != 0 && !guard::is_inside() {
-        let selected = guard::contained(|| {
+        // SAFETY: a valid timespec or null per the C contract.
+        if let Some(wait) = unsafe { requested_wait(timeout) } {
             // SAFETY: the caller's arguments.
-            unsafe {
-                crate::san::select_via_poll(nfds, readfds, writefds, exceptfds, timeout, sigmask)
+            let selected =
+                unsafe { select_with_san(nfds, readfds, writefds, exceptfds, wait, sigmask) };
+            if let Some(rc) = selected {
+                return rc;
             }
-        })
-        .flatten();
-        if let Ok(rc) = Outcome::from_san(selected, Why::NotOnSan).returned() {
-            return rc;
         }
     }
     // SAFETY: forwarded.

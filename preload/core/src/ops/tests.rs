@@ -364,7 +364,7 @@ fn a_panic_in_readiness_and_process_hooks_gives_the_real_result() {
 
     // SAFETY: plain data, zero is valid.
     let mut set: libc::fd_set = unsafe { core::mem::zeroed() };
-    let rc = with_panic_at("select_via_poll", || {
+    let rc = with_panic_at("select_pollfds", || {
         // SAFETY: as above.
         unsafe {
             libc::FD_ZERO(&mut set);

@@ -5,8 +5,7 @@ use core::ffi::c_int;
 
 use crate::errno::Errno;
 
-/// The answer of a SAN entry point the hooks call (`send_iov`, `recv_iov`,
-/// `select_via_poll`): `None` when the real call is to be made after all; `Some(Ok(value))`,
+/// The answer of a SAN entry point the hooks call (`send_iov`, `recv_iov`): `None` when the real call is to be made after all; `Some(Ok(value))`,
 /// the call's count or status (a partial count included); `Some(Err(errno))`, the call fails
 /// with that errno. The errno is data: a SAN entry point never leaves it in the thread's
 /// `errno` for its caller.

@@ -7,8 +7,7 @@ use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 
 use super::downgrade;
-use super::outcome::SanCall;
-use super::socket::Phase;
+use super::socket::{Phase, SanSocket};
 use super::switchover::{
     assist_all_in_process, assist_in_process_peer, switch_if_attached, switch_pending,
 };
@@ -17,31 +16,32 @@ use crate::errno::Errno;
 use crate::real;
 use crate::record::flags;
 use crate::registry::registry;
+use switch::session::Readiness;
 
-/// `poll()`/`ppoll()` on a set containing SAN sockets: each switched SAN socket's entry is
-/// watched through its mirror's watched end (the caller polls `fds` as rewritten, then calls
-/// [`poll_fds`] again with `restore` to put the application's fds back).
-///
-/// Returns the original fds of the rewritten entries (to restore), or an empty vector when
-/// nothing was rewritten.
-pub fn poll_fds(
-    fds: &mut [libc::pollfd],
-    restore: Option<&[(usize, c_int)]>,
-) -> Vec<(usize, c_int)> {
+/// What [`poll_fds`] did to a poll set.
+#[derive(Default)]
+pub struct Swapped {
+    /// The positions and the application's fds of the entries it rewrote (to put back with
+    /// [`unpoll_fds`]); empty when it rewrote none.
+    pub saved: Vec<(usize, c_int)>,
+    /// One of those mirrors was raised without data as the wait began (left so by a read
+    /// under lazy lowering): the kernel wait returns at once, before it could sleep, so the
+    /// wait may look for the next message (see [`look_for_news`]).
+    pub raised: bool,
+}
+
+/// `poll()`/`ppoll()`/`select()` on a set containing SAN sockets: each switched SAN socket's
+/// entry is watched through its mirror's watched end (the caller polls `fds` as rewritten,
+/// then calls [`unpoll_fds`] to put the application's fds back). A socket watched for input
+/// goes under lazy lowering (see `SanSocket::polled_for_input`); one whose mirror was left
+/// raised without data is lowered now unless the wait may look for its next message
+/// (`may_look`), so a wait that will not look sleeps at once.
+pub fn poll_fds(fds: &mut [libc::pollfd], may_look: bool) -> Swapped {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("poll_fds");
-    if let Some(saved) = restore {
-        for &(position, fd) in saved {
-            if let Some(entry) = fds.get_mut(position) {
-                entry.fd = fd;
-                correct_revents(entry);
-            }
-        }
-        return Vec::new();
-    }
-    let mut saved = Vec::new();
+    let mut swapped = Swapped::default();
     if LIVE.load(Ordering::Relaxed) == 0 {
-        return saved;
+        return swapped;
     }
     // A set without SAN sockets is not ours to drive: no allocation, no lock (the in-process
     // assist matters only to a wait that depends on a SAN socket).
@@ -67,6 +67,15 @@ pub fn poll_fds(
                 socket.set_watched();
                 // (The service thread must hear of arrivals while this thread sleeps.)
                 socket.settle_direct_wait();
+                if entry.events & libc::POLLIN != 0 {
+                    if let Some(record) = registry().get(index) {
+                        socket.polled_for_input(record);
+                    }
+                    if socket.lazy_lowering && socket.raised_without_data() {
+                        // (Data that arrived meanwhile keeps it raised: the wait reports it.)
+                        swapped.raised |= may_look || !socket.lower_readable();
+                    }
+                }
                 socket.mirror_fd()
             }
             // Bytes in the stash: its eventfd (readable) stands in; the socket's own state
@@ -80,17 +89,36 @@ pub fn poll_fds(
         };
         drop(slot);
         if let Some(mirror) = mirror {
-            saved.push((position, entry.fd));
+            swapped.saved.push((position, entry.fd));
             entry.fd = mirror;
         }
     }
-    saved
+    swapped
+}
+
+/// Puts the application's fds back into the entries [`poll_fds`] rewrote (`saved`) and
+/// makes their `revents` agree with the sessions (`correct_revents`). With `deferred`, a
+/// socket under lazy lowering that the kernel reported raised without data is noted there
+/// (its IN dropped) instead of lowered: the wait looks for its next message first
+/// ([`look_for_news`]) and lowers it only before it sleeps ([`lower_deferred`]).
+pub fn unpoll_fds(
+    fds: &mut [libc::pollfd],
+    saved: &[(usize, c_int)],
+    mut deferred: Option<&mut Deferred>,
+) {
+    for &(position, fd) in saved {
+        if let Some(entry) = fds.get_mut(position) {
+            entry.fd = fd;
+            correct_revents(entry, position, deferred.as_deref_mut());
+        }
+    }
 }
 
 /// Makes a SAN entry's `revents` (as the mirror reported them) agree with the session: a
-/// spurious IN (a token for a handshake or a credit, no data) is lowered and dropped; ERR and
-/// RDHUP, which the mirror cannot show, are added from the session's state.
-fn correct_revents(entry: &mut libc::pollfd) {
+/// spurious IN (a token for a handshake or a credit, no data, or a mirror left raised by lazy
+/// lowering) is dropped and the mirror lowered, or noted in `deferred`; ERR and RDHUP, which
+/// the mirror cannot show, are added from the session's state.
+fn correct_revents(entry: &mut libc::pollfd, position: usize, deferred: Option<&mut Deferred>) {
     let Some(index) = san_index(crate::fdtable::table().lookup(entry.fd)) else {
         return;
     };
@@ -118,12 +146,18 @@ fn correct_revents(entry: &mut libc::pollfd) {
     }
     socket.service();
     let readiness = socket.readiness();
-    if entry.revents & libc::POLLIN != 0
-        && !readiness.readable
-        && !socket.tcp_bytes_pending()
-        && socket.lower_readable()
-    {
-        entry.revents &= !libc::POLLIN;
+    if entry.revents & libc::POLLIN != 0 && !readiness.readable && !socket.tcp_bytes_pending() {
+        let defer = socket.lazy_lowering
+            && deferred.is_some_and(|list| {
+                let reported = libc::epoll_event {
+                    events: entry.revents as u16 as u32,
+                    u64: position as u64,
+                };
+                list.push(index, reported)
+            });
+        if defer || socket.lower_readable() {
+            entry.revents &= !libc::POLLIN;
+        }
     }
     if readiness.error {
         entry.revents |= libc::POLLERR;
@@ -210,14 +244,15 @@ pub fn correct_epoll_events(
     kept
 }
 
-/// Most sockets one epoll wait looks at before it sleeps; any beyond are lowered at once.
+/// Most sockets one wait looks at before it sleeps; any beyond are lowered at once.
 const DEFERRED: usize = 16;
 
-/// The SAN sockets an epoll wait found raised without data (lazy lowering): looked at for
-/// their next message before the wait sleeps, then lowered.
+/// The SAN sockets a wait (epoll, poll, select) found raised without data (lazy lowering):
+/// looked at for their next message before the wait sleeps, then lowered.
 pub struct Deferred {
     indices: [u32; DEFERRED],
-    /// The kernel's event for each (the IN bit included), to hand out when its data comes.
+    /// The kernel's report of each, the IN bit included: an epoll wait hands it out when the
+    /// socket's data comes; a poll notes the entry's `revents` and its position in the set.
     events: [libc::epoll_event; DEFERRED],
     len: usize,
 }
@@ -258,33 +293,38 @@ impl Deferred {
     }
 }
 
+/// What a look for the next message found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Looked {
+    /// How many sockets it found with news (and took).
+    pub found: usize,
+    /// It found them within its budget: looking paid off. A look whose thread lost its CPU
+    /// for longer than the budget (the CPU is contended: sleeping costs little more there)
+    /// may still find news afterwards, but did not pay.
+    pub in_time: bool,
+}
+
 /// # Looking before sleeping
 ///
 /// An event loop that just served a request over the SAN usually gets the next one (or the
 /// answer it waits for) within microseconds: the peer is running on another CPU. Sleeping in
 /// the kernel in between costs a wake-up (tens of microseconds on a virtual machine) and two
-/// token system calls (our lowering read, the peer's raising write). So an epoll wait that
-/// finds only sockets raised without data looks at their sessions for up to `budget` (the
-/// caller adapts it) and returns true as soon as one has data, a FIN or an error: the
-/// mirror is still raised, so the kernel would report it again; the sockets found are handed
-/// out directly instead, with the kernel's own event for them (only plain level-triggered
-/// registrations are ever deferred, so reporting such an event again is what the kernel
-/// would do; another descriptor that became ready meanwhile is reported by the next wait).
-/// Returns how many events it wrote to `out` (0: nothing came within `budget`). Now and then
-/// it yields the CPU, so a peer sharing it can run.
-pub fn look_for_messages(
+/// token system calls (our lowering read, the peer's raising write). So a wait that finds
+/// only sockets raised without data looks at their sessions for up to `budget` (the caller
+/// adapts it) for data, a FIN or an error, and calls `take` for each socket that has some
+/// (with its deferred report), until `take` says it wants no more. Now and then it yields the CPU, so a
+/// peer sharing it can run; once the budget is spent it looks one last time.
+fn look(
     deferred: &Deferred,
     budget: std::time::Duration,
-    out: &mut [libc::epoll_event],
-) -> usize {
+    mut take: impl FnMut(&libc::epoll_event, &SanSocket, Readiness) -> bool,
+) -> Looked {
     let start = std::time::Instant::now();
     let mut looks = 0u32;
     loop {
+        let late = start.elapsed() >= budget;
         let mut found = 0;
         for (&index, event) in deferred.indices().iter().zip(&deferred.events) {
-            if found == out.len() {
-                break;
-            }
             if orphaned(index) {
                 continue;
             }
@@ -299,20 +339,17 @@ pub fn look_for_messages(
                 || readiness.error
                 || socket.tcp_bytes_pending()
             {
-                let mut event = *event;
-                if readiness.error {
-                    event.events |= libc::EPOLLERR as u32;
-                }
-                event.events = socket.correct_close_bits(event.events);
-                out[found] = event;
                 found += 1;
+                if !take(event, socket, readiness) {
+                    break;
+                }
             }
         }
-        if found > 0 {
-            return found;
-        }
-        if start.elapsed() >= budget {
-            return 0;
+        if found > 0 || late {
+            return Looked {
+                found,
+                in_time: found > 0 && !late,
+            };
         }
         looks += 1;
         if looks.is_multiple_of(32) {
@@ -322,6 +359,89 @@ pub fn look_for_messages(
             core::hint::spin_loop();
         }
     }
+}
+
+/// An epoll wait's `look`: the sockets found are handed out directly, with the kernel's
+/// own event for them, into `out` (the mirror is still raised, so the kernel would report
+/// them again; only plain level-triggered registrations are ever deferred, so reporting such
+/// an event again is what the kernel would do; another descriptor that became ready
+/// meanwhile is reported by the next wait). `found` counts the events it wrote (0: nothing
+/// came within `budget`).
+pub fn look_for_messages(
+    deferred: &Deferred,
+    budget: std::time::Duration,
+    out: &mut [libc::epoll_event],
+) -> Looked {
+    let mut written = 0;
+    let looked = look(deferred, budget, |event, socket, readiness| {
+        let Some(slot) = out.get_mut(written) else {
+            return false;
+        };
+        let mut event = *event;
+        if readiness.error {
+            event.events |= libc::EPOLLERR as u32;
+        }
+        event.events = socket.correct_close_bits(event.events);
+        *slot = event;
+        written += 1;
+        written < out.len()
+    });
+    Looked {
+        found: written,
+        ..looked
+    }
+}
+
+/// A poll's or select's `look`, ended by the first deferred socket with news. The wait
+/// then reports it directly where that is exact ([`hand_out_input`]), else polls its whole set
+/// again with a zero timeout, so that every entry, the socket's and those of the other
+/// descriptors, reports what the kernel reports after the arrival (a readiness another
+/// descriptor gained before it included).
+pub fn look_for_news(deferred: &Deferred, budget: std::time::Duration) -> Looked {
+    look(deferred, budget, |_, _, _| false)
+}
+
+/// After a poll's look found news: when every descriptor of the set (`fds`) is a deferred
+/// socket polled for input alone, and what each has now is plain input (see
+/// `SanSocket::plain_input`: bytes, no FIN, error or shutdown), the kernel would report
+/// exactly `POLLIN` for those with input and nothing for the others. Their entries are then
+/// set so and the count returned, without another kernel call; `None`: poll the set again.
+pub fn hand_out_input(deferred: &Deferred, fds: &mut [libc::pollfd]) -> Option<usize> {
+    let positions = || {
+        deferred.events[..deferred.len]
+            .iter()
+            .map(|e| e.u64 as usize)
+    };
+    let watched = fds.iter().filter(|entry| entry.fd >= 0).count();
+    if watched != deferred.len
+        || positions().any(|p| {
+            fds.get(p)
+                .is_none_or(|e| e.fd < 0 || e.events & !libc::POLLIN != 0)
+        })
+    {
+        return None;
+    }
+    let mut ready = [false; DEFERRED];
+    for (slot, &index) in deferred.indices().iter().enumerate() {
+        if orphaned(index) {
+            return None;
+        }
+        let guard = lock(index);
+        let Some(SanObject::Socket(socket)) = guard.as_ref() else {
+            return None;
+        };
+        let readiness = socket.readiness();
+        ready[slot] = socket.plain_input();
+        if !ready[slot] && (readiness.readable || readiness.read_hup || readiness.error) {
+            return None;
+        }
+    }
+    let mut count = 0;
+    for (slot, position) in positions().enumerate() {
+        fds[position].revents = if ready[slot] { libc::POLLIN } else { 0 };
+        count += usize::from(ready[slot]);
+    }
+    (count > 0).then_some(count)
 }
 
 /// Lowers the deferred sockets that still have nothing to read, before the wait sleeps.
@@ -381,22 +501,22 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
     Some(c_int::try_from(bytes).unwrap_or(c_int::MAX))
 }
 
-/// `select()`/`pselect()` over a set containing SAN sockets, carried out as `ppoll()` so the
-/// mirrors can stand in for them: the number of ready descriptors, or the errno. `None`: no
-/// SAN socket in the sets, make the real call.
+/// `select()`/`pselect()` over sets containing SAN sockets are carried out as a poll, so the
+/// mirrors can stand in for them: the poll set for the sets (`POLLIN` for the read set,
+/// `POLLOUT` for the write set, `POLLPRI` for the exception set, one entry per descriptor),
+/// to wait on as `poll()` does and read back with [`select_results`]. `None`: no SAN socket
+/// in the sets (or `nfds` out of range), make the real call.
 ///
 /// # Safety
-/// The sets must be null or valid `fd_set`s; `timeout` and `sigmask` null or valid.
-pub unsafe fn select_via_poll(
+/// The sets must be null or valid `fd_set`s.
+pub unsafe fn select_pollfds(
     nfds: c_int,
     readfds: *mut libc::fd_set,
     writefds: *mut libc::fd_set,
     exceptfds: *mut libc::fd_set,
-    timeout: *const libc::timespec,
-    sigmask: *const libc::sigset_t,
-) -> SanCall<c_int> {
+) -> Option<Vec<libc::pollfd>> {
     #[cfg(test)]
-    crate::guard::seam::panic_if_armed("select_via_poll");
+    crate::guard::seam::panic_if_armed("select_pollfds");
     if LIVE.load(Ordering::Relaxed) == 0 || !(0..=libc::FD_SETSIZE as c_int).contains(&nfds) {
         return None;
     }
@@ -431,51 +551,24 @@ pub unsafe fn select_via_poll(
             });
         }
     }
-    let deadline = (!timeout.is_null()).then(|| {
-        // SAFETY: a valid timespec per the contract.
-        let t = unsafe { timeout.read_unaligned() };
-        let wait = std::time::Duration::new(
-            u64::try_from(t.tv_sec).unwrap_or(0),
-            u32::try_from(t.tv_nsec).unwrap_or(0).min(999_999_999),
-        );
-        std::time::Instant::now() + wait
-    });
-    loop {
-        let left = deadline.map(|d| {
-            let left = d.saturating_duration_since(std::time::Instant::now());
-            libc::timespec {
-                tv_sec: left.as_secs() as libc::time_t,
-                tv_nsec: left.subsec_nanos() as libc::c_long,
-            }
-        });
-        let left_ptr = left
-            .as_ref()
-            .map_or(core::ptr::null(), |t| t as *const libc::timespec);
-        let saved = poll_fds(&mut pollfds, None);
-        // SAFETY: valid pollfds; our timespec; sigmask per the contract.
-        let rc = unsafe {
-            real::ppoll(
-                pollfds.as_mut_ptr(),
-                pollfds.len() as libc::nfds_t,
-                left_ptr,
-                sigmask,
-            )
-        };
-        let error = Errno::last();
-        poll_fds(&mut pollfds, Some(&saved));
-        if rc < 0 {
-            return Some(Err(error));
-        }
-        // Reports that were only a mirror's handshake or credit token were dropped: with
-        // nothing else ready the wait goes on until the caller's timeout, as the kernel's
-        // select would not have returned.
-        let expired = deadline.is_some_and(|d| std::time::Instant::now() >= d);
-        if rc == 0 || expired || pollfds.iter().any(|p| p.revents != 0) {
-            break;
-        }
-    }
+    Some(pollfds)
+}
+
+/// The sets of a `select()` whose poll over [`select_pollfds`]'s set returned (with a count,
+/// 0 included): each set cleared and refilled with its ready descriptors, as the kernel
+/// does. Returns the number of bits set, or `EBADF` for a descriptor that is not open (the
+/// sets then untouched, as the kernel leaves them).
+///
+/// # Safety
+/// The sets must be null or valid `fd_set`s, the ones `pollfds` was made from.
+pub unsafe fn select_results(
+    pollfds: &[libc::pollfd],
+    readfds: *mut libc::fd_set,
+    writefds: *mut libc::fd_set,
+    exceptfds: *mut libc::fd_set,
+) -> Result<c_int, Errno> {
     if pollfds.iter().any(|p| p.revents & libc::POLLNVAL != 0) {
-        return Some(Err(Errno(libc::EBADF)));
+        return Err(Errno(libc::EBADF));
     }
     let mut count = 0;
     for set in [readfds, writefds, exceptfds] {
@@ -484,7 +577,7 @@ pub unsafe fn select_via_poll(
             unsafe { libc::FD_ZERO(set) };
         }
     }
-    for p in &pollfds {
+    for p in pollfds {
         let mark = |set: *mut libc::fd_set, wanted: bool, count: &mut c_int| {
             if wanted && !set.is_null() {
                 // SAFETY: a valid set; `p.fd < nfds ≤ FD_SETSIZE`.
@@ -501,5 +594,5 @@ pub unsafe fn select_via_poll(
         mark(writefds, writable, &mut count);
         mark(exceptfds, exceptional, &mut count);
     }
-    Some(Ok(count))
+    Ok(count)
 }

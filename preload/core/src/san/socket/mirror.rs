@@ -156,6 +156,37 @@ impl SanSocket {
         }
     }
 
+    /// `poll`/`select` watch this socket for input: they too look for the next message
+    /// before they sleep, so lazy lowering (see [`SanSocket::lazy_lowering`]) goes on, unless
+    /// an epoll registration needs the mirror exact (edge-triggered, one-shot, nested).
+    pub(crate) fn polled_for_input(&mut self, record: &SocketRecord) {
+        if !self.lazy_lowering {
+            let (_, lazy) = registration_kinds(record);
+            self.lazy_lowering = lazy.unwrap_or(crate::settings::poll_us() > 0);
+        }
+    }
+
+    /// The mirror is raised with nothing to read (left so by a read under lazy lowering):
+    /// a wait that begins now returns at once, before it could sleep.
+    pub(crate) fn raised_without_data(&self) -> bool {
+        self.mirror
+            .as_ref()
+            .is_some_and(|mirror| mirror.words().is_readable_raised())
+            && !self.readiness().readable
+            && !self.tcp_bytes_pending()
+    }
+
+    /// What a TCP socket polled for input alone reports now is exactly `POLLIN`: bytes to read,
+    /// and no FIN, error or shutdown of ours (which add or change other bits).
+    pub(crate) fn plain_input(&self) -> bool {
+        let readiness = self.readiness();
+        (readiness.readable || self.tcp_bytes_pending())
+            && !readiness.read_hup
+            && !readiness.error
+            && !self.write_shut
+            && !self.peer_closed_gracefully()
+    }
+
     /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
     pub(super) fn raise_own_mirror(&self) {
         let Some(conn) = self.conn.as_ref().filter(|conn| !conn.is_intra_host()) else {

@@ -215,11 +215,12 @@ pub(crate) struct SanSocket {
     /// `poll`/`select`/`epoll` watch this socket's mirror: its readability must then be kept
     /// exact after every read (costs two system calls per emptied queue, so only then).
     pub watched: bool,
-    /// Only plain level-triggered epoll registrations watch this socket (no `EPOLLET`, no
-    /// `EPOLLONESHOT`): a read that empties the queue then leaves the mirror raised, and the
-    /// epoll wait that next finds it raised without data looks for the next message before it
-    /// lowers it and sleeps (`san::readiness`, "Looking before sleeping"). A raised mirror also
-    /// spares the peer its token write for that message.
+    /// Only plain level-triggered epoll registrations, or `poll`/`select` waiting for input,
+    /// watch this socket (no `EPOLLET`, no `EPOLLONESHOT`, no nested epoll instance): a read
+    /// that empties the queue then leaves the mirror raised, and the wait that next finds it
+    /// raised without data looks for the next message before it lowers it and sleeps
+    /// (`san::readiness`, "Looking before sleeping"). A raised mirror also spares the peer its
+    /// token write for that message.
     pub lazy_lowering: bool,
     /// An eventfd the blocked threads also poll: a thread whose call made progress (consumed
     /// the mirror token, took in credits or data) rings it so the others re-check.
