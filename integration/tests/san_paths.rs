@@ -77,16 +77,12 @@ fn finish(child: Child, what: &str) -> String {
     integration::finish_child(child, what, Duration::from_secs(60))
 }
 
-/// Runs a `san_echo` server and client in two processes; returns (server, client) reports.
-fn two_processes(
-    protocol: &str,
-    bytes: usize,
-    server_preloaded: bool,
-    client_preloaded: bool,
-    dirs: &Dirs,
-) -> (String, String) {
-    let mut server = command(SAN_ECHO, server_preloaded, dirs)
-        .args(["server", protocol])
+/// Spawns a server that prints `port P` first, its output piped: the child, its stdout (for
+/// later lines and for `finish`), and the port.
+fn spawn_announcing(
+    command: &mut Command,
+) -> (Child, BufReader<std::process::ChildStdout>, String) {
+    let mut server = command
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -99,6 +95,19 @@ fn two_processes(
         .strip_prefix("port ")
         .expect("server prints its port")
         .to_owned();
+    (server, reader, port)
+}
+
+/// Runs a `san_echo` server and client in two processes; returns (server, client) reports.
+fn two_processes(
+    protocol: &str,
+    bytes: usize,
+    server_preloaded: bool,
+    client_preloaded: bool,
+    dirs: &Dirs,
+) -> (String, String) {
+    let (mut server, reader, port) =
+        spawn_announcing(command(SAN_ECHO, server_preloaded, dirs).args(["server", protocol]));
     let client = command(SAN_ECHO, client_preloaded, dirs)
         .args(["client", &port, protocol, &bytes.to_string()])
         .stdout(Stdio::piped())
@@ -700,16 +709,8 @@ fn plain_client_and_preloaded_server_stay_on_tcp() {
 /// streaming `sizes[i]` bytes both ways on the i-th (`env` set on the client); returns the
 /// client's (path, reason) per connection, after checking every echo on both sides.
 fn connection_sequence(dirs: &Dirs, sizes: &[usize], env: &[(&str, &str)]) -> Vec<String> {
-    let mut server = command(SAN_MANY, true, dirs)
-        .args(["server", &sizes.len().to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut reader = BufReader::new(server.stdout.take().unwrap());
-    let mut first = String::new();
-    reader.read_line(&mut first).unwrap();
-    let port = first.trim().strip_prefix("port ").unwrap().to_owned();
+    let (mut server, reader, port) =
+        spawn_announcing(command(SAN_MANY, true, dirs).args(["server", &sizes.len().to_string()]));
     let client = command(SAN_MANY, true, dirs)
         .arg("sequence")
         .arg(&port)
@@ -917,16 +918,9 @@ fn flood_pair(
     Child,
     BufReader<std::process::ChildStdout>,
 ) {
-    let mut server = command(SAN_ECHO, true, dirs)
-        .args(["server", "sink"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut server_out = BufReader::new(server.stdout.take().unwrap());
+    let (server, mut server_out, port) =
+        spawn_announcing(command(SAN_ECHO, true, dirs).args(["server", "sink"]));
     let mut line = String::new();
-    server_out.read_line(&mut line).unwrap();
-    let port = line.trim().strip_prefix("port ").unwrap().to_owned();
     let mut client = command(SAN_ECHO, true, dirs)
         .args(["client", &port, "flood", "0"])
         .stdout(Stdio::piped())
@@ -934,7 +928,6 @@ fn flood_pair(
         .spawn()
         .unwrap();
     let mut client_out = BufReader::new(client.stdout.take().unwrap());
-    line.clear();
     client_out.read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "connected");
     line.clear();

@@ -91,7 +91,7 @@ static HISTORY: Mutex<History> = Mutex::new(History::new());
 
 fn slot_of(address: &SocketAddr) -> usize {
     use core::hash::{Hash, Hasher};
-    let mut hasher = std::hash::DefaultHasher::new();
+    let mut hasher = rustc_hash::FxHasher::default();
     address.hash(&mut hasher);
     (hasher.finish() % SERVERS as u64) as usize
 }
