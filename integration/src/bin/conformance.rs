@@ -1721,6 +1721,50 @@ fn sendfile_and_splice() -> CaseResult {
     ))
 }
 
+/// `sendfile` without an offset reads from the file position, which advances by what was
+/// sent: a count past the end of the file is cut short there, and at the end it sends 0.
+fn sendfile_from_file_position() -> CaseResult {
+    use std::os::fd::AsRawFd;
+    const LEN: usize = 48 << 10;
+    let (client, server) = pair()?;
+    let path = std::env::temp_dir().join(format!(
+        "sandirect-conformance-position-{}",
+        std::process::id()
+    ));
+    let body: Vec<u8> = (0..LEN).map(|i| (i * 131 % 251) as u8).collect();
+    std::fs::write(&path, &body).map_err(|e| e.to_string())?;
+    let file = std::fs::File::open(&path).map_err(|e| e.to_string())?;
+    std::fs::remove_file(&path).map_err(|e| e.to_string())?;
+    let mut counts = Vec::new();
+    for count in [32 << 10, 32 << 10, 4096] {
+        // SAFETY: valid fds, no offset pointer.
+        let sent = unsafe { libc::sendfile(client.raw(), file.as_raw_fd(), null_mut(), count) };
+        // SAFETY: plain lseek on our file.
+        let position = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_CUR) };
+        counts.push(format!("{} at {position}", outcome(sent)));
+    }
+    let mut got = Vec::new();
+    for _ in 0..100 {
+        if got.len() >= LEN {
+            break;
+        }
+        if poll_one(server.raw(), libc::POLLIN, 100)? == 0 {
+            continue;
+        }
+        let (n, bytes) = read_some(server.raw(), LEN - got.len());
+        if n <= 0 {
+            break;
+        }
+        got.extend_from_slice(&bytes);
+    }
+    Ok(format!(
+        "sendfile {}; peer read {} bytes, intact={}",
+        counts.join(", "),
+        got.len(),
+        got == body
+    ))
+}
+
 fn mmsg() -> CaseResult {
     let (client, server) = pair()?;
     let mut payloads = [*b"aaaa", *b"bbbb", *b"cccc"];
@@ -2926,6 +2970,7 @@ const CASES: &[Case] = &[
     ("ipv6-and-v4-mapped", ipv6_and_mapped),
     ("high-fd", high_fd),
     ("sendfile-and-splice", sendfile_and_splice),
+    ("sendfile-from-file-position", sendfile_from_file_position),
     ("mmsg", mmsg),
     ("fork-and-close-range", fork_and_close_range),
     ("close-then-send", close_then_send),

@@ -325,7 +325,8 @@ pub struct ShmConnection {
     given_peer: Option<PeerProcess>,
     cma_permitted: bool,
     self_cma: bool,
-    last_liveness_check: Instant,
+    /// When liveness was last checked, on the coarse clock ([`sys::coarse_now`]).
+    last_liveness_check: Duration,
     /// Set by [`ShmConnection::check_liveness_soon`].
     liveness_due: bool,
     /// Set with `liveness_due`: the next liveness check waits up to
@@ -432,7 +433,7 @@ impl ShmConnection {
             given_peer: peer.filter(PeerProcess::is_known),
             cma_permitted: false,
             self_cma: true,
-            last_liveness_check: Instant::now(),
+            last_liveness_check: sys::coarse_now(),
             liveness_due: false,
             hangup_seen: false,
             peer_gone: AtomicBool::new(false),
@@ -684,7 +685,7 @@ impl ShmConnection {
             && pid.is_some_and(|pid| sys::cma_probe(pid, base).is_ok_and(|word| word == MAGIC));
         let pidfd = sys::shared_pidfd(pid, pidfd);
         self.peer = Some(Peer { pid, pidfd });
-        self.last_liveness_check = Instant::now();
+        self.last_liveness_check = sys::coarse_now();
     }
 
     /// Wakes the peer after publishing something for it (the sender half of the Dekker pair
@@ -1247,8 +1248,8 @@ impl ShmConnection {
             self.go_down(CompletionError::Flushed);
             return;
         }
-        let now = Instant::now();
-        let due = now.duration_since(self.last_liveness_check) >= self.config.liveness_interval;
+        let now = sys::coarse_now();
+        let due = now.saturating_sub(self.last_liveness_check) >= self.config.liveness_interval;
         if !(due || self.liveness_due || self.peer_gone.load(Ordering::Relaxed)) {
             return;
         }

@@ -606,15 +606,19 @@ unsafe fn san_sendfile(
             None => return Outcome::Failed(Errno(libc::EFAULT)),
         }
     };
-    let mut chunk = vec![0u8; count.min(CHUNK)];
+    // Never zeroed: the reads fill what is sent. (Sending from a read-only mapping of the
+    // file instead, one copy fewer, measured slower: nginx's 64 KiB responses took half as
+    // much CPU again, the mapping's set-up, faults and TLB shootdown outweighing the copy.)
+    let mut chunk: Vec<u8> = Vec::with_capacity(count.min(CHUNK));
     // As the kernel's: as much as the socket takes, up to `count`. A short count must mean
     // "no room now" (an edge-triggered caller then waits for EPOLLOUT, as nginx does), so
     // one chunk is not where it stops.
     let mut total: usize = 0;
     while total < count {
-        let want = (count - total).min(chunk.len());
+        let want = (count - total).min(chunk.capacity());
         let read = match position {
-            // SAFETY: `chunk` is writable for `want <= len` bytes.
+            // SAFETY: `chunk` has room for `want <= capacity` bytes; the kernel writes them
+            // and only the `read` it reports are used.
             None => unsafe { libc::read(in_fd, chunk.as_mut_ptr().cast(), want) },
             // SAFETY: as above.
             Some(at) => unsafe { libc::pread64(in_fd, chunk.as_mut_ptr().cast(), want, at) },
@@ -643,6 +647,11 @@ unsafe fn san_sendfile(
                 };
             }
             Outcome::Failed(errno) => {
+                // Nothing of this read was sent: the file position stays where it was.
+                if offset.is_null() {
+                    // SAFETY: plain lseek on the caller's fd.
+                    unsafe { libc::lseek64(in_fd, -(read as i64), libc::SEEK_CUR) };
+                }
                 return if total > 0 {
                     Outcome::Done(total as ssize_t)
                 } else {
