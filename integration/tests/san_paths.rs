@@ -987,6 +987,9 @@ fn a_killed_sender_gives_the_blocked_receiver_eof_or_reset_within_a_second() {
 
 const CONFORMANCE: &str = env!("CARGO_BIN_EXE_conformance");
 
+/// How many cases the conformance program has (each prints one line).
+const CONFORMANCE_CASES: usize = 43;
+
 /// Cases whose SAN behaviour differs from kernel TCP by documented policy (see
 /// `preload_core::san`, "Known limits"), with the SAN output expected instead.
 /// (None at present: `EPOLLET` reports every arrival since the peer writes a mirror token per
@@ -1006,10 +1009,10 @@ fn conformance_over_the_san_matches_native_except_documented_policy() {
     let native = String::from_utf8_lossy(&native.stdout).into_owned();
     let san = command(CONFORMANCE, true, &dirs).output().unwrap();
     let san = String::from_utf8_lossy(&san.stdout).into_owned();
-    assert_eq!(native.lines().count(), 42, "{native}");
+    assert_eq!(native.lines().count(), CONFORMANCE_CASES, "{native}");
     assert_eq!(
         san.lines().count(),
-        42,
+        CONFORMANCE_CASES,
         "every case must print a line:\n{san}"
     );
     for (native_line, san_line) in native.lines().zip(san.lines()) {

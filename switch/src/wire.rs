@@ -611,8 +611,22 @@ pub mod ctrl {
         /// panics) when `buf` is too short, the payload does not fit a u32, or the message is
         /// one [`Repr::parse`] would reject.
         pub fn emit(&self, buf: &mut [u8]) -> Result<usize> {
-            let kind = self.message.kind();
             let len = self.buffer_len();
+            if buf.len() < len {
+                return Err(Error);
+            }
+            let body_end = self.emit_header(buf)?;
+            buf[body_end..len].copy_from_slice(self.payload);
+            Ok(len)
+        }
+
+        /// Writes everything of the message but its payload (header and body) into the front
+        /// of `buf`; returns their length. The payload belongs right after them: a sender that
+        /// copies it straight from where it lies uses this instead of [`Repr::emit`]. Fails
+        /// as `emit` does (but needs room for the header and body only).
+        pub fn emit_header(&self, buf: &mut [u8]) -> Result<usize> {
+            let kind = self.message.kind();
+            let len = HEADER_LEN + kind.body_len();
             let payload_len = u32::try_from(self.payload.len()).map_err(|_| Error)?;
             if buf.len() < len || (!kind.carries_payload() && !self.payload.is_empty()) {
                 return Err(Error);
@@ -685,8 +699,6 @@ pub mod ctrl {
                 | Message::RndvCancel => {}
             }
             packet.set_flags(flag_bits);
-            let body_end = HEADER_LEN + kind.body_len();
-            out[body_end..].copy_from_slice(self.payload);
             Ok(len)
         }
     }

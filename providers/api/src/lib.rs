@@ -495,6 +495,30 @@ pub trait SanConnection {
     /// Copies `message` into a free send slot and posts it.
     fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError>;
 
+    /// Whether [`SanConnection::post_send_parts`] copies each part straight to its place
+    /// (the caller then hands a message over in parts instead of joining them first).
+    fn sends_in_parts(&self) -> bool {
+        false
+    }
+
+    /// Posts the message `head` followed by `payload`, as [`SanConnection::post_send`] of
+    /// the two joined. The default joins them; a provider that copies into the peer's memory
+    /// anyway copies each part once (and says so with [`SanConnection::sends_in_parts`]).
+    fn post_send_parts(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &[u8],
+    ) -> Result<(), PostError> {
+        if payload.is_empty() {
+            return self.post_send(wr_id, head);
+        }
+        let mut message = Vec::with_capacity(head.len() + payload.len());
+        message.extend_from_slice(head);
+        message.extend_from_slice(payload);
+        self.post_send(wr_id, &message)
+    }
+
     /// Posts receive slot `slot`.
     fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError>;
 

@@ -753,8 +753,9 @@ impl ShmConnection {
         self.peer_control().inbound_head.0[RING].store(self.peer_ring_head, Ordering::Release);
     }
 
-    /// Copies `bytes` into the peer's oldest posted slot and publishes it.
-    fn try_send(&mut self, bytes: &[u8]) -> Result<(), Step> {
+    /// Copies the message `header` then `payload` into the peer's oldest posted slot and
+    /// publishes it.
+    fn try_send(&mut self, header: &[u8], payload: &[u8]) -> Result<(), Step> {
         if self.peer.is_none() {
             return Err(Step::Blocked(Blocked::NotAttached));
         }
@@ -781,16 +782,19 @@ impl ShmConnection {
         if slot >= u32::from(self.geometry.slots.recv_slots) {
             return Err(Step::Down(CompletionError::Fatal));
         }
-        self.segment
-            .map()
-            .copy_in(self.geometry.slot(peer, slot as usize), bytes);
+        let at = self.geometry.slot(peer, slot as usize);
+        self.segment.map().copy_in(at, header);
+        if !payload.is_empty() {
+            self.segment.map().copy_in(at + header.len(), payload);
+        }
+        let len = header.len() + payload.len();
         self.peer_post_tail += 1;
         self.peer_control()
             .post_tail
             .0
             .store(self.peer_post_tail, Ordering::Release);
-        // NOTE(cast): `bytes.len() <= slot_size` (a u32) was checked when the send was posted.
-        self.push_entry(ENTRY_MESSAGE, slot, bytes.len() as u32, 0, 0, 0);
+        // NOTE(cast): `len <= slot_size` (a u32) was checked when the send was posted.
+        self.push_entry(ENTRY_MESSAGE, slot, len as u32, 0, 0, 0);
         Ok(())
     }
 
@@ -1025,7 +1029,7 @@ impl ShmConnection {
                 break;
             };
             let step = match &mut op {
-                Outbound::Send { bytes, .. } => match self.try_send(bytes) {
+                Outbound::Send { bytes, .. } => match self.try_send(bytes, &[]) {
                     Ok(()) => Step::Done(op.completion(Ok(()))),
                     Err(step) => step,
                 },
@@ -1613,10 +1617,23 @@ impl SanConnection for ShmConnection {
     }
 
     fn post_send(&mut self, wr_id: WrId, message: &[u8]) -> Result<(), PostError> {
+        self.post_send_parts(wr_id, message, &[])
+    }
+
+    fn sends_in_parts(&self) -> bool {
+        true
+    }
+
+    fn post_send_parts(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &[u8],
+    ) -> Result<(), PostError> {
         if !self.up {
             return Err(PostError::Disconnected);
         }
-        if message.len() > self.geometry.slots.slot_size as usize {
+        if head.len().saturating_add(payload.len()) > self.geometry.slots.slot_size as usize {
             return Err(PostError::TooLong);
         }
         if self.sends_in_flight >= usize::from(self.geometry.slots.send_slots) {
@@ -1626,7 +1643,7 @@ impl SanConnection for ShmConnection {
         self.sends_in_flight += 1;
         if self.outbound.is_empty() {
             // Fast path: straight into the peer's slot, no intermediate copy.
-            match self.try_send(message) {
+            match self.try_send(head, payload) {
                 Ok(()) => {
                     self.completions.push_back(Completion {
                         wr_id,
@@ -1647,10 +1664,10 @@ impl SanConnection for ShmConnection {
                 Err(_) => {}
             }
         }
-        self.outbound.push_back(Outbound::Send {
-            wr_id,
-            bytes: message.to_vec(),
-        });
+        let mut bytes = Vec::with_capacity(head.len() + payload.len());
+        bytes.extend_from_slice(head);
+        bytes.extend_from_slice(payload);
+        self.outbound.push_back(Outbound::Send { wr_id, bytes });
         self.pump_outbound();
         Ok(())
     }

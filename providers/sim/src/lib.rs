@@ -616,6 +616,12 @@ impl SanConnection for SimConnection {
         self.shared.borrow_mut().post_send(self.id, wr_id, message)
     }
 
+    /// One end of each connection takes its messages in parts (joined by the trait's
+    /// default), the other whole: every simulation then runs both of the pump's send paths.
+    fn sends_in_parts(&self) -> bool {
+        self.id.0.is_multiple_of(2)
+    }
+
     fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
         self.shared.borrow_mut().post_recv(self.id, wr_id, slot)?;
         // The slot's previous message is no longer valid once it is posted again.

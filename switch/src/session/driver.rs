@@ -120,10 +120,26 @@ impl Pump {
             }
 
             let message = &mut self.message[..slot_size];
-            while let Some(transmit) = session.poll_transmit(message) {
-                round.messages_sent += 1;
-                if let Err(e) = conn.post_send(transmit.wr_id, &message[..transmit.len]) {
-                    first_error.get_or_insert(session.handle_post_error(transmit.wr_id, e));
+            if conn.sends_in_parts() {
+                // Data goes from the send buffer straight into the provider's slot.
+                while let Some(transmit) = session.poll_transmit_parts(message) {
+                    round.messages_sent += 1;
+                    let posted = conn.post_send_parts(
+                        transmit.wr_id,
+                        &message[..transmit.len],
+                        session.transmitted_payload(),
+                    );
+                    session.release_transmitted();
+                    if let Err(e) = posted {
+                        first_error.get_or_insert(session.handle_post_error(transmit.wr_id, e));
+                    }
+                }
+            } else {
+                while let Some(transmit) = session.poll_transmit(message) {
+                    round.messages_sent += 1;
+                    if let Err(e) = conn.post_send(transmit.wr_id, &message[..transmit.len]) {
+                        first_error.get_or_insert(session.handle_post_error(transmit.wr_id, e));
+                    }
                 }
             }
 

@@ -490,6 +490,12 @@ pub struct Session {
 
     // Send side.
     tx_buffer: TxRing,
+    /// Payload bytes at the front of `tx_buffer` that the last [`Session::poll_transmit_parts`]
+    /// message carries and that stay queued until [`Session::release_transmitted`].
+    tx_held: usize,
+    /// Set for the duration of a `poll_transmit_parts` call: a data message's payload is
+    /// held in place instead of being copied behind its header.
+    tx_in_parts: bool,
     /// Stream offsets (absolute, counted from the first byte ever queued) one past each
     /// urgent byte still in `tx_buffer`.
     tx_urgent_ends: VecDeque<u64>,
@@ -568,6 +574,8 @@ impl Session {
             release_on_completion: Vec::new(),
             rdma_in_flight: Vec::new(),
             tx_buffer: TxRing::new(),
+            tx_held: 0,
+            tx_in_parts: false,
             tx_urgent_ends: VecDeque::new(),
             tx_queued_total: 0,
             tx_sent_total: 0,
@@ -916,6 +924,7 @@ impl Session {
         self.ops.retain(|op| matches!(op, Op::Release(_)));
         self.controls.clear();
         self.tx_buffer.clear();
+        self.tx_held = 0;
         self.tx_urgent_ends.clear();
         if let Some(rndv) = self.tx_rndv.take() {
             let wr = rndv.write.map(|(wr, _, _)| wr);
@@ -2113,6 +2122,32 @@ impl Session {
         self.events.pop_front()
     }
 
+    /// As [`Session::poll_transmit`], but a data message's payload is not copied behind its
+    /// header in `buf`: it stays at the front of the send buffer, where
+    /// [`Session::transmitted_payload`] shows it, until [`Session::release_transmitted`]
+    /// (call it after posting the message, whatever the post's result). The message is the
+    /// `len` bytes of `buf` followed by that payload. For providers that copy into the peer's
+    /// memory anyway: each byte is then copied once on its way out.
+    pub fn poll_transmit_parts(&mut self, buf: &mut [u8]) -> Option<Transmit> {
+        self.release_transmitted();
+        self.tx_in_parts = true;
+        let transmit = self.poll_transmit(buf);
+        self.tx_in_parts = false;
+        transmit
+    }
+
+    /// The payload of the last [`Session::poll_transmit_parts`] message (empty when it had
+    /// none, or after [`Session::release_transmitted`]).
+    pub fn transmitted_payload(&self) -> &[u8] {
+        &self.tx_buffer.front()[..self.tx_held]
+    }
+
+    /// Drops the payload of the last [`Session::poll_transmit_parts`] message from the send
+    /// buffer (it was counted as sent when the message was made).
+    pub fn release_transmitted(&mut self) {
+        self.tx_buffer.consume(core::mem::take(&mut self.tx_held));
+    }
+
     /// Writes the next control message into `buf` (a provider send slot; at least the
     /// negotiated message size) and returns its work-request id and length, or `None` when
     /// nothing may be sent now (nothing queued, no credits, no free send slot).
@@ -2280,10 +2315,18 @@ impl Session {
                 message: ctrl::Message::Data { urgent },
                 payload: &data[..n],
             };
-            let message_len = repr.emit(buf).ok()?;
+            let message_len = if self.tx_in_parts {
+                repr.emit_header(buf).ok()?
+            } else {
+                repr.emit(buf).ok()?
+            };
             self.note_returned(credits);
             let payload_len = n;
-            self.tx_buffer.consume(payload_len);
+            if self.tx_in_parts {
+                self.tx_held = payload_len;
+            } else {
+                self.tx_buffer.consume(payload_len);
+            }
             self.tx_sent_total += payload_len as u64;
             if urgent {
                 self.tx_urgent_ends.pop_front();
