@@ -102,7 +102,7 @@ unsafe fn poll_with_san(
             if ready > 0 {
                 // Real reports to hand out: the sockets raised without data are lowered now.
                 if !deferred.is_empty() {
-                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred, false));
                     deferred.clear();
                 }
                 return ready;
@@ -117,7 +117,7 @@ unsafe fn poll_with_san(
                 // nothing by looking, and its looks must stop.)
                 note_look(true, looked.in_time);
                 if looked.found == 0 {
-                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred, false));
                 } else if let Some(ready) =
                     guard::contained(|| crate::san::hand_out_input(&deferred, entries)).flatten()
                 {
@@ -321,11 +321,13 @@ unsafe fn epoll_wait_with_san(
             })
             .unwrap_or(n as usize);
             if kept > 0 {
-                // Real events to hand out: the sockets raised without data are lowered now,
-                // or every later wait would report them again (a busy server with many
-                // connections spent its time re-correcting them).
+                // Real events to hand out: the sockets raised without data are lowered now
+                // unless they were so for only a few waits in a row (their answer is likely
+                // near, and a raised mirror spares the peer its token); left raised for
+                // good, every later wait would report them again (a busy server with many
+                // idle connections spent its time re-correcting them).
                 if !deferred.is_empty() {
-                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                    let _ = guard::contained(|| crate::san::lower_deferred(&deferred, true));
                     deferred.clear();
                 }
                 return kept as c_int;
@@ -349,7 +351,7 @@ unsafe fn epoll_wait_with_san(
                     deferred.clear();
                     return looked.found as c_int;
                 }
-                let _ = guard::contained(|| crate::san::lower_deferred(&deferred));
+                let _ = guard::contained(|| crate::san::lower_deferred(&deferred, false));
                 deferred.clear();
                 continue;
             }

@@ -220,7 +220,9 @@ pub fn correct_epoll_events(
                     }
                     socket.service();
                     let readiness = socket.readiness();
-                    if !readiness.readable && !socket.tcp_bytes_pending() {
+                    if readiness.readable {
+                        socket.raised_idle_waits = 0;
+                    } else if !socket.tcp_bytes_pending() {
                         let defer = socket.lazy_lowering
                             && deferred
                                 .as_mut()
@@ -245,7 +247,7 @@ pub fn correct_epoll_events(
 }
 
 /// Most sockets one wait looks at before it sleeps; any beyond are lowered at once.
-const DEFERRED: usize = 16;
+const DEFERRED: usize = 64;
 
 /// The SAN sockets a wait (epoll, poll, select) found raised without data (lazy lowering):
 /// looked at for their next message before the wait sleeps, then lowered.
@@ -444,19 +446,36 @@ pub fn hand_out_input(deferred: &Deferred, fds: &mut [libc::pollfd]) -> Option<u
     (count > 0).then_some(count)
 }
 
-/// Lowers the deferred sockets that still have nothing to read, before the wait sleeps.
-pub fn lower_deferred(deferred: &Deferred) {
+/// Lowers the deferred sockets that still have nothing to read: before the wait sleeps, or
+/// (`linger`) as an epoll wait hands out other events, where each may stay raised for up to
+/// [`LINGERING_WAITS`] such waits in a row (its level-triggered registrations are the only
+/// watchers, and the waits drop its report).
+pub fn lower_deferred(deferred: &Deferred, linger: bool) {
     for &index in deferred.indices() {
         if orphaned(index) {
             continue;
         }
         if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-            if !socket.readiness().readable && !socket.tcp_bytes_pending() {
-                let _ = socket.lower_readable();
+            if socket.readiness().readable || socket.tcp_bytes_pending() {
+                continue;
             }
+            if linger && socket.raised_idle_waits < LINGERING_WAITS {
+                socket.raised_idle_waits += 1;
+                continue;
+            }
+            socket.raised_idle_waits = 0;
+            let _ = socket.lower_readable();
         }
     }
 }
+
+/// How many epoll waits in a row that hand out other events may find a socket's mirror
+/// raised without data and leave it raised. An event loop with many connections has events
+/// at almost every wait, and the answer on a connection it just wrote to comes a few waits
+/// later: lowering at once made the peer write a token for nearly every message (and us
+/// read it); leaving the mirror raised costs each of those waits one more kernel report,
+/// which is dropped.
+const LINGERING_WAITS: u8 = 8;
 
 /// FIONREAD on a SAN socket; `None` when the kernel's answer is the right one (pending).
 pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {

@@ -222,6 +222,10 @@ pub(crate) struct SanSocket {
     /// (`san::readiness`, "Looking before sleeping"). A raised mirror also spares the peer its
     /// token write for that message.
     pub lazy_lowering: bool,
+    /// Under lazy lowering: how many epoll waits in a row that had other events to hand out
+    /// found this mirror raised without data and left it so (see
+    /// `san::readiness::lower_deferred`); reset when a wait finds data.
+    pub raised_idle_waits: u8,
     /// An eventfd the blocked threads also poll: a thread whose call made progress (consumed
     /// the mirror token, took in credits or data) rings it so the others re-check.
     local_bell: Option<OwnedFd>,
@@ -320,6 +324,7 @@ impl SanSocket {
             waiters: 0,
             watched: false,
             lazy_lowering: false,
+            raised_idle_waits: 0,
             local_bell: None,
             pending_bell: None,
             released: Vec::new(),
