@@ -1765,6 +1765,58 @@ fn sendfile_from_file_position() -> CaseResult {
     ))
 }
 
+/// Reads of nothing: `recv` of 0 bytes answers `EAGAIN` when nonblocking with nothing
+/// queued, else 0; `read` and `readv` of nothing answer 0 whatever the socket holds.
+fn zero_length_reads() -> CaseResult {
+    let (client, server) = pair()?;
+    let fd = server.raw();
+    let mut byte = [0u8; 1];
+    let buf = byte.as_mut_ptr().cast::<libc::c_void>();
+    let empty_iov = [libc::iovec {
+        iov_base: buf,
+        iov_len: 0,
+    }];
+    let mut report = Vec::new();
+    let round = |label: &str, report: &mut Vec<String>| {
+        // SAFETY: zero-length calls on our socket with a valid buffer.
+        let dontwait = outcome(unsafe { libc::recv(fd, buf, 0, libc::MSG_DONTWAIT) });
+        // SAFETY: as above.
+        let read = outcome(unsafe { libc::read(fd, buf, 0) });
+        // SAFETY: as above; one iovec of length 0.
+        let readv = outcome(unsafe { libc::readv(fd, empty_iov.as_ptr(), 1) });
+        // SAFETY: toggling O_NONBLOCK on our socket.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) };
+        // SAFETY: as above.
+        let nonblock_recv = outcome(unsafe { libc::recv(fd, buf, 0, 0) });
+        // SAFETY: as above.
+        let nonblock_read = outcome(unsafe { libc::read(fd, buf, 0) });
+        // SAFETY: as above.
+        unsafe { libc::fcntl(fd, libc::F_SETFL, flags) };
+        report.push(format!(
+            "{label}: recv(DONTWAIT)={dontwait} read={read} readv={readv} nonblocking recv={nonblock_recv} read={nonblock_read}"
+        ));
+    };
+    round("empty", &mut report);
+    write_all(client.raw(), b"x")?;
+    wait_for(fd, libc::POLLIN, 5000)?;
+    settle();
+    round("queued", &mut report);
+    // SAFETY: valid one-byte buffer.
+    let got = outcome(unsafe { libc::recv(fd, buf, 1, 0) });
+    report.push(format!("then recv(1)={got} {:?}", byte[0] as char));
+    // SAFETY: shutting down our own socket.
+    unsafe { libc::shutdown(client.raw(), libc::SHUT_WR) };
+    wait_for(fd, libc::POLLIN, 5000)?;
+    settle();
+    let buf = byte.as_mut_ptr().cast::<libc::c_void>();
+    // SAFETY: zero-length call on our socket.
+    let at_end = outcome(unsafe { libc::recv(fd, buf, 0, libc::MSG_DONTWAIT) });
+    report.push(format!("after FIN: recv(DONTWAIT)={at_end}"));
+    Ok(report.join("; "))
+}
+
 fn mmsg() -> CaseResult {
     let (client, server) = pair()?;
     let mut payloads = [*b"aaaa", *b"bbbb", *b"cccc"];
@@ -2971,6 +3023,7 @@ const CASES: &[Case] = &[
     ("high-fd", high_fd),
     ("sendfile-and-splice", sendfile_and_splice),
     ("sendfile-from-file-position", sendfile_from_file_position),
+    ("zero-length-reads", zero_length_reads),
     ("mmsg", mmsg),
     ("fork-and-close-range", fork_and_close_range),
     ("close-then-send", close_then_send),

@@ -117,10 +117,14 @@ macro_rules! data_ops {
 }
 
 data_ops! {
+    // (`read` and `readv` of nothing answer 0 before they reach the socket, as the kernel's.)
     read(fd, buf: *mut c_void, count: size_t) => TcpReceived,
-        |index| san_recv(fd, index, &one_buf(buf, count), 0);
+        |index| if count == 0 { Outcome::Done(0) } else { san_recv(fd, index, &one_buf(buf, count), 0) };
     readv(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpReceived,
-        |index| san_recv_iov(fd, index, iov_bufs(iov, iovcnt), 0);
+        |index| match iov_bufs(iov, iovcnt) {
+            Ok(bufs) if bufs.iter().all(|b| b.len == 0) => Outcome::Done(0),
+            bufs => san_recv_iov(fd, index, bufs, 0),
+        };
     write(fd, buf: *const c_void, count: size_t) => TcpSent,
         |index| san_send(fd, index, &one_buf(buf, count), 0);
     writev(fd, iov: *const libc::iovec, iovcnt: c_int) => TcpSent,
@@ -151,7 +155,7 @@ data_ops! {
         };
     __read_chk(fd, buf: *mut c_void, nbytes: size_t, buflen: size_t) => TcpReceived,
         // An overflowing request goes to the real function, which aborts as it must.
-        |index| if nbytes > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, nbytes), 0) };
+        |index| if nbytes > buflen { Outcome::Bypass(Why::Fortify) } else if nbytes == 0 { Outcome::Done(0) } else { san_recv(fd, index, &one_buf(buf, nbytes), 0) };
     __recv_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int) => TcpReceived,
         |index| if len > buflen { Outcome::Bypass(Why::Fortify) } else { san_recv(fd, index, &one_buf(buf, len), recv_flags) };
     __recvfrom_chk(fd, buf: *mut c_void, len: size_t, buflen: size_t, recv_flags: c_int, addr: *mut sockaddr, addrlen: *mut socklen_t) => TcpReceived,

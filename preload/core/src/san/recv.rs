@@ -70,6 +70,25 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     let deadline = (!nonblocking)
         .then(|| timeout_of(index, fd, libc::SO_RCVTIMEO))
         .flatten();
+    if total == 0 && nonblocking {
+        // As the kernel's nonblocking `recv` of nothing: `EAGAIN` while nothing is queued
+        // (nor an end of stream), else 0; found out as a one-byte peek would (a blocking one
+        // answers 0 at once; `read` and `readv` of nothing never reach here).
+        let mut probe = [0u8; 1];
+        let probe_buf = [RawBuf {
+            ptr: probe.as_mut_ptr().cast(),
+            len: 1,
+        }];
+        return match recv_iov_inner(
+            fd,
+            index,
+            &probe_buf,
+            recv_flags | libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        ) {
+            Some(Ok(_)) => Some(Ok(0)),
+            other => other,
+        };
+    }
     let mut done = 0usize;
     // Set when this call consumed the switch marker: the acceptor wrote it because it has
     // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
