@@ -467,3 +467,105 @@ fn an_acceptor_past_its_san_memory_budget_declines_and_both_ends_stay_on_tcp() {
         connections_under_a_memory_budget("mem-acceptor", "server", TWO_CONNECTIONS_MB, count);
     check_memory_budget_reports(&out, "server", count, "peer-resources");
 }
+
+/// The `unshare` arguments that give a private network namespace (unprivileged through a
+/// user namespace where allowed, else as root) in which the loopback can be brought up and
+/// the local port range set, or why none can be had.
+fn network_namespace() -> Result<Vec<&'static str>, String> {
+    let mut tried = Vec::new();
+    for args in [vec!["--user", "--map-root-user", "--net"], vec!["--net"]] {
+        let probe = Command::new("unshare")
+            .args(&args)
+            .args([
+                "sh",
+                "-c",
+                "ip link set lo up && echo '40000 40001' > /proc/sys/net/ipv4/ip_local_port_range",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output();
+        match probe {
+            Ok(out) if out.status.success() => return Ok(args),
+            Ok(out) => tried.push(format!(
+                "unshare {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(error) => tried.push(format!("unshare: {error}")),
+        }
+    }
+    Err(tried.join("; "))
+}
+
+#[test]
+fn a_client_whose_port_range_is_taken_stays_on_tcp_and_connects() {
+    // Where connections churn, the local port range fills with TIME_WAIT ports: `connect` may
+    // still reuse one towards another peer, a `bind` (which the SAN client needs before its
+    // SYN) may not. In a network namespace with an eight-port range, the preloaded server's
+    // listener takes one port and seven connections to another listener, closed by their
+    // client, leave the other seven in TIME_WAIT: the preloaded client finds no port to bind,
+    // stays on TCP (`san-resources`) and its connection works, every byte exact (the kernel's
+    // `connect` shares a TIME_WAIT port with a connection to another peer).
+    let namespace = match network_namespace() {
+        Ok(args) => args,
+        Err(why) => {
+            eprintln!("SKIPPED: no private network namespace here ({why})");
+            return;
+        }
+    };
+    let dir = test_dir("port-range");
+    let script = r#"
+        set -u
+        ip link set lo up || exit 90
+        echo '40000 40007' > /proc/sys/net/ipv4/ip_local_port_range || exit 91
+        exec 3< <(LD_PRELOAD="$1" "$2" server 1; echo "server exit $?")
+        read -r first <&3
+        # Seven connections to a listener outside the range, each closed by its client
+        # first: their client ports stay in TIME_WAIT.
+        python3 -c '
+import socket
+listener = socket.socket()
+listener.bind(("127.0.0.1", 5000))
+listener.listen(16)
+pairs = []
+for _ in range(7):
+    client = socket.create_connection(("127.0.0.1", 5000))
+    pairs.append((client, listener.accept()[0]))
+for client, server in pairs:
+    client.close()
+for client, server in pairs:
+    server.close()
+' || exit 92
+        echo "time-wait $(awk '$4 == "06"' /proc/net/tcp | wc -l)"
+        LD_PRELOAD="$1" "$2" client "${first#port }" 1 65536
+        echo "client exit $?"
+        cat <&3
+    "#;
+    let child = Command::new("unshare")
+        .args(&namespace)
+        .args(["bash", "-c", script, "bash"])
+        .arg(library())
+        .arg(SAN_MANY)
+        .env_remove("LD_PRELOAD")
+        .env_remove("SANDIRECT_CONFIG")
+        .env_remove("SANDIRECT_MODE")
+        .env_remove("SANDIRECT_SAN")
+        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+        .env("SANDIRECT_SHM_DIR", dir.join("shm"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = integration::finish_child(child, "port range", Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.contains("time-wait 7"),
+        "seven ports of the range in TIME_WAIT:\n{out}"
+    );
+    let (client, _server) = exact_ends(&out, 1, 65536);
+    assert_eq!(
+        (client[0].1, client[0].2),
+        ("TCP", "san-resources"),
+        "no port to bind: the client stays on TCP and says why:\n{out}"
+    );
+}
