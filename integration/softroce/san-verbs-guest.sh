@@ -13,8 +13,10 @@ S=${SANDIRECT_TEST_SERVER_IP:-192.0.2.1}; C=${SANDIRECT_TEST_CLIENT_IP:-192.0.2.
 SP=$S; [[ $S == *:* ]] && SP="[$S]"
 X=$T/san_xhost
 LOGS=$(mktemp -d)
-pre=(env LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1 SANDIRECT_SAN_PROVIDER=verbs
-     SANDIRECT_VERBS_LIBRARY="$T/libsandirect_verbs.so" SANDIRECT_LOG="${SANDIRECT_LOG:-debug}")
+# No SANDIRECT_VERBS_LIBRARY: the preload finds the verbs provider beside itself (the build
+# puts both libraries in $T), as an installed package does.
+pre=(env -u SANDIRECT_VERBS_LIBRARY LD_PRELOAD="$T/libsandirect.so" SANDIRECT_SAN=1
+     SANDIRECT_SAN_PROVIDER=verbs SANDIRECT_LOG="${SANDIRECT_LOG:-debug}")
 pass=0; fail=0
 # selected NAME: whether case NAME is to run (SANDIRECT_SAN_VERBS_CASES, default all).
 selected() { [[ -z ${SANDIRECT_SAN_VERBS_CASES:-} || " $SANDIRECT_SAN_VERBS_CASES " == *" $1 "* ]]; }

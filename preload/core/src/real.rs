@@ -106,6 +106,26 @@ fn points_into_this_library(addr: *mut c_void) -> bool {
     own_base.is_some() && object_base(addr) == own_base
 }
 
+/// The file this library was loaded from, as the dynamic linker names it (`None` when it
+/// cannot say).
+pub fn own_path() -> Option<std::path::PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut info = core::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    // SAFETY: dladdr only writes into `info`; the address is a function of this library.
+    let found = unsafe { libc::dladdr(own_path as *const c_void, info.as_mut_ptr()) };
+    if found == 0 {
+        return None;
+    }
+    // SAFETY: dladdr returned non-zero, so it filled `info` (it was zeroed before anyway).
+    let info = unsafe { info.assume_init() };
+    if info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated name owned by the dynamic linker for the library's lifetime.
+    let name = unsafe { core::ffi::CStr::from_ptr(info.dli_fname) };
+    Some(std::ffi::OsStr::from_bytes(name.to_bytes()).into())
+}
+
 fn object_base(addr: *const c_void) -> Option<usize> {
     let mut info = core::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     // SAFETY: dladdr only writes into `info`; any address is acceptable input.

@@ -105,6 +105,18 @@ pub(super) fn hold_init() -> MutexGuard<'static, ()> {
     guard(&VERBS_INIT)
 }
 
+/// The verbs provider library to load: `SANDIRECT_VERBS_LIBRARY` when set, else the one
+/// installed beside this library (the package puts both in one directory, and so does a
+/// build), else `None`: the default name through the dynamic linker's search path.
+fn provider_library() -> Option<std::path::PathBuf> {
+    crate::settings::verbs_library().or_else(|| {
+        let beside = crate::real::own_path()?
+            .parent()?
+            .join(san_verbs_loader::abi::LIBRARY_NAME);
+        beside.is_file().then_some(beside)
+    })
+}
+
 fn verbs() -> Option<&'static Verbs> {
     if crate::settings::provider_choice() == crate::settings::ProviderChoice::Shm
         || !crate::settings::san_enabled()
@@ -113,24 +125,22 @@ fn verbs() -> Option<&'static Verbs> {
     }
     let _init = VERBS.get().is_none().then(hold_init);
     let verbs = VERBS
-        .get_or_init(
-            || match VerbsLibrary::load(crate::settings::verbs_library().as_deref()) {
-                Ok(library) => Some(Verbs {
-                    library,
-                    pid: std::process::id(),
-                    domains: Mutex::new(Vec::new()),
-                    negative: Mutex::new(Vec::new()),
-                }),
-                Err(LoadError::NoProvider(reason)) => {
-                    tracing::debug!(?reason, "no RDMA provider: cross-host SAN off");
-                    None
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "RDMA provider unusable: cross-host SAN off");
-                    None
-                }
-            },
-        )
+        .get_or_init(|| match VerbsLibrary::load(provider_library().as_deref()) {
+            Ok(library) => Some(Verbs {
+                library,
+                pid: std::process::id(),
+                domains: Mutex::new(Vec::new()),
+                negative: Mutex::new(Vec::new()),
+            }),
+            Err(LoadError::NoProvider(reason)) => {
+                tracing::debug!(?reason, "no RDMA provider: cross-host SAN off");
+                None
+            }
+            Err(error) => {
+                tracing::warn!(%error, "RDMA provider unusable: cross-host SAN off");
+                None
+            }
+        })
         .as_ref()?;
     (verbs.pid == std::process::id()).then_some(verbs)
 }
