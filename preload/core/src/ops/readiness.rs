@@ -345,8 +345,12 @@ unsafe fn epoll_wait_with_san(
                 };
                 // (Any find pays here, late ones included: measured on an epoll server
                 // with more busy threads than CPUs, counting only finds in time made it
-                // sleep and its clients write tokens for most requests.)
-                note_look(!budget.is_zero(), looked.found > 0);
+                // sleep and its clients write tokens for most requests. But not a find by
+                // a look that lost its CPU meanwhile: there the look took the CPU its peer,
+                // or another program, needed; with a CPU hog beside a request/response
+                // pair, or both ends pinned to one CPU, counting those ran at 0.6x of
+                // kernel TCP.)
+                note_look_of(!budget.is_zero(), looked.found > 0, looked.preempted);
                 if looked.found > 0 {
                     deferred.clear();
                     return looked.found as c_int;
@@ -429,12 +433,21 @@ fn look_budget_within(
 
 /// Records how a look went (`looked`: it had a budget; `found`: it paid off).
 fn note_look(looked: bool, found: bool) {
+    note_look_of(looked, found, false);
+}
+
+/// As [`note_look`]; `preempted`: the look lost its CPU to another thread, which stops the
+/// thread's looks at once (down to the occasional probe), whatever it found: another thread
+/// wants this CPU, and looking takes it from that thread.
+fn note_look_of(looked: bool, found: bool, preempted: bool) {
     if !looked {
         return;
     }
     LOOK.with(|look| {
         let mut policy = look.get();
-        policy.budget_us = if found {
+        policy.budget_us = if preempted {
+            0
+        } else if found {
             crate::settings::poll_us()
         } else if policy.budget_us == u32::MAX {
             crate::settings::poll_us() / 2
