@@ -358,19 +358,39 @@ fn own_published_path() -> String {
     }
 }
 
+/// A listener made by `listen` on a port below the automatic local port range (20000-31999,
+/// from this process's id on), else on one the kernel picks: after the benchmark's connection
+/// churn the automatic range is full of TIME_WAIT entries and `bind` to port 0 can fail.
+fn listen_outside_the_ephemeral_range(
+    listen: impl Fn(u16) -> io::Result<TcpListener>,
+) -> io::Result<TcpListener> {
+    let mut candidate = (std::process::id() as u16).wrapping_mul(7919) % 12_000;
+    for _ in 0..200 {
+        candidate = (candidate + 61) % 12_000;
+        if let Ok(listener) = listen(20_000 + candidate) {
+            return Ok(listener);
+        }
+    }
+    listen(0)
+}
+
 fn role_main(args: &Arguments) -> io::Result<()> {
     let slice = args.slice;
     match (args.role.as_deref(), &args.ring) {
         (Some("server"), None) => {
             let mut stream = match args.sockets {
                 SocketStyle::Std => {
-                    let listener = TcpListener::bind((args.address, 0))?;
+                    let listener = listen_outside_the_ephemeral_range(|port| {
+                        TcpListener::bind((args.address, port))
+                    })?;
                     println!("port {}", listener.local_addr()?.port());
                     io::stdout().flush()?;
                     listener.accept()?.0
                 }
                 SocketStyle::C => {
-                    let listener = c_sockets::listen(args.address)?;
+                    let listener = listen_outside_the_ephemeral_range(|port| {
+                        c_sockets::listen(args.address, port)
+                    })?;
                     println!("port {}", listener.local_addr()?.port());
                     io::stdout().flush()?;
                     c_sockets::accept(&listener)?
@@ -513,9 +533,9 @@ mod c_sockets {
     }
 
     /// A listener on `ip`, an ephemeral port.
-    pub fn listen(ip: Ipv4Addr) -> io::Result<TcpListener> {
+    pub fn listen(ip: Ipv4Addr, port: u16) -> io::Result<TcpListener> {
         let socket = socket(SocketStyle::C)?;
-        bind(&socket, ip, 0)?;
+        bind(&socket, ip, port)?;
         // SAFETY: listen on a socket we own.
         if unsafe { libc::listen(socket.as_raw_fd(), 16) } != 0 {
             return Err(io::Error::last_os_error());
