@@ -752,7 +752,7 @@ pub(crate) fn yield_now() {
 /// vDSO page without a time-stamp counter read, so cheap enough for every poll, and fine for
 /// intervals of tens of milliseconds and more (on a VM the precise clock showed as several
 /// percent of a busy server's time, read once per poll).
-pub(crate) fn coarse_now() -> Duration {
+pub fn coarse_now() -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

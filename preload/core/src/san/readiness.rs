@@ -463,7 +463,7 @@ pub fn hand_out_input(deferred: &Deferred, fds: &mut [libc::pollfd]) -> Option<u
 
 /// Lowers the deferred sockets that still have nothing to read: before the wait sleeps, or
 /// (`linger`) as an epoll wait hands out other events, where each may stay raised for up to
-/// [`LINGERING_WAITS`] such waits in a row (its level-triggered registrations are the only
+/// `LINGERING_WAITS` such waits in a row (its level-triggered registrations are the only
 /// watchers, and the waits drop its report).
 pub fn lower_deferred(deferred: &Deferred, linger: bool) {
     for &index in deferred.indices() {
