@@ -27,19 +27,21 @@ fn test_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// Mounts a small tmpfs needs a private mount namespace: unprivileged through a user
-/// namespace where those are allowed, else as root. The `unshare` arguments that give one
-/// (the probe mounts a tmpfs on `mount_point` inside it), or why none can be had.
-fn mount_namespace(mount_point: &Path) -> Result<Vec<&'static str>, String> {
+/// The `unshare` arguments that give a private namespace of `kind` (`--mount`, `--net`):
+/// unprivileged through a user namespace where those are allowed, else as root, whichever
+/// first runs the shell command `probe` (with `probe_arg` as its `$0`) inside it; or why none
+/// can be had.
+fn private_namespace(
+    kind: &'static str,
+    probe: &str,
+    probe_arg: &Path,
+) -> Result<Vec<&'static str>, String> {
     let mut tried = Vec::new();
-    for args in [
-        vec!["--user", "--map-root-user", "--mount"],
-        vec!["--mount"],
-    ] {
+    for args in [vec!["--user", "--map-root-user", kind], vec![kind]] {
         let probe = Command::new("unshare")
             .args(&args)
-            .args(["sh", "-c", "mount -t tmpfs -o size=64k tmpfs \"$0\""])
-            .arg(mount_point)
+            .args(["sh", "-c", probe])
+            .arg(probe_arg)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .output();
@@ -54,6 +56,47 @@ fn mount_namespace(mount_point: &Path) -> Result<Vec<&'static str>, String> {
         }
     }
     Err(tried.join("; "))
+}
+
+/// Mounting a small tmpfs needs a private mount namespace (the probe mounts one on
+/// `mount_point` inside it).
+fn mount_namespace(mount_point: &Path) -> Result<Vec<&'static str>, String> {
+    private_namespace(
+        "--mount",
+        "mount -t tmpfs -o size=64k tmpfs \"$0\"",
+        mount_point,
+    )
+}
+
+/// Runs `script` under bash in the namespace `namespace` (`unshare` arguments), with the
+/// preload library and `san_many` as `$1` and `$2` and `extra` after them, the preload's
+/// settings cleared but for the stats directory under `dir` and the segment directory
+/// `shm`; returns everything it printed once it ended (bounded by `limit`).
+fn san_many_script(
+    namespace: &[&str],
+    script: &str,
+    extra: &[String],
+    dir: &Path,
+    shm: &Path,
+    limit: Duration,
+) -> String {
+    let child = Command::new("unshare")
+        .args(namespace)
+        .args(["bash", "-c", script, "bash"])
+        .arg(library())
+        .arg(SAN_MANY)
+        .args(extra)
+        .env_remove("LD_PRELOAD")
+        .env_remove("SANDIRECT_CONFIG")
+        .env_remove("SANDIRECT_MODE")
+        .env_remove("SANDIRECT_SAN")
+        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+        .env("SANDIRECT_SHM_DIR", shm)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    integration::finish_child(child, "san_many script", limit)
 }
 
 /// Runs a preloaded `san_many` server and client inside a mount namespace where the segment
@@ -74,31 +117,22 @@ fn pairs_on_a_small_tmpfs(name: &str, size: &str, count: usize, bytes: usize) ->
     // shows as 128 + its number.
     let script = r#"
         set -u
-        mount -t tmpfs -o "size=$1,mode=0700" sandirect-test "$SANDIRECT_SHM_DIR" || exit 90
-        exec 3< <(LD_PRELOAD="$2" "$3" server "$4"; echo "server exit $?")
+        mount -t tmpfs -o "size=$5,mode=0700" sandirect-test "$SANDIRECT_SHM_DIR" || exit 90
+        exec 3< <(LD_PRELOAD="$1" "$2" server "$3"; echo "server exit $?")
         read -r first <&3
-        LD_PRELOAD="$2" "$3" client "${first#port }" "$4" "$5"
+        LD_PRELOAD="$1" "$2" client "${first#port }" "$3" "$4"
         echo "client exit $?"
         cat <&3
     "#;
-    let child = Command::new("unshare")
-        .args(&namespace)
-        .args(["bash", "-c", script, "bash", size])
-        .arg(library())
-        .arg(SAN_MANY)
-        .arg(count.to_string())
-        .arg(bytes.to_string())
-        .env_remove("LD_PRELOAD")
-        .env_remove("SANDIRECT_CONFIG")
-        .env_remove("SANDIRECT_MODE")
-        .env_remove("SANDIRECT_SAN")
-        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
-        .env("SANDIRECT_SHM_DIR", &shm)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = integration::finish_child(child, "pairs", Duration::from_secs(120));
+    let extra = [count.to_string(), bytes.to_string(), size.to_owned()];
+    let out = san_many_script(
+        &namespace,
+        script,
+        &extra,
+        &dir,
+        &shm,
+        Duration::from_secs(120),
+    );
     let _ = std::fs::remove_dir_all(&dir);
     Some(out)
 }
@@ -468,33 +502,14 @@ fn an_acceptor_past_its_san_memory_budget_declines_and_both_ends_stay_on_tcp() {
     check_memory_budget_reports(&out, "server", count, "peer-resources");
 }
 
-/// The `unshare` arguments that give a private network namespace (unprivileged through a
-/// user namespace where allowed, else as root) in which the loopback can be brought up and
-/// the local port range set, or why none can be had.
+/// A private network namespace in which the loopback can be brought up and the local port
+/// range set (see [`private_namespace`]).
 fn network_namespace() -> Result<Vec<&'static str>, String> {
-    let mut tried = Vec::new();
-    for args in [vec!["--user", "--map-root-user", "--net"], vec!["--net"]] {
-        let probe = Command::new("unshare")
-            .args(&args)
-            .args([
-                "sh",
-                "-c",
-                "ip link set lo up && echo '40000 40001' > /proc/sys/net/ipv4/ip_local_port_range",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output();
-        match probe {
-            Ok(out) if out.status.success() => return Ok(args),
-            Ok(out) => tried.push(format!(
-                "unshare {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            )),
-            Err(error) => tried.push(format!("unshare: {error}")),
-        }
-    }
-    Err(tried.join("; "))
+    private_namespace(
+        "--net",
+        "ip link set lo up && echo '40000 40001' > /proc/sys/net/ipv4/ip_local_port_range",
+        Path::new("probe"),
+    )
 }
 
 #[test]
@@ -542,22 +557,14 @@ for client, server in pairs:
         echo "client exit $?"
         cat <&3
     "#;
-    let child = Command::new("unshare")
-        .args(&namespace)
-        .args(["bash", "-c", script, "bash"])
-        .arg(library())
-        .arg(SAN_MANY)
-        .env_remove("LD_PRELOAD")
-        .env_remove("SANDIRECT_CONFIG")
-        .env_remove("SANDIRECT_MODE")
-        .env_remove("SANDIRECT_SAN")
-        .env("SANDIRECT_STAT_DIR", dir.join("stat"))
-        .env("SANDIRECT_SHM_DIR", dir.join("shm"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = integration::finish_child(child, "port range", Duration::from_secs(60));
+    let out = san_many_script(
+        &namespace,
+        script,
+        &[],
+        &dir,
+        &dir.join("shm"),
+        Duration::from_secs(60),
+    );
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         out.contains("time-wait 7"),

@@ -110,14 +110,7 @@ fn points_into_this_library(addr: *mut c_void) -> bool {
 /// cannot say).
 pub fn own_path() -> Option<std::path::PathBuf> {
     use std::os::unix::ffi::OsStrExt;
-    let mut info = core::mem::MaybeUninit::<libc::Dl_info>::zeroed();
-    // SAFETY: dladdr only writes into `info`; the address is a function of this library.
-    let found = unsafe { libc::dladdr(own_path as *const c_void, info.as_mut_ptr()) };
-    if found == 0 {
-        return None;
-    }
-    // SAFETY: dladdr returned non-zero, so it filled `info` (it was zeroed before anyway).
-    let info = unsafe { info.assume_init() };
+    let info = object_info(own_path as *const c_void)?;
     if info.dli_fname.is_null() {
         return None;
     }
@@ -127,11 +120,16 @@ pub fn own_path() -> Option<std::path::PathBuf> {
 }
 
 fn object_base(addr: *const c_void) -> Option<usize> {
+    object_info(addr).map(|info| info.dli_fbase as usize)
+}
+
+/// What `dladdr` says of the object containing `addr`.
+fn object_info(addr: *const c_void) -> Option<libc::Dl_info> {
     let mut info = core::mem::MaybeUninit::<libc::Dl_info>::zeroed();
     // SAFETY: dladdr only writes into `info`; any address is acceptable input.
     let found = unsafe { libc::dladdr(addr, info.as_mut_ptr()) };
     // SAFETY: dladdr returned non-zero, so it filled `info` (it was zeroed before anyway).
-    (found != 0).then(|| unsafe { info.assume_init() }.dli_fbase as usize)
+    (found != 0).then(|| unsafe { info.assume_init() })
 }
 
 /// Resolves every slot (idempotent). Called from the constructor before anything else.

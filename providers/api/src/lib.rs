@@ -487,6 +487,14 @@ pub trait SanDomain {
     }
 }
 
+/// A message given in parts (see [`SanConnection::post_send_parts`]), joined.
+pub fn joined(head: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(head.len() + payload.len());
+    message.extend_from_slice(head);
+    message.extend_from_slice(payload);
+    message
+}
+
 /// One SAN connection (a reliable-connected queue pair and its slot pools).
 pub trait SanConnection {
     /// The slot pools this connection was set up with.
@@ -513,10 +521,7 @@ pub trait SanConnection {
         if payload.is_empty() {
             return self.post_send(wr_id, head);
         }
-        let mut message = Vec::with_capacity(head.len() + payload.len());
-        message.extend_from_slice(head);
-        message.extend_from_slice(payload);
-        self.post_send(wr_id, &message)
+        self.post_send(wr_id, &joined(head, payload))
     }
 
     /// Posts receive slot `slot`.

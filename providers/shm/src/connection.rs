@@ -1664,10 +1664,10 @@ impl SanConnection for ShmConnection {
                 Err(_) => {}
             }
         }
-        let mut bytes = Vec::with_capacity(head.len() + payload.len());
-        bytes.extend_from_slice(head);
-        bytes.extend_from_slice(payload);
-        self.outbound.push_back(Outbound::Send { wr_id, bytes });
+        self.outbound.push_back(Outbound::Send {
+            wr_id,
+            bytes: san_api::joined(head, payload),
+        });
         self.pump_outbound();
         Ok(())
     }

@@ -753,29 +753,22 @@ pub(crate) fn yield_now() {
 /// intervals of tens of milliseconds and more (on a VM the precise clock showed as several
 /// percent of a busy server's time, read once per poll).
 pub fn coarse_now() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid out-parameter for the call.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
-    if rc != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(
-        u64::try_from(ts.tv_sec).unwrap_or(0),
-        u32::try_from(ts.tv_nsec).unwrap_or(0),
-    )
+    clock_now(libc::CLOCK_MONOTONIC_COARSE)
 }
 
 /// CPU time (user + system) consumed by this process so far. For benchmarks and counters.
 pub fn process_cpu_time() -> Duration {
+    clock_now(libc::CLOCK_PROCESS_CPUTIME_ID)
+}
+
+/// `clock_gettime(clock)`, zero if the kernel refuses.
+fn clock_now(clock: libc::clockid_t) -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: `ts` is a valid out-parameter for the call.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
     if rc != 0 {
         return Duration::ZERO;
     }

@@ -115,7 +115,7 @@ unsafe fn poll_with_san(
                     .unwrap_or_default();
                 // (Only a find in time pays: a poll waiter whose peer needs its CPU gains
                 // nothing by looking, and its looks must stop.)
-                note_look(true, looked.in_time);
+                note_look(true, looked.in_time, false);
                 if looked.found == 0 {
                     let _ = guard::contained(|| crate::san::lower_deferred(&deferred, false));
                 } else if let Some(ready) =
@@ -350,7 +350,7 @@ unsafe fn epoll_wait_with_san(
                 // or another program, needed; with a CPU hog beside a request/response
                 // pair, or both ends pinned to one CPU, counting those ran at 0.6x of
                 // kernel TCP.)
-                note_look_of(!budget.is_zero(), looked.found > 0, looked.preempted);
+                note_look(!budget.is_zero(), looked.found > 0, looked.preempted);
                 if looked.found > 0 {
                     deferred.clear();
                     return looked.found as c_int;
@@ -431,15 +431,11 @@ fn look_budget_within(
     })
 }
 
-/// Records how a look went (`looked`: it had a budget; `found`: it paid off).
-fn note_look(looked: bool, found: bool) {
-    note_look_of(looked, found, false);
-}
-
-/// As [`note_look`]; `preempted`: the look lost its CPU to another thread, which stops the
-/// thread's looks at once (down to the occasional probe), whatever it found: another thread
-/// wants this CPU, and looking takes it from that thread.
-fn note_look_of(looked: bool, found: bool, preempted: bool) {
+/// Records how a look went (`looked`: it had a budget; `found`: it paid off; `preempted`:
+/// it lost its CPU to another thread, which stops the thread's looks at once, down to the
+/// occasional probe, whatever it found: another thread wants this CPU, and looking takes it
+/// from that thread).
+fn note_look(looked: bool, found: bool, preempted: bool) {
     if !looked {
         return;
     }
