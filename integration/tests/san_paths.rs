@@ -205,14 +205,28 @@ fn python_pair(
         .stderr(output())
         .spawn()
         .unwrap();
-    let client_report = if client_output {
-        finish(client, "client")
+    // Both ends' outcomes before any verdict, as in `two_processes`.
+    let client_result = if client_output {
+        integration::wait_child(client, "client", Duration::from_secs(60))
     } else {
         let _ = client.wait_with_output();
-        String::new()
+        Ok(String::new())
     };
     server.stdout = Some(reader.into_inner());
-    (finish(server, "server"), client_report)
+    let server_wait = Duration::from_secs(if client_result.is_ok() { 60 } else { 10 });
+    match (
+        integration::wait_child(server, "server", server_wait),
+        client_result,
+    ) {
+        (Ok(server_report), Ok(client_report)) => (server_report, client_report),
+        (server, client) => {
+            let shown = |result: Result<String, String>| match result {
+                Ok(out) => format!("ok:\n{out}"),
+                Err(failure) => failure,
+            };
+            panic!("{name}: server {}\nclient {}", shown(server), shown(client))
+        }
+    }
 }
 
 /// Runs `protocol` natively and with both ends preloaded; both must move `bytes` intact.
@@ -568,8 +582,17 @@ fn timed_waits_beside_a_san_connection_sleep_instead_of_spinning() {
             }
             false
         });
+        // The sampler stops however the pair ends: a failing pair panics, and the scope
+        // would wait for a sampler that never saw the SAN for ever.
+        struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
+        let stopper = StopOnDrop(&stop);
         let (report, client) = python_pair(&dirs, "timed_waits.py", TIMED_WAITS_PY, &[], &[], true);
-        stop.store(true, std::sync::atomic::Ordering::Release);
+        drop(stopper);
         (report, client, sampler.join().expect("sampler"))
     });
     assert!(client.contains("client done"), "{client}");

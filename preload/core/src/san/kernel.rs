@@ -323,6 +323,19 @@ pub(super) fn recv_tcp(
 /// The rest of a `MSG_WAITALL` read after `done` bytes, from TCP with the caller's flags
 /// (so it blocks, times out or answers `EAGAIN` as the kernel socket does): the bytes read
 /// now, 0 when none could be (end of stream, error or signal: the caller returns `done`).
+/// Whether a read of TCP socket `fd` would return at once now (bytes, end of stream or an
+/// error): one zero-timeout `poll`.
+pub(super) fn tcp_readable_now(fd: c_int) -> bool {
+    let mut entry = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd, zero timeout.
+    let rc = unsafe { real::poll(&mut entry, 1, 0) };
+    rc > 0 && entry.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 pub(super) fn recv_tcp_rest(fd: c_int, bufs: &[RawBuf], done: usize, recv_flags: c_int) -> usize {
     let mut iov = remaining_iov(bufs, done);
     if iov.is_empty() {

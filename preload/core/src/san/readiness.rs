@@ -71,7 +71,7 @@ pub fn poll_fds(fds: &mut [libc::pollfd], may_look: bool) -> Swapped {
                     if let Some(record) = registry().get(index) {
                         socket.polled_for_input(record);
                     }
-                    if socket.lazy_lowering && socket.raised_without_data() {
+                    if socket.lazy_lowering && socket.raised_without_data(entry.fd) {
                         // (Data that arrived meanwhile keeps it raised: the wait reports it.)
                         swapped.raised |= may_look || !socket.lower_readable();
                     }
@@ -146,7 +146,10 @@ fn correct_revents(entry: &mut libc::pollfd, position: usize, deferred: Option<&
     }
     socket.service();
     let readiness = socket.readiness();
-    if entry.revents & libc::POLLIN != 0 && !readiness.readable && !socket.tcp_bytes_pending() {
+    if entry.revents & libc::POLLIN != 0
+        && !readiness.readable
+        && !socket.tcp_bytes_readable(entry.fd)
+    {
         let defer = socket.lazy_lowering
             && deferred.is_some_and(|list| {
                 let reported = libc::epoll_event {
@@ -208,7 +211,8 @@ pub fn correct_epoll_events(
                 // registration moves to the mirror, which rises when the acceptor's first
                 // bytes arrive) and judge the event like a switched socket's below. Without
                 // the segment (a plain server's data) the kernel's report stands.
-                if let Some(fd) = registry().get(index).map(|r| r.fd.load(Ordering::Acquire)) {
+                let fd = tcp_fd(index);
+                if fd >= 0 {
                     let _ = switch_if_attached(fd, index, &mut slot);
                 }
                 if let Some(SanObject::Socket(socket)) = slot
@@ -222,7 +226,7 @@ pub fn correct_epoll_events(
                     let readiness = socket.readiness();
                     if readiness.readable {
                         socket.raised_idle_waits = 0;
-                    } else if !socket.tcp_bytes_pending() {
+                    } else if !socket.tcp_bytes_readable(fd) {
                         let defer = socket.lazy_lowering
                             && deferred
                                 .as_mut()
@@ -244,6 +248,14 @@ pub fn correct_epoll_events(
         }
     }
     kept
+}
+
+/// The kernel socket of SAN socket `index` (-1 when it has none: a poll of -1 reports
+/// nothing).
+fn tcp_fd(index: u32) -> c_int {
+    registry()
+        .get(index)
+        .map_or(-1, |record| record.fd.load(Ordering::Acquire))
 }
 
 /// Most sockets one wait looks at before it sleeps; any beyond are lowered at once.
@@ -353,7 +365,7 @@ fn look(
             if readiness.readable
                 || readiness.read_hup
                 || readiness.error
-                || socket.tcp_bytes_pending()
+                || socket.tcp_bytes_readable(tcp_fd(index))
             {
                 found += 1;
                 if !take(event, socket, readiness) {
@@ -448,7 +460,7 @@ pub fn hand_out_input(deferred: &Deferred, fds: &mut [libc::pollfd]) -> Option<u
             return None;
         };
         let readiness = socket.readiness();
-        ready[slot] = socket.plain_input();
+        ready[slot] = socket.plain_input(tcp_fd(index));
         if !ready[slot] && (readiness.readable || readiness.read_hup || readiness.error) {
             return None;
         }
@@ -471,7 +483,7 @@ pub fn lower_deferred(deferred: &Deferred, linger: bool) {
             continue;
         }
         if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-            if socket.readiness().readable || socket.tcp_bytes_pending() {
+            if socket.readiness().readable || socket.tcp_bytes_readable(tcp_fd(index)) {
                 continue;
             }
             if linger && socket.raised_idle_waits < LINGERING_WAITS {

@@ -663,3 +663,49 @@ fn a_send_faulting_past_64_kib_takes_the_whole_units_before_the_fault() {
         );
     });
 }
+
+/// An acceptor that read the client's pre-switch bytes before the client's `Hello` came (its
+/// count unknown) has nothing more to read: readiness must not say otherwise, whatever raised
+/// its mirror meanwhile (a level-triggered epoll reader was handed `EPOLLIN` and then `EAGAIN`).
+/// Once the count comes, the bytes still due, and only those, are readable.
+#[test]
+fn an_acceptor_that_read_the_pre_switch_bytes_has_nothing_more_to_read() {
+    for_seeds("pre-switch bytes read", |seed| {
+        let pair = Pair::pending(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(5, 21);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()), "pending send");
+        pair.attach();
+        let readable = |end: &End| match lock(end.index).as_mut() {
+            Some(SanObject::Socket(socket)) => {
+                socket.service();
+                (
+                    socket.tcp_backlog(),
+                    socket.readiness().readable || socket.tcp_bytes_readable(end.fd),
+                )
+            }
+            _ => panic!("the acceptor is a SAN socket"),
+        };
+        assert_eq!(readable(a), (None, true), "the bytes wait on TCP");
+        let mut got = vec![0; request.len()];
+        assert_eq!(pair.recv(a, &mut got, 0), Ok(request.len()));
+        assert_same(&got, &request, "client → acceptor before the switch");
+        assert_eq!(readable(a), (None, false), "read, before the count came");
+        assert_eq!(
+            pair.recv(a, &mut got, libc::MSG_DONTWAIT),
+            Err(libc::EAGAIN),
+            "and a read says so"
+        );
+        // The client switches at its next call; its Hello brings the count (all read).
+        switch_pending(c.fd, c.index);
+        assert!(pair.is_switched(c), "the client switched");
+        for _ in 0..1_000 {
+            pair.service(c);
+            if readable(a).0.is_some() {
+                break;
+            }
+            world(&pair.world).run();
+        }
+        assert_eq!(readable(a), (Some(0), false), "the count came: nothing due");
+    });
+}

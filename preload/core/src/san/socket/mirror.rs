@@ -167,20 +167,22 @@ impl SanSocket {
     }
 
     /// The mirror is raised with nothing to read (left so by a read under lazy lowering):
-    /// a wait that begins now returns at once, before it could sleep.
-    pub(crate) fn raised_without_data(&self) -> bool {
+    /// a wait that begins now returns at once, before it could sleep. (`tcp`: this socket's
+    /// kernel socket.)
+    pub(crate) fn raised_without_data(&self, tcp: RawFd) -> bool {
         self.mirror
             .as_ref()
             .is_some_and(|mirror| mirror.words().is_readable_raised())
             && !self.readiness().readable
-            && !self.tcp_bytes_pending()
+            && !self.tcp_bytes_readable(tcp)
     }
 
     /// What a TCP socket polled for input alone reports now is exactly `POLLIN`: bytes to read,
-    /// and no FIN, error or shutdown of ours (which add or change other bits).
-    pub(crate) fn plain_input(&self) -> bool {
+    /// and no FIN, error or shutdown of ours (which add or change other bits). (`tcp`: this
+    /// socket's kernel socket.)
+    pub(crate) fn plain_input(&self, tcp: RawFd) -> bool {
         let readiness = self.readiness();
-        (readiness.readable || self.tcp_bytes_pending())
+        (readiness.readable || self.tcp_bytes_readable(tcp))
             && !readiness.read_hup
             && !readiness.error
             && !self.write_shut

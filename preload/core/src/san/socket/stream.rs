@@ -39,8 +39,19 @@ impl SanSocket {
     }
 
     /// Acceptor: the client's pre-switch bytes may still be readable on TCP.
-    pub(crate) fn tcp_bytes_pending(&self) -> bool {
+    fn tcp_bytes_pending(&self) -> bool {
         self.side == Side::Acceptor && self.tcp_backlog() != Some(0) && !self.tcp_eof
+    }
+
+    /// Acceptor: a read of `tcp` (this socket's kernel socket) now returns pre-switch bytes
+    /// of the client (or TCP's end of stream). Once the client's count is known, the bytes
+    /// are due, and there: it wrote them before its `Hello`. While it is not, only the kernel knows whether more
+    /// came: a mirror raised before the client's `Hello` arrived reported the socket readable
+    /// with nothing to read (`EAGAIN` to a level-triggered reader right after a read had
+    /// emptied it).
+    pub(crate) fn tcp_bytes_readable(&self, tcp: c_int) -> bool {
+        self.tcp_bytes_pending()
+            && (self.tcp_backlog().is_some() || crate::san::kernel::tcp_readable_now(tcp))
     }
 
     /// Acceptor: TCP bytes were read (and consumed) by the application.
