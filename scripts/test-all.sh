@@ -34,6 +34,18 @@ stage() {
   echo "=== stage: $name: ok ($((SECONDS - start)) s)"
 }
 
+# A test suite that hangs fails its stage after MINUTES (every test bounds its own waits, so
+# this catches a harness that waits for ever) instead of holding the run until CI's limit.
+bounded() {
+  local minutes="$1"; shift
+  local rc=0
+  timeout --kill-after=30 "$((minutes * 60))" "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "test-all: still running after $minutes minutes, stopped: $*" >&2
+  fi
+  return "$rc"
+}
+
 stage "format" cargo fmt --all -- --check
 stage "clippy" cargo clippy --workspace --all-targets -- -D warnings
 stage "dependency direction" bash scripts/check-deps.sh
@@ -41,16 +53,16 @@ stage "docs" env RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --qu
 # The cdylibs (libsandirect.so, libsandirect_verbs.so) are what several tests load: build them
 # first, as a user would.
 stage "build" cargo build --workspace
-stage "tests" cargo test --workspace
+stage "tests" bounded 30 cargo test --workspace
 # The intra-host SAN path is the default, so the stage above ran every application over it
 # (each connection between preloaded programs asserted on SAN-shm). Run them once more with it
 # turned off, every connection asserted on the interposer's TCP path.
-stage "applications with the SAN off" env SANDIRECT_SAN=0 cargo test -p integration --test 'apps_*'
+stage "applications with the SAN off" bounded 20 env SANDIRECT_SAN=0 cargo test -p integration --test 'apps_*'
 # Every wait while SAN sockets are alive is cut into slices after which all of them are
 # serviced: a safety net that would hide a lost wake-up as a 239 ms stall. Run the SAN and
 # application suites once more with the slices ten minutes long: every wake-up must come from
 # the mirrors, the doorbells and the nudges (a test's own deadline then catches a hang).
-stage "SAN without the safety-net wait slices" env SANDIRECT_WAIT_SLICE_MS=600000 cargo test -p integration
+stage "SAN without the safety-net wait slices" bounded 30 env SANDIRECT_WAIT_SLICE_MS=600000 cargo test -p integration
 if [ -x .ci/check-exports.sh ]; then
   stage "exported symbols" bash .ci/check-exports.sh
 fi

@@ -802,6 +802,21 @@ fn a_client_whose_connections_are_short_keeps_new_ones_on_tcp_until_they_grow() 
 }
 
 #[test]
+fn a_segment_directory_others_may_read_keeps_connections_on_tcp_and_says_why() {
+    let dirs = Dirs::new("open-directory");
+    // Group and others may look in: refused (segments would be open to them), the SAN stays
+    // off for these processes, and each connection tells `sandirect stat` why.
+    std::fs::set_permissions(
+        &dirs.shm,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let paths = connection_sequence(&dirs, &[5000, 5000], &[]);
+    assert_eq!(paths, ["TCP no-provider"; 2], "{paths:?}");
+    assert_eq!(dirs.leftover_segments(), Vec::<String>::new());
+}
+
+#[test]
 fn peers_in_one_process_switch_too() {
     let dirs = Dirs::new("inprocess");
     for protocol in ["client-first", "server-first", "early"] {

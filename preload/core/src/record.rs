@@ -56,8 +56,10 @@ pub enum Bypass {
     /// A config rule (or `SANDIRECT_MODE=tcp`) says TCP.
     ConfigSaysTcp = 3,
     /// No SAN provider carried the connection: the SAN path is off (`SANDIRECT_SAN=0`, also
-    /// when a rule asks for `san`), its setup failed for a reason other than the peer or our
-    /// own resources, or the switch failed after the acceptor had committed to it.
+    /// when a rule asks for `san`), the process could not make its provider (a segment
+    /// directory it refuses: not private, not its own, a symbolic link), its setup failed for
+    /// a reason other than the peer or our own resources, or the switch failed after the
+    /// acceptor had committed to it.
     NoProvider = 4,
     /// Inherited across fork: SAN sessions are not shared between processes.
     AfterFork = 5,

@@ -242,14 +242,17 @@ pub fn before_connect(
     record: &'static SocketRecord,
     peer: SocketAddr,
 ) -> ClientPlan {
-    let Some(provider) = provider() else {
-        return ClientPlan::Skip;
-    };
-    if crate::settings::decide(crate::config::Role::Client, Some(peer)) != Bypass::None
+    if !provider::enabled()
+        || crate::settings::decide(crate::config::Role::Client, Some(peer)) != Bypass::None
         || record.flags() & flags::SAN != 0
     {
         return ClientPlan::Skip;
     }
+    let Some(provider) = provider() else {
+        // The SAN is on, but this process could not make its resources (an unusable segment
+        // directory, logged once): the connection says so (`no-provider`), not nothing.
+        return ClientPlan::Failed;
+    };
     if history::predicts_short(peer) {
         return ClientPlan::ShortConnections;
     }
