@@ -626,6 +626,78 @@ fn epoll_edge_triggered() -> CaseResult {
     ))
 }
 
+/// Registrations removed and added again, as event loops do around every request: what the
+/// calls answer, and which events each wait reports in between.
+fn epoll_remove_and_add_again() -> CaseResult {
+    let (client, server) = pair()?;
+    let epfd = epoll_new()?;
+    let ctl = |op: c_int, events: u32, data: u64| {
+        outcome(epoll_add(epfd.raw(), op, server.raw(), events, data))
+    };
+    let (input, output) = (libc::EPOLLIN as u32, libc::EPOLLOUT as u32);
+    let wait = |timeout: c_int| -> Result<String, String> {
+        let events = epoll_collect(epfd.raw(), timeout)?;
+        Ok(if events.is_empty() {
+            "none".into()
+        } else {
+            events
+                .iter()
+                .map(|(data, ev)| format!("{data}:{}", epoll_events_text(*ev)))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+    };
+    let mut steps = Vec::new();
+    // Watched for output (always writable here), removed: no event afterwards.
+    steps.push(format!("add-out={}", ctl(libc::EPOLL_CTL_ADD, output, 1)));
+    steps.push(format!("wait={}", wait(0)?));
+    steps.push(format!("del={}", ctl(libc::EPOLL_CTL_DEL, 0, 0)));
+    steps.push(format!("wait-after-del={}", wait(50)?));
+    steps.push(format!("del-again={}", ctl(libc::EPOLL_CTL_DEL, 0, 0)));
+    steps.push(format!(
+        "mod-after-del={}",
+        ctl(libc::EPOLL_CTL_MOD, input, 2)
+    ));
+    // Data arrives while nothing watches the socket: unreported until it is added again.
+    write_all(client.raw(), b"ping")?;
+    settle();
+    steps.push(format!("wait-with-data={}", wait(50)?));
+    steps.push(format!("add-in={}", ctl(libc::EPOLL_CTL_ADD, input, 3)));
+    steps.push(format!("add-twice={}", ctl(libc::EPOLL_CTL_ADD, input, 4)));
+    steps.push(format!("wait={}", wait(2000)?));
+    // Removed and added back with other data and events, several times in a row.
+    for round in 0..3u64 {
+        let del = ctl(libc::EPOLL_CTL_DEL, 0, 0);
+        let add = ctl(libc::EPOLL_CTL_ADD, output, 10 + round);
+        let modify = ctl(libc::EPOLL_CTL_MOD, input | output, 20 + round);
+        steps.push(format!("round{round}={del}/{add}/{modify}/{}", wait(0)?));
+    }
+    let mut buf = [0u8; 8];
+    // SAFETY: our buffer, our socket.
+    let got = unsafe { libc::recv(server.raw(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    steps.push(format!("recv={got}"));
+    steps.push(format!("del={}", ctl(libc::EPOLL_CTL_DEL, 0, 0)));
+    steps.push(format!("wait-after-del={}", wait(50)?));
+    // Removed with data unread, its data then given to the other end: only that one's events.
+    write_all(client.raw(), b"x")?;
+    steps.push(format!("add-in={}", ctl(libc::EPOLL_CTL_ADD, input, 30)));
+    steps.push(format!("del={}", ctl(libc::EPOLL_CTL_DEL, 0, 0)));
+    let other = outcome(epoll_add(
+        epfd.raw(),
+        libc::EPOLL_CTL_ADD,
+        client.raw(),
+        input,
+        30,
+    ));
+    steps.push(format!("other-add={other}"));
+    steps.push(format!("other-wait={}", wait(50)?));
+    write_all(server.raw(), b"pong")?;
+    settle();
+    steps.push(format!("other-wait-with-data={}", wait(2000)?));
+    steps.push(format!("and-again={}", wait(0)?));
+    Ok(steps.join(" "))
+}
+
 fn epoll_oneshot() -> CaseResult {
     let (client, server) = pair()?;
     let epfd = epoll_new()?;
@@ -3003,6 +3075,7 @@ const CASES: &[Case] = &[
     ("dup-and-close-order", dup_and_close_order),
     ("dup2-over-tracked", dup2_over_tracked),
     ("epoll-edge-triggered", epoll_edge_triggered),
+    ("epoll-remove-and-add-again", epoll_remove_and_add_again),
     ("epoll-oneshot", epoll_oneshot),
     ("epoll-rdhup", epoll_rdhup),
     ("epoll-exclusive", epoll_exclusive),

@@ -241,6 +241,11 @@ pub enum Counter {
 /// Number of epoll registrations a record mirrors.
 pub const EPOLL_SLOTS: usize = 4;
 
+/// Set in a registration's stored events (a bit no epoll flag uses) when the application
+/// removed the registration but the kernel still holds it: a SAN socket's removal is carried
+/// out lazily (see `san::epoll_removal`).
+pub const REMOVED_BY_APPLICATION: u32 = 1 << 26;
+
 /// One `epoll_ctl(epfd, ADD, fd, {events, data})` of a tracked socket. `epfd == -1`: unused.
 #[repr(C)]
 pub struct EpollRegistration {
@@ -486,8 +491,15 @@ impl SocketRecord {
         }
     }
 
-    /// The live registrations: `(epfd, events, data)`.
+    /// The live registrations, as the application sees them: `(epfd, events, data)`.
     pub fn epoll_registrations(&self) -> impl Iterator<Item = (i32, u32, u64)> + '_ {
+        self.kernel_registrations()
+            .filter(|&(_, events, _)| events & REMOVED_BY_APPLICATION == 0)
+    }
+
+    /// The registrations the kernel holds: the application's and those it removed whose
+    /// removal is still due (`events` has [`REMOVED_BY_APPLICATION`]).
+    pub fn kernel_registrations(&self) -> impl Iterator<Item = (i32, u32, u64)> + '_ {
         self.epoll.iter().filter_map(|slot| {
             let epfd = slot.epfd.load(Ordering::Acquire);
             (epfd >= 0).then(|| {
@@ -498,6 +510,16 @@ impl SocketRecord {
                 )
             })
         })
+    }
+
+    /// The application removed its registration in `epfd`; the kernel keeps it for now.
+    pub fn mark_removed_by_application(&self, epfd: i32) {
+        for slot in &self.epoll {
+            if slot.epfd.load(Ordering::Acquire) == epfd {
+                slot.events
+                    .fetch_or(REMOVED_BY_APPLICATION, Ordering::AcqRel);
+            }
+        }
     }
 
     fn clear_epoll_registrations(&self) {

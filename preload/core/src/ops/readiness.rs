@@ -695,6 +695,45 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
             .unwrap_or(fd),
         None => fd,
     };
+    if matches!(op, libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD) && crate::san::any_removed() {
+        // A registration of a SAN socket the application removed, still in the kernel, may
+        // hold the data this call gives (see `san::before_registering`). A pointer we may
+        // not read is skipped (the kernel call answers EFAULT).
+        let wanted = (!event.is_null())
+            // SAFETY: `epoll_event` is plain C data.
+            .then(|| unsafe { crate::fault::read_app(event) })
+            .flatten();
+        if let Some(wanted) = wanted {
+            let index = entry.and_then(crate::san::san_index);
+            let _ = guard::contained(|| crate::san::before_registering(epfd, wanted.u64, index));
+        }
+    }
+    if target != fd {
+        // A SAN socket watched through its mirror: a removal may be left to later (see
+        // `san::epoll_ctl_on_mirror`).
+        if let Some(index) = entry.and_then(crate::san::san_index) {
+            // (A pointer the process may not read: the kernel call answers EFAULT.)
+            let wanted = (!event.is_null() && op != libc::EPOLL_CTL_DEL)
+                // SAFETY: `epoll_event` is plain C data.
+                .then(|| unsafe { crate::fault::read_app(event) })
+                .flatten();
+            let handled = guard::contained(|| {
+                crate::san::epoll_ctl_on_mirror(epfd, op, index, target, wanted)
+            })
+            .flatten();
+            match handled {
+                Some(crate::san::Handled::Done) => {
+                    bookkeeping(|| crate::san::epoll_registrations_changed(index));
+                    return 0;
+                }
+                Some(crate::san::Handled::Failed(code)) => {
+                    errno::set(code);
+                    return -1;
+                }
+                None => {}
+            }
+        }
+    }
     // SAFETY: forwarded.
     let rc = unsafe { real::epoll_ctl(epfd, op, target, event) };
     if let (0, libc::EPOLL_CTL_ADD, Some(entry)) = (rc, op, entry) {

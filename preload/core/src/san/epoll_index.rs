@@ -25,7 +25,8 @@ struct Keys {
 impl Keys {
     fn of(record: &SocketRecord) -> Keys {
         let mut keys = Keys::default();
-        for (epfd, _, data) in record.epoll_registrations().take(EPOLL_SLOTS) {
+        // (Those the application removed too: a wait must find them to drop their events.)
+        for (epfd, _, data) in record.kernel_registrations().take(EPOLL_SLOTS) {
             keys.keys[keys.len] = (epfd, data);
             keys.len += 1;
         }

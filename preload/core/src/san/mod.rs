@@ -125,8 +125,11 @@ mod link;
 
 mod socket;
 
-// The slot table of SAN objects, then the background threads that walk it.
+// The slot table of SAN objects, the lazy removal of epoll registrations, then the
+// background threads that walk the table.
 mod table;
+
+mod epoll_removal;
 
 mod service;
 
@@ -154,6 +157,7 @@ use std::sync::MutexGuard;
 
 pub use downgrade::{adopt_stashes, downgrade_all, stash_env};
 pub(crate) use downgrade::{pass_on, stash_of};
+pub use epoll_removal::{any_removed, before_registering, epoll_ctl_on_mirror, Handled};
 pub use kernel::RawBuf;
 pub use outcome::SanCall;
 pub use provider::enabled;
@@ -547,6 +551,11 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
                 }
             }
             forget_name(index);
+            // The mirror may outlive the socket (a child forked before its exec holds a
+            // copy): registrations the application removed must not outlive it in the kernel.
+            if let (Some(record), Some(mirror)) = (registry().get(index), socket.mirror_fd()) {
+                epoll_removal::remove_all_from_kernel(record, mirror);
+            }
             let (abortive, linger) = fd.map_or((false, kernel::DEFAULT_LINGER), kernel::linger_of);
             socket.close(fd, abortive, linger);
         }
@@ -686,17 +695,27 @@ pub fn epoll_registrations_changed(index: u32) {
 }
 
 /// Epoll instance `epfd` was registered in another: the SAN sockets it watches give up lazy
-/// lowering.
+/// lowering, and the registrations in it that the application removed leave the kernel now
+/// (the outer instance would see `epfd` ready for their events).
 pub fn epoll_instance_nested(epfd: c_int) {
     let mut watched = Vec::new();
     registry().for_each_live(|index, record| {
         if record.flags() & flags::SAN != 0
-            && record.epoll_registrations().any(|(e, _, _)| e == epfd)
+            && record.kernel_registrations().any(|(e, _, _)| e == epfd)
         {
             watched.push(index);
         }
     });
     for index in watched {
+        if !orphaned(index) {
+            if let (Some(record), Some(SanObject::Socket(socket))) =
+                (registry().get(index), lock(index).as_ref())
+            {
+                if let Some(mirror) = socket.mirror_fd() {
+                    epoll_removal::remove_removed_in(record, epfd, mirror);
+                }
+            }
+        }
         epoll_registrations_changed(index);
     }
 }

@@ -194,6 +194,9 @@ pub fn correct_epoll_events(
     let mut kept = 0;
     for position in 0..events.len() {
         let mut event = events[position];
+        if super::epoll_removal::drop_removed_event(epfd, event.u64) {
+            continue;
+        }
         if event.events & libc::EPOLLIN as u32 != 0 {
             let data = event.u64;
             let found = super::epoll_index::lookup(epfd, data).filter(|&index| {

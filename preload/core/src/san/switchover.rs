@@ -148,6 +148,8 @@ pub(super) fn repoint_epoll_registrations(index: u32, from: c_int, to: c_int) ->
     let Some(record) = registry().get(index) else {
         return false;
     };
+    // Registrations the application removed go now, not along.
+    super::epoll_removal::remove_all_from_kernel(record, from);
     let mut any = false;
     for (epfd, events, data) in record.epoll_registrations() {
         any = true;
