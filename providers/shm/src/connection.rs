@@ -113,6 +113,13 @@ pub trait Doorbell: Send {
     /// peer had published "asleep", and when its sends wait for receives we held back (it
     /// may then sleep elsewhere, e.g. in epoll).
     fn ring(&self, bell: &AtomicU32);
+
+    /// As [`Doorbell::ring`], for room we freed that the peer's queued sends wait for (a
+    /// posted receive, ring or window space): a peer that waits to send may watch its
+    /// writability alone. The default rings as for news.
+    fn ring_for_room(&self, bell: &AtomicU32) {
+        self.ring(bell);
+    }
 }
 
 /// The default doorbell: `FUTEX_WAKE` on the peer's bell word.
@@ -706,11 +713,16 @@ impl ShmConnection {
             0 => {}
             // Its sends wait for receives its session counted as posted long ago (ours held
             // back until their slots were allocated): nothing at the session level will wake
-            // it, so ring even a peer that is not asleep here (it may sleep in epoll).
+            // it, so ring even a peer that is not asleep here (it may sleep in epoll, or wait
+            // for a rendezvous completion watching its writability alone).
             WANT_RECEIVES => {
-                control.ring(|bell| self.doorbell.ring(bell));
+                control.ring(|bell| self.doorbell.ring_for_room(bell));
             }
-            _ => self.notify_peer(),
+            _ => {
+                if control.notify(|bell| self.doorbell.ring_for_room(bell)) {
+                    bump(&self.counters.wakeups_sent);
+                }
+            }
         }
     }
 

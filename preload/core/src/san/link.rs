@@ -97,6 +97,17 @@ impl Link {
         }
     }
 
+    /// Shm: the peer rang since our last look (news, or room for sends we queued). Verbs:
+    /// false (completions are the service thread's to see).
+    pub(crate) fn rung(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.wait(Duration::ZERO) == san_shm::WaitResult::Notified,
+            Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(_) => false,
+        }
+    }
+
     /// Shm: messages posted that the provider has not moved yet (they move at its next
     /// poll). Verbs: false (the device moves what was posted).
     pub(crate) fn has_queued_sends(&self) -> bool {

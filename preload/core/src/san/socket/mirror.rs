@@ -8,7 +8,6 @@ use super::{Phase, SanSocket};
 use crate::fdtable::table;
 use crate::mirror::{self, ReadLowering, WriteLowering};
 use crate::record::SocketRecord;
-use crate::san::link::Link;
 use crate::san::tunables::EARLY_LIMIT;
 use switch::session::{ResetCause, Session, SessionState};
 
@@ -99,7 +98,7 @@ impl SanSocket {
         let has_data =
             || session.is_some_and(|s| s.readiness().readable) || !conn.prepare_to_block();
         let lowered = mirror.lower_readable(has_data);
-        conn.finish_blocking();
+        self.done_blocking();
         !matches!(lowered, Ok(ReadLowering::StillReadable))
     }
 
@@ -114,8 +113,9 @@ impl SanSocket {
         let early_room = self.early.len() < EARLY_LIMIT;
         let lowered = mirror.lower_writable(|| {
             // Credits the peer already put in our ring raised nothing (we were not lowered
-            // yet): they count as room, found by the caller's next drive.
-            conn.is_some_and(Link::has_input)
+            // yet): they count as room, found by the caller's next drive. So does a ring for
+            // room it made for sends the provider holds back (its raise found us not lowered).
+            conn.is_some_and(|conn| conn.has_input() || conn.rung())
                 || session.is_some_and(|s| {
                     if s.state() == SessionState::Handshaking {
                         early_room

@@ -141,6 +141,14 @@ impl Doorbell for MirrorDoorbell {
         san_shm::futex_wake(bell);
         self.0.raise_readable();
     }
+
+    /// Room for the peer's held-back sends: its writability too (a sender waiting for a
+    /// rendezvous completion watches that alone, and would sleep through a raise of its
+    /// readability).
+    fn ring_for_room(&self, bell: &AtomicU32) {
+        self.ring(bell);
+        self.0.raise_writable();
+    }
 }
 
 /// Why a socket could not be set up; the connection stays on TCP.

@@ -59,6 +59,21 @@ impl SanSocket {
         }
     }
 
+    /// This thread ends a wait it prepared, or found news instead of sleeping: the connection
+    /// announces "running" again, unless another thread of ours still sleeps on it. That one
+    /// needs the peer to keep ringing: "asleep" stays announced, and news that came meanwhile
+    /// (which a "running" announcement let the peer leave unrung) wakes it through the bell.
+    pub(crate) fn done_blocking(&self) {
+        let Some(conn) = self.conn.as_ref() else {
+            return;
+        };
+        if self.waiters == 0 {
+            conn.finish_blocking();
+        } else if !conn.prepare_to_block() {
+            self.ring_local_bell();
+        }
+    }
+
     /// Prepares a blocking wait: spins briefly while the peer runs, then announces "asleep"
     /// and lowers the mirror. `None`: news arrived, do not block.
     pub(crate) fn prepare_wait(&mut self, tcp_events: i16) -> Option<WaitFds> {
@@ -85,6 +100,7 @@ impl SanSocket {
             return None;
         }
         if !conn.prepare_to_block() {
+            self.done_blocking();
             return None;
         }
         let session = self.session.as_ref();
@@ -93,7 +109,7 @@ impl SanSocket {
             session.is_some_and(|s| s.readiness().readable) || !conn.prepare_to_block()
         });
         if matches!(lowered, Ok(ReadLowering::StillReadable) | Err(_)) {
-            conn.finish_blocking();
+            self.done_blocking();
             return None;
         }
         let mut wait = WaitFds {
@@ -107,9 +123,7 @@ impl SanSocket {
             spin: polls,
         };
         if !self.watch_link_directly(&mut wait) {
-            if let Some(conn) = self.conn.as_ref() {
-                conn.finish_blocking();
-            }
+            self.done_blocking();
             return None;
         }
         self.waiters += 1;
@@ -290,11 +304,7 @@ impl SanSocket {
             // SAFETY: an 8-byte read from our nonblocking eventfd.
             unsafe { libc::read(bell.as_raw_fd(), (&mut count as *mut u64).cast(), 8) };
         }
-        if self.waiters == 0 {
-            if let Some(conn) = self.conn.as_ref() {
-                conn.finish_blocking();
-            }
-        }
+        self.done_blocking();
     }
 
     /// Verbs: a thread that waited on the connection's fd itself woke on it: the channel and
