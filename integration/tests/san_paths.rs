@@ -118,23 +118,31 @@ fn two_processes(
     // out on its reads) is often not the one that went wrong.
     let client_result = integration::wait_child(client, "client", Duration::from_secs(60));
     server.stdout = Some(reader.into_inner());
-    let server_wait = Duration::from_secs(if client_result.is_ok() { 60 } else { 10 });
-    let server_result = integration::wait_child(server, "server", server_wait);
-    match (server_result, client_result) {
+    let how = match (server_preloaded, client_preloaded) {
+        (false, false) => "natively",
+        (true, true) => "both preloaded",
+        (true, false) => "server preloaded",
+        (false, true) => "client preloaded",
+    };
+    both_ends(server, client_result, &format!("`{protocol}` {how}"))
+}
+
+/// Waits for `server` (its stdout back in place) after its client's outcome: both reports,
+/// or a failure that shows both ends (a server whose client failed gets 10 s, not 60).
+fn both_ends(server: Child, client: Result<String, String>, what: &str) -> (String, String) {
+    let server_wait = Duration::from_secs(if client.is_ok() { 60 } else { 10 });
+    match (
+        integration::wait_child(server, "server", server_wait),
+        client,
+    ) {
         (Ok(server_report), Ok(client_report)) => (server_report, client_report),
         (server, client) => {
-            let how = match (server_preloaded, client_preloaded) {
-                (false, false) => "natively",
-                (true, true) => "both preloaded",
-                (true, false) => "server preloaded",
-                (false, true) => "client preloaded",
-            };
             let shown = |result: Result<String, String>| match result {
                 Ok(out) => format!("ok:\n{out}"),
                 Err(failure) => failure,
             };
             panic!(
-                "`{protocol}` {how}:\n--- server: {}\n--- client: {}",
+                "{what}:\n--- server: {}\n--- client: {}",
                 shown(server),
                 shown(client)
             );
@@ -213,20 +221,7 @@ fn python_pair(
         Ok(String::new())
     };
     server.stdout = Some(reader.into_inner());
-    let server_wait = Duration::from_secs(if client_result.is_ok() { 60 } else { 10 });
-    match (
-        integration::wait_child(server, "server", server_wait),
-        client_result,
-    ) {
-        (Ok(server_report), Ok(client_report)) => (server_report, client_report),
-        (server, client) => {
-            let shown = |result: Result<String, String>| match result {
-                Ok(out) => format!("ok:\n{out}"),
-                Err(failure) => failure,
-            };
-            panic!("{name}: server {}\nclient {}", shown(server), shown(client))
-        }
-    }
+    both_ends(server, client_result, name)
 }
 
 /// Runs `protocol` natively and with both ends preloaded; both must move `bytes` intact.

@@ -689,49 +689,42 @@ pub unsafe fn epoll_create1(create_flags: c_int) -> c_int {
 pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epoll_event) -> c_int {
     let entry = tracked(fd);
     // A switched SAN socket is watched through its mirror (same events, same data).
-    let target = match entry.and_then(crate::san::san_index) {
+    let index = entry.and_then(crate::san::san_index);
+    let target = match index {
         Some(index) => guard::contained(|| crate::san::mirror_of(fd, index))
             .flatten()
             .unwrap_or(fd),
         None => fd,
     };
-    if matches!(op, libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD) && crate::san::any_removed() {
-        // A registration of a SAN socket the application removed, still in the kernel, may
-        // hold the data this call gives (see `san::before_registering`). A pointer we may
-        // not read is skipped (the kernel call answers EFAULT).
-        let wanted = (!event.is_null())
-            // SAFETY: `epoll_event` is plain C data.
-            .then(|| unsafe { crate::fault::read_app(event) })
-            .flatten();
-        if let Some(wanted) = wanted {
-            let index = entry.and_then(crate::san::san_index);
-            let _ = guard::contained(|| crate::san::before_registering(epfd, wanted.u64, index));
-        }
+    // The application's event, read once where the SAN path needs it: a SAN socket watched
+    // through its mirror (a removal may be left to later, see `san::epoll_ctl_on_mirror`), or
+    // any registration while such removals are due (one may hold the data this call gives,
+    // see `san::before_registering`). A pointer we may not read is skipped: the kernel call
+    // answers EFAULT.
+    let on_mirror = target != fd && index.is_some();
+    let wanted = (matches!(op, libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD)
+        && !event.is_null()
+        && (on_mirror || crate::san::any_removed()))
+    // SAFETY: `epoll_event` is plain C data.
+    .then(|| unsafe { crate::fault::read_app(event) })
+    .flatten();
+    if let Some(wanted) = wanted.filter(|_| crate::san::any_removed()) {
+        let _ = guard::contained(|| crate::san::before_registering(epfd, wanted.u64, index));
     }
-    if target != fd {
-        // A SAN socket watched through its mirror: a removal may be left to later (see
-        // `san::epoll_ctl_on_mirror`).
-        if let Some(index) = entry.and_then(crate::san::san_index) {
-            // (A pointer the process may not read: the kernel call answers EFAULT.)
-            let wanted = (!event.is_null() && op != libc::EPOLL_CTL_DEL)
-                // SAFETY: `epoll_event` is plain C data.
-                .then(|| unsafe { crate::fault::read_app(event) })
+    if let Some(index) = index.filter(|_| on_mirror) {
+        let handled =
+            guard::contained(|| crate::san::epoll_ctl_on_mirror(epfd, op, index, target, wanted))
                 .flatten();
-            let handled = guard::contained(|| {
-                crate::san::epoll_ctl_on_mirror(epfd, op, index, target, wanted)
-            })
-            .flatten();
-            match handled {
-                Some(crate::san::Handled::Done) => {
-                    bookkeeping(|| crate::san::epoll_registrations_changed(index));
-                    return 0;
-                }
-                Some(crate::san::Handled::Failed(code)) => {
-                    errno::set(code);
-                    return -1;
-                }
-                None => {}
+        match handled {
+            Some(crate::san::Handled::Done) => {
+                bookkeeping(|| crate::san::epoll_registrations_changed(index));
+                return 0;
             }
+            Some(crate::san::Handled::Failed(code)) => {
+                errno::set(code);
+                return -1;
+            }
+            None => {}
         }
     }
     // SAFETY: forwarded.
@@ -760,7 +753,7 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
                 (libc::EPOLL_CTL_DEL, _) => record.unregister_epoll(epfd),
                 _ => {}
             }
-            if let Some(index) = crate::san::san_index(entry) {
+            if let Some(index) = index {
                 crate::san::epoll_registrations_changed(index);
             }
             if record.flags() & flags::STASHED != 0 {
