@@ -407,6 +407,29 @@ impl SanConnection for Link {
         }
     }
 
+    fn sends_in_parts(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.sends_in_parts(),
+            Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(link) => link.sends_in_parts(),
+        }
+    }
+
+    fn post_send_parts(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &[u8],
+    ) -> Result<(), PostError> {
+        match self {
+            Link::Shm(conn) => conn.post_send_parts(wr_id, head, payload),
+            Link::Verbs(link) => link.conn_mut()?.post_send_parts(wr_id, head, payload),
+            #[cfg(test)]
+            Link::Sim(link) => link.post_send_parts(wr_id, head, payload),
+        }
+    }
+
     fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
         match self {
             Link::Shm(conn) => conn.post_recv(wr_id, slot),

@@ -537,16 +537,21 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
         return None;
     }
     socket.service();
-    let mut tcp_queued: c_int = 0;
-    // SAFETY: FIONREAD writes one int.
-    unsafe {
-        real::ioctl(
-            fd,
-            libc::FIONREAD as _,
-            (&mut tcp_queued as *mut c_int) as usize,
-        )
-    };
-    let bytes = socket.readable_bytes(usize::try_from(tcp_queued).unwrap_or(0));
+    // The kernel is asked only while the stream's bytes may still be on TCP: once they were
+    // all read, the answer is the session's alone (a program that asks after every read,
+    // as wrk does, would otherwise pay a system call per read).
+    let bytes = socket.readable_bytes(|| {
+        let mut tcp_queued: c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        unsafe {
+            real::ioctl(
+                fd,
+                libc::FIONREAD as _,
+                (&mut tcp_queued as *mut c_int) as usize,
+            )
+        };
+        usize::try_from(tcp_queued).unwrap_or(0)
+    });
     Some(c_int::try_from(bytes).unwrap_or(c_int::MAX))
 }
 

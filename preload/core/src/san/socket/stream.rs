@@ -396,7 +396,7 @@ impl SanSocket {
 
     /// Bytes a read would return now (FIONREAD): queued SAN bytes, or (acceptor) the client's
     /// TCP bytes not yet read.
-    pub(crate) fn readable_bytes(&self, tcp_queued: usize) -> usize {
+    pub(crate) fn readable_bytes(&self, tcp_queued: impl FnOnce() -> usize) -> usize {
         if !self.restored.is_empty() {
             // Absorbed bytes come first; what the session still holds follows them.
             let session = self.session.as_ref().map_or(0, |s| {
@@ -405,14 +405,14 @@ impl SanSocket {
             return self.restored.len().saturating_add(session);
         }
         if self.reads_on_tcp() {
-            return tcp_queued;
+            return tcp_queued();
         }
         match self.tcp_backlog() {
             Some(0) => self.session.as_ref().map_or(0, |s| {
                 usize::try_from(s.recv_pending_bytes()).unwrap_or(usize::MAX)
             }),
-            Some(left) => tcp_queued.min(usize::try_from(left).unwrap_or(usize::MAX)),
-            None => tcp_queued,
+            Some(left) => tcp_queued().min(usize::try_from(left).unwrap_or(usize::MAX)),
+            None => tcp_queued(),
         }
     }
 
