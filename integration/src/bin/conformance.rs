@@ -1837,6 +1837,57 @@ fn sendfile_from_file_position() -> CaseResult {
     ))
 }
 
+/// `sendfile` with an offset reads there and moves the offset, never the file position: a
+/// count larger than a chunk is sent whole, one past the end of the file is cut short at
+/// the end, and at the end it sends 0.
+fn sendfile_with_offset() -> CaseResult {
+    use std::os::fd::AsRawFd;
+    const LEN: usize = (200 << 10) + 123;
+    const START: usize = 1000;
+    let (client, server) = pair()?;
+    let path = std::env::temp_dir().join(format!(
+        "sandirect-conformance-offset-{}",
+        std::process::id()
+    ));
+    let body: Vec<u8> = (0..LEN).map(|i| (i * 131 % 251) as u8).collect();
+    std::fs::write(&path, &body).map_err(|e| e.to_string())?;
+    let file = std::fs::File::open(&path).map_err(|e| e.to_string())?;
+    std::fs::remove_file(&path).map_err(|e| e.to_string())?;
+    let mut offset = START as libc::off_t;
+    let mut counts = Vec::new();
+    for count in [100_000, 64 << 10, 1 << 20, 4096] {
+        // SAFETY: valid fds and offset pointer.
+        let sent = unsafe { libc::sendfile(client.raw(), file.as_raw_fd(), &mut offset, count) };
+        // SAFETY: plain lseek on our file.
+        let position = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_CUR) };
+        counts.push(format!(
+            "{} to offset {offset} (position {position})",
+            outcome(sent)
+        ));
+    }
+    let want = LEN - START;
+    let mut got = Vec::new();
+    for _ in 0..100 {
+        if got.len() >= want {
+            break;
+        }
+        if poll_one(server.raw(), libc::POLLIN, 100)? == 0 {
+            continue;
+        }
+        let (n, bytes) = read_some(server.raw(), want - got.len());
+        if n <= 0 {
+            break;
+        }
+        got.extend_from_slice(&bytes);
+    }
+    Ok(format!(
+        "sendfile {}; peer read {} bytes, intact={}",
+        counts.join(", "),
+        got.len(),
+        got == body[START..]
+    ))
+}
+
 /// Reads of nothing: `recv` of 0 bytes answers `EAGAIN` when nonblocking with nothing
 /// queued, else 0; `read` and `readv` of nothing answer 0 whatever the socket holds.
 fn zero_length_reads() -> CaseResult {
@@ -3096,6 +3147,7 @@ const CASES: &[Case] = &[
     ("high-fd", high_fd),
     ("sendfile-and-splice", sendfile_and_splice),
     ("sendfile-from-file-position", sendfile_from_file_position),
+    ("sendfile-with-offset", sendfile_with_offset),
     ("zero-length-reads", zero_length_reads),
     ("mmsg", mmsg),
     ("fork-and-close-range", fork_and_close_range),

@@ -128,6 +128,45 @@ impl AppSource for AppBufs<'_> {
     }
 }
 
+/// `len` bytes of a file from offset `at`, as a source a send copies out of with `pread`:
+/// `sendfile` fills the session's send buffer straight from the page cache, with no buffer
+/// of ours in between. A read that comes up short (the file shrank meanwhile) or fails is a
+/// failed copy, and a failed copy queues nothing.
+pub(crate) struct FileRange {
+    pub fd: c_int,
+    pub at: i64,
+    pub len: usize,
+}
+
+impl AppSource for FileRange {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+        let mut done = 0;
+        while done < dst.len() {
+            let Some(at) = i64::try_from(offset + done)
+                .ok()
+                .and_then(|o| self.at.checked_add(o))
+            else {
+                return Err(BadAddress);
+            };
+            let rest = &mut dst[done..];
+            // SAFETY: `rest` is our own writable slice of `rest.len()` bytes.
+            let read = unsafe { libc::pread64(self.fd, rest.as_mut_ptr().cast(), rest.len(), at) };
+            if read > 0 {
+                done += read as usize;
+            } else if read < 0 && Errno::last().0 == libc::EINTR {
+                continue;
+            } else {
+                return Err(BadAddress);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl AppSink for AppBufs<'_> {
     fn len(&self) -> usize {
         self.len

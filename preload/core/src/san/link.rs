@@ -412,7 +412,7 @@ impl SanConnection for Link {
             Link::Shm(conn) => conn.sends_in_parts(),
             Link::Verbs(_) => false,
             #[cfg(test)]
-            Link::Sim(link) => link.sends_in_parts(),
+            Link::Sim(_) => false,
         }
     }
 
@@ -426,7 +426,7 @@ impl SanConnection for Link {
             Link::Shm(conn) => conn.post_send_parts(wr_id, head, payload),
             Link::Verbs(link) => link.conn_mut()?.post_send_parts(wr_id, head, payload),
             #[cfg(test)]
-            Link::Sim(link) => link.post_send_parts(wr_id, head, payload),
+            Link::Sim(link) => link.post_send(wr_id, &san_api::joined(head, payload)),
         }
     }
 

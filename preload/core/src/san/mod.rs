@@ -167,7 +167,7 @@ pub use readiness::{
     Swapped,
 };
 pub use recv::recv_iov;
-pub use send::send_iov;
+pub use send::{send_file_in_place, send_iov};
 pub use service::service_all;
 pub(crate) use service::settle_all_owed;
 pub use switchover::assist_all_in_process;

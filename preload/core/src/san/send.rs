@@ -14,7 +14,8 @@ use core::ffi::c_int;
 
 use super::downgrade;
 use super::kernel::{
-    accessible_prefix, fail, next_piece, partial, remaining_pieces, send_on_tcp, AppBufs, RawBuf,
+    accessible_prefix, fail, next_piece, partial, remaining_pieces, send_on_tcp, AppBufs,
+    FileRange, RawBuf,
 };
 use super::outcome::{SanCall, SanError};
 use super::socket::Phase;
@@ -40,6 +41,31 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Sa
         socket.note_call(matches!(sent, Some(Ok(n)) if n > 0), false);
     }
     sent
+}
+
+/// `sendfile` of `len` bytes of `file` from offset `at` into a SAN socket whose session takes
+/// them all at once (switched, established, with room, nothing else to do first): the bytes
+/// are read from the file straight into the session's send buffer. The count sent, or `None`
+/// when the general path must serve the call (no room, a downgrade, a rendezvous, a file
+/// that gave fewer bytes than asked: it then reads what there is and sends it).
+pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Option<usize> {
+    if len == 0 || orphaned(index) || record_flag(index, flags::STASHED) {
+        return None;
+    }
+    let mut slot = lock(index);
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
+        return None;
+    };
+    if !socket.queues_without_drive(len) {
+        return None;
+    }
+    let source = FileRange { fd: file, at, len };
+    let sent = socket.send(&source, false).ok().filter(|&n| n > 0)?;
+    socket.service();
+    socket.journal_sent(&source);
+    socket.leaving_call();
+    socket.note_call(true, false);
+    Some(sent)
 }
 
 fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> SanCall<isize> {
