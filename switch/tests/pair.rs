@@ -323,6 +323,95 @@ fn credits_run_out_and_recover_without_receiver_not_ready() {
     assert!(pair.a.session.send_credits().get() > CREDIT_RESERVE);
 }
 
+/// With `receive_in_slots`, inline data stays in the receive slot it arrived in until the
+/// application reads it: peeks and reads of any size across slots give the stream intact, a
+/// receiver that does not read stops the sender at its credits (no slot is re-posted under
+/// it), and reading re-posts the slots so the rest flows.
+#[test]
+fn data_left_in_its_receive_slots_reads_intact_and_frees_the_slots_as_it_is_read() {
+    let mut pair = Pair::established(PairConfig {
+        session: SessionConfig {
+            send_buffer: 4096,
+            receive_in_slots: true,
+            ..SessionConfig::default()
+        },
+        ..PairConfig::default()
+    });
+    let total = 40 * INLINE_PAYLOAD + 13;
+    let data = pattern(7, 0, total);
+    let mut accepted = 0;
+    loop {
+        match pair.a.session.send(&data[accepted..], SendFlags::default()) {
+            Ok(n) => accepted += n,
+            Err(SendError::WouldBlock) => break,
+            Err(e) => panic!("{e}"),
+        }
+        pair.run();
+    }
+    pair.run();
+    assert!(
+        accepted < total,
+        "a receiver that does not read must stop the sender"
+    );
+    assert_eq!(pair.a.session.send_credits().get(), CREDIT_RESERVE);
+    let in_slots = pair.b.session.recv_queue_len();
+    assert!(in_slots > 0 && in_slots <= usize::from(SLOTS.recv_slots) * INLINE_PAYLOAD);
+    assert_eq!(in_slots + pair.a.session.send_queue_len(), accepted);
+    assert_eq!(pair.b.session.recv_pending_bytes(), in_slots as u64);
+
+    // A peek across several slots shows the stream without consuming it.
+    let mut peeked = vec![0u8; 2 * INLINE_PAYLOAD + 5];
+    let peek = RecvFlags {
+        peek: true,
+        ..RecvFlags::default()
+    };
+    let n = pair
+        .b
+        .session
+        .recv_from_slots(&mut peeked[..], peek, &pair.b.conn)
+        .unwrap();
+    assert_eq!(peeked[..n], data[..n]);
+    assert_eq!(
+        pair.b.session.recv_queue_len(),
+        in_slots,
+        "a peek consumes nothing"
+    );
+
+    // Small reads that end inside slots and cross their ends.
+    let mut got = Vec::new();
+    let mut small = [0u8; 7];
+    for _ in 0..(INLINE_PAYLOAD / 7 + 3) {
+        let n = pair
+            .b
+            .session
+            .recv_from_slots(&mut small[..], RecvFlags::default(), &pair.b.conn)
+            .unwrap();
+        got.extend_from_slice(&small[..n]);
+    }
+    assert_eq!(got[..], data[..got.len()]);
+
+    // The rest, while the sender goes on: slots come back as they are read.
+    while got.len() < total {
+        let before = got.len();
+        match pair.a.session.send(&data[accepted..], SendFlags::default()) {
+            Ok(n) => accepted += n,
+            Err(SendError::WouldBlock) => {}
+            Err(e) => panic!("{e}"),
+        }
+        pair.run();
+        got.extend(
+            pair.recv_up_to(Which::B, total - got.len(), 1 << 20)
+                .unwrap(),
+        );
+        assert!(got.len() > before || accepted < total, "the stream stalled");
+    }
+    assert_eq!(got, data);
+    assert!(pair.a.errors.is_empty() && pair.b.errors.is_empty());
+    pair.run();
+    assert!(pair.a.session.send_credits().get() > CREDIT_RESERVE);
+    assert_eq!(pair.b.session.recv_queue_len(), 0);
+}
+
 #[test]
 fn a_receiver_that_stops_reading_bounds_memory_in_both_directions() {
     let mut pair = Pair::established(PairConfig::default());

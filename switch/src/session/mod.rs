@@ -124,6 +124,12 @@ pub struct SessionConfig {
     /// Explicit credit updates are sent when at least this many credits are owed (or the
     /// peer is starved); 0 selects a quarter of the receive slots.
     pub credit_update_threshold: u16,
+    /// Inline data is read by the application straight out of the receive slot it arrived
+    /// in: the slot is re-posted only once its bytes were read (its credit returns then
+    /// anyway), and the session copies nothing. Only for a provider whose slots keep their
+    /// bytes until re-posted for as long as the connection object lives, and a caller that
+    /// reads through [`Session::recv_from_slots`].
+    pub receive_in_slots: bool,
 }
 
 impl Default for SessionConfig {
@@ -132,6 +138,7 @@ impl Default for SessionConfig {
             send_buffer: 256 * 1024,
             rendezvous_threshold: 64 * 1024,
             credit_update_threshold: 0,
+            receive_in_slots: false,
         }
     }
 }
@@ -380,14 +387,47 @@ enum Terminal {
 /// One inline piece of the receive stream.
 #[derive(Debug)]
 struct InlineSegment {
-    /// Bytes of the segment (they live in `Session::rx_bytes`, in stream order).
+    /// Bytes of the segment (in `Session::rx_bytes`, in stream order, unless `in_slot`).
     len: usize,
+    /// Where the bytes are when they were left in their receive slot (see
+    /// [`SessionConfig::receive_in_slots`]).
+    in_slot: Option<SlotPlace>,
     read: usize,
     /// Index in the segment of the urgent byte, if any.
     urgent_at: Option<usize>,
     /// Consuming the whole segment returns one credit (false for rendezvous prefixes, whose
     /// credit belongs to the remote segment that follows).
     returns_credit: bool,
+}
+
+/// The receive slot an inline segment's bytes were left in: they are its bytes from
+/// `start`, and the slot's message is `start + len` bytes long.
+#[derive(Clone, Copy, Debug)]
+struct SlotPlace {
+    slot: RecvSlot,
+    start: u32,
+}
+
+/// Where the bytes of segments left in their receive slots are read (the provider's slots).
+pub trait SlotBytes {
+    /// The first `len` bytes of the message in `slot` (fewer, or none, when the slot does
+    /// not hold them).
+    fn slot_bytes(&self, slot: RecvSlot, len: u32) -> &[u8];
+}
+
+impl<C: san_api::SanConnection + ?Sized> SlotBytes for C {
+    fn slot_bytes(&self, slot: RecvSlot, len: u32) -> &[u8] {
+        self.recv_slot(slot, len)
+    }
+}
+
+/// No slots: for sessions that copy every inline segment (the default).
+struct NoSlots;
+
+impl SlotBytes for NoSlots {
+    fn slot_bytes(&self, _: RecvSlot, _: u32) -> &[u8] {
+        &[]
+    }
 }
 
 /// A rendezvous rest in the receive stream.
@@ -700,7 +740,18 @@ impl Session {
 
     /// Inline bytes received and not yet read by the application.
     pub fn recv_queue_len(&self) -> usize {
-        self.rx_bytes.len()
+        self.rx_bytes.len() + self.rx_in_slots()
+    }
+
+    /// Unread bytes of the segments left in their receive slots.
+    fn rx_in_slots(&self) -> usize {
+        self.rx_queue
+            .iter()
+            .map(|segment| match segment {
+                Segment::Inline(seg) if seg.in_slot.is_some() => seg.len - seg.read,
+                _ => 0,
+            })
+            .sum()
     }
 
     /// Stream bytes a read could return without waiting for the peer (FIONREAD): the inline
@@ -715,7 +766,7 @@ impl Session {
                 Segment::Inline(_) => 0,
             })
             .sum();
-        self.rx_bytes.len() as u64 + remote
+        (self.rx_bytes.len() + self.rx_in_slots()) as u64 + remote
     }
 
     /// True when [`Session::downgrade`] may be called with success: the session is
@@ -1012,11 +1063,29 @@ impl Session {
             return Err(self.fail(PeerMisbehaved::ExcessCredits));
         }
         self.send_credits = credits;
-        self.repost(slot);
+        // Data may stay in its slot until it is read (the slot is re-posted then).
+        let data_slot = (self.config.receive_in_slots
+            && matches!(repr.message, ctrl::Message::Data { .. }))
+        .then(|| SlotPlace {
+            slot,
+            start: (repr.payload.as_ptr() as usize).wrapping_sub(bytes.as_ptr() as usize) as u32,
+        })
+        .filter(|place| {
+            (place.start as usize).checked_add(repr.payload.len()) == Some(bytes.len())
+        });
+        if data_slot.is_none() {
+            self.repost(slot);
+        }
 
         match repr.message {
             ctrl::Message::Hello(_) => {} // handled above
-            ctrl::Message::Data { urgent } => self.on_data(repr.payload, urgent)?,
+            ctrl::Message::Data { urgent } => {
+                if !self.on_data(repr.payload, urgent, data_slot)? {
+                    if let Some(place) = data_slot {
+                        self.repost(place.slot);
+                    }
+                }
+            }
             ctrl::Message::RndvRead { rest } => {
                 if !self.local.rdma_read {
                     return Err(self.fail(PeerMisbehaved::UnexpectedRendezvousMode));
@@ -1147,7 +1216,14 @@ impl Session {
         }
     }
 
-    fn on_data(&mut self, payload: &[u8], urgent: bool) -> Result<(), Error> {
+    /// Inline data arrived (`slot`: where it may be left instead of copied). Whether the
+    /// segment was left in that slot (the caller re-posts the slot otherwise).
+    fn on_data(
+        &mut self,
+        payload: &[u8],
+        urgent: bool,
+        slot: Option<SlotPlace>,
+    ) -> Result<bool, Error> {
         if self.peer_downgraded {
             return Err(self.fail(PeerMisbehaved::DataAfterDowngrade));
         }
@@ -1158,25 +1234,29 @@ impl Session {
         if self.closed_by_app {
             self.slots_released += 1;
             self.enter_reset(ResetCause::DataAfterClose);
-            return Ok(());
+            return Ok(false);
         }
         if self.shut_read {
             // SHUT_RD: new data is dropped; its credit comes back at once so the peer
             // never stalls on a reader that will not read.
             self.slots_released += 1;
-            return Ok(());
+            return Ok(false);
         }
         if urgent {
             self.rx_urgent_pending += 1;
         }
-        self.rx_bytes.extend(payload);
+        let in_slot = slot.filter(|_| !payload.is_empty());
+        if in_slot.is_none() {
+            self.rx_bytes.extend(payload);
+        }
         self.rx_queue.push_back(Segment::Inline(InlineSegment {
             len: payload.len(),
+            in_slot,
             read: 0,
             urgent_at: urgent.then(|| payload.len() - 1),
             returns_credit: true,
         }));
-        Ok(())
+        Ok(in_slot.is_some())
     }
 
     fn on_rendezvous_start(
@@ -1218,6 +1298,7 @@ impl Session {
             self.rx_bytes.extend(prefix);
             self.rx_queue.push_back(Segment::Inline(InlineSegment {
                 len: prefix.len(),
+                in_slot: None,
                 read: 0,
                 urgent_at: None,
                 returns_credit: false,
@@ -1825,6 +1906,18 @@ impl Session {
         buf: &mut D,
         flags: RecvFlags,
     ) -> Result<usize, RecvError> {
+        self.recv_from_slots(buf, flags, &NoSlots)
+    }
+
+    /// [`Session::recv_into`] for a session with [`SessionConfig::receive_in_slots`]: the
+    /// bytes left in receive slots are read from `slots` (the connection), and a slot whose
+    /// bytes were all read is re-posted.
+    pub fn recv_from_slots<S: SlotBytes + ?Sized, D: AppSink + ?Sized>(
+        &mut self,
+        buf: &mut D,
+        flags: RecvFlags,
+        slots: &S,
+    ) -> Result<usize, RecvError> {
         self.settle_downgrade();
         self.check_recv(flags)?;
         if buf.is_empty() {
@@ -1859,7 +1952,27 @@ impl Session {
                 }
             }
             let n = (end - seg.read).min(buf.len() - copied);
-            if copy_from_ring(&self.rx_bytes, offset, buf, copied, n).is_err() {
+            let copy = match seg.in_slot {
+                None => copy_from_ring(&self.rx_bytes, offset, buf, copied, n),
+                Some(place) => {
+                    let from = place.start as usize + seg.read;
+                    let message = (place.start as usize + seg.len) as u32;
+                    match slots.slot_bytes(place.slot, message).get(from..from + n) {
+                        Some(bytes) => buf.copy_from(copied, bytes),
+                        // (Never: the connection keeps a slot's bytes until it is
+                        // re-posted.) Nothing to give: the stream cannot go on.
+                        None => {
+                            debug_assert!(false, "a receive slot lost its bytes");
+                            return if copied > 0 {
+                                Ok(copied)
+                            } else {
+                                Err(RecvError::Reset)
+                            };
+                        }
+                    }
+                }
+            };
+            if copy.is_err() {
                 if copied > 0 {
                     return Ok(copied);
                 }
@@ -1875,7 +1988,9 @@ impl Session {
                     }
                     continue;
                 }
-                offset += seg.len - seg.read;
+                if seg.in_slot.is_none() {
+                    offset += seg.len - seg.read;
+                }
                 index += 1;
                 continue;
             }
@@ -1883,13 +1998,19 @@ impl Session {
                 .urgent_at
                 .is_some_and(|m| seg.read <= m && m < seg.read + n);
             seg.read += n;
-            self.rx_bytes.drain(..n);
+            if seg.in_slot.is_none() {
+                self.rx_bytes.drain(..n);
+            }
             if crossed_mark {
                 self.rx_urgent_pending -= 1;
             }
             if seg.read == seg.len {
                 let returns_credit = seg.returns_credit;
+                let in_slot = seg.in_slot;
                 self.rx_queue.pop_front();
+                if let Some(place) = in_slot {
+                    self.repost(place.slot);
+                }
                 if returns_credit {
                     self.slots_released += 1;
                 }

@@ -289,10 +289,10 @@ impl Pair {
         let mut buf = vec![0u8; 64 * 1024];
         while out.len() < max {
             let want = (max - out.len()).min(buf.len());
-            match self
-                .side(to)
+            let side = self.side(to);
+            match side
                 .session
-                .recv(&mut buf[..want], RecvFlags::default())
+                .recv_from_slots(&mut buf[..want], RecvFlags::default(), &side.conn)
             {
                 Ok(0) => break,
                 Ok(n) => out.extend_from_slice(&buf[..n]),

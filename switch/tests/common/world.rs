@@ -237,6 +237,7 @@ impl<R: RngCore> World<R> {
                 send_buffer,
                 rendezvous_threshold: 64 * 1024,
                 credit_update_threshold: if self.rng.gen_bool(0.5) { 0 } else { 1 },
+                receive_in_slots: self.rng.gen_bool(0.5),
             };
             let local = self.fabric.capabilities(self.endpoints[endpoint].ep);
             self.sides.push(Side {
@@ -519,7 +520,7 @@ impl<R: RngCore> World<R> {
             peek,
             ..RecvFlags::default()
         };
-        match s.session.recv(buf, flags) {
+        match s.session.recv_from_slots(buf, flags, &s.conn) {
             Ok(0) => s.eof = true,
             Ok(n) => {
                 let expected = pattern(peer as u64, s.received, n);

@@ -106,7 +106,11 @@ impl SanSocket {
             let Some(session) = self.session.as_mut() else {
                 break;
             };
-            match session.recv(&mut buf[..room], RecvFlags::default()) {
+            let received = match self.conn.as_ref() {
+                Some(conn) => session.recv_from_slots(&mut buf[..room], RecvFlags::default(), conn),
+                None => session.recv(&mut buf[..room], RecvFlags::default()),
+            };
+            match received {
                 Ok(0) => break,
                 Ok(n) => {
                     self.restored.extend_from_slice(&buf[..n]);

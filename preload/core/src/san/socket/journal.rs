@@ -141,7 +141,8 @@ impl SanSocket {
         let before = self.restored.len();
         let mut buf = [0u8; 16 << 10];
         loop {
-            match session.recv(&mut buf, switch::session::RecvFlags::default()) {
+            match session.recv_from_slots(&mut buf[..], switch::session::RecvFlags::default(), conn)
+            {
                 Ok(n) if n > 0 => self.restored.extend_from_slice(&buf[..n]),
                 _ => break,
             }

@@ -76,6 +76,10 @@ fn session_config(rendezvous: bool) -> SessionConfig {
             u32::MAX
         },
         send_buffer: SHM_SEND_BUFFER,
+        // A shm slot keeps its bytes until re-posted, for as long as the connection (and
+        // its mapping) lives, which is until the application closes the socket: reads copy
+        // straight out of the peer-written slot.
+        receive_in_slots: true,
         ..defaults
     }
 }

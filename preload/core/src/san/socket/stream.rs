@@ -94,7 +94,11 @@ impl SanSocket {
             peek,
             ..RecvFlags::default()
         };
-        match session.recv_into(buf, flags) {
+        let received = match self.conn.as_ref() {
+            Some(conn) => session.recv_from_slots(buf, flags, conn),
+            None => session.recv_into(buf, flags),
+        };
+        match received {
             Ok(n) => {
                 if !peek && n > 0 {
                     self.record.count(Counter::SanInlineReceived, n as u64);
