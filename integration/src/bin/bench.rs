@@ -25,6 +25,12 @@
 //! line (a `note:` when only the median is), never as a failure (the exit status is non-zero
 //! only when the benchmark cannot run at all).
 //!
+//! Two workloads rerun redis `-c 1` under CPU contention, kernel TCP against the SAN path: both
+//! ends pinned to one CPU (`taskset`), and both ends beside a CPU hog pinned to the other CPU.
+//! Looking for the next message before sleeping pays only while the peer runs on another CPU;
+//! these show what is left when it cannot (the looks must back off, not take the CPU the peer
+//! needs).
+//!
 //! Every load generator is bounded by a request count or a duration and by a timeout; all
 //! servers listen on loopback ports chosen free at run time and are killed with their process
 //! group at the end.
@@ -110,6 +116,8 @@ impl Variant {
 
 /// The variants of the application workloads, and of the connection set-up ones.
 const APP_VARIANTS: &[Variant] = &[Variant::Tcp, Variant::Sandirect, Variant::Fallback];
+/// Kernel TCP and the SAN path only (the fallback path does not change under CPU contention).
+const PAIR_VARIANTS: &[Variant] = &[Variant::Tcp, Variant::Sandirect];
 const SETUP_VARIANTS: &[Variant] = &[
     Variant::Tcp,
     Variant::Sandirect,
@@ -670,6 +678,91 @@ struct Workload {
     timeout: Duration,
     /// One unmeasured client run against each server first (a JIT warms up, a runtime loads).
     warm_up: bool,
+    /// A program that runs beside the servers for all the workload's rounds (a CPU hog).
+    beside: Option<Box<BesideFn>>,
+}
+
+type BesideFn = dyn Fn(&Context) -> Command;
+
+/// `workload` with both ends (every process of the server, and the client) on CPU `cpu`
+/// alone: a request/response pair that cannot run on two CPUs at once.
+fn on_one_cpu(workload: Workload, cpu: &'static str) -> Workload {
+    let Workload { server, client, .. } = workload;
+    Workload {
+        name: format!("{}, both ends on one CPU", workload.name),
+        programs: [workload.programs.as_slice(), &["taskset"]].concat(),
+        server: Box::new(move |context: &Context, port, preloaded| {
+            server(context, port, preloaded).map(|command| on_cpu(cpu, command))
+        }),
+        client: Box::new(move |context: &Context, port, preloaded| {
+            on_cpu(cpu, client(context, port, preloaded))
+        }),
+        ..workload
+    }
+}
+
+/// `workload` with a CPU hog (a busy shell loop) pinned to CPU `cpu` for all its rounds: the
+/// ends share the other CPU with whatever else runs, as on a loaded host.
+fn beside_a_hog(workload: Workload, cpu: &'static str) -> Workload {
+    Workload {
+        name: format!("{}, beside a CPU hog", workload.name),
+        programs: [workload.programs.as_slice(), &["taskset"]].concat(),
+        beside: Some(Box::new(move |context: &Context| {
+            let mut command = context.command("taskset", false);
+            command.args(["-c", cpu, "sh", "-c", "while :; do :; done"]);
+            command
+        })),
+        ..workload
+    }
+}
+
+/// `command` run by `taskset -c cpu`, with its environment and directory (standard input
+/// closed, in a process group of its own, as `Context::command` makes them).
+fn on_cpu(cpu: &str, command: Command) -> Command {
+    let mut pinned = Command::new("taskset");
+    pinned
+        .args(["-c", cpu])
+        .arg(command.get_program())
+        .args(command.get_args())
+        .stdin(Stdio::null())
+        .process_group(0);
+    for (key, value) in command.get_envs() {
+        match value {
+            Some(value) => pinned.env(key, value),
+            None => pinned.env_remove(key),
+        };
+    }
+    if let Some(dir) = command.get_current_dir() {
+        pinned.current_dir(dir);
+    }
+    pinned
+}
+
+/// A program running beside a workload, in a process group of its own, killed with the group
+/// when dropped.
+struct Beside {
+    child: Child,
+}
+
+impl Beside {
+    fn start(mut command: Command) -> io::Result<Beside> {
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        register_group(child.id() as i32);
+        Ok(Beside { child })
+    }
+}
+
+impl Drop for Beside {
+    fn drop(&mut self) {
+        let group = self.child.id() as libc::pid_t;
+        // SAFETY: the program leads a process group of its own (process_group(0)).
+        unsafe { libc::kill(-group, libc::SIGKILL) };
+        let _ = self.child.wait();
+        unregister_group(group);
+    }
 }
 
 fn redis_server(context: &Context, port: u16, preloaded: bool) -> io::Result<Command> {
@@ -740,6 +833,7 @@ fn redis_workload(
         parse: parse_redis(per_test),
         timeout: Duration::from_secs(120),
         warm_up: false,
+        beside: None,
     }
 }
 
@@ -855,6 +949,7 @@ fn nginx_workload(name: &str, document: &'static str, connections: u32, workers:
         parse: Box::new(parse_wrk),
         timeout: Duration::from_secs(60),
         warm_up: false,
+        beside: None,
     }
 }
 
@@ -906,6 +1001,7 @@ fn memcached_workload(context: &Context) -> Workload {
         }),
         timeout: Duration::from_secs(120),
         warm_up: false,
+        beside: None,
     }
 }
 
@@ -942,6 +1038,7 @@ fn iperf3_workload() -> Workload {
         }),
         timeout: Duration::from_secs(60),
         warm_up: false,
+        beside: None,
     }
 }
 
@@ -1056,6 +1153,7 @@ fn echo_workload(name: &str, programs: Vec<&'static str>, server: Box<ServerFn>)
         parse: Box::new(parse_own),
         timeout: Duration::from_secs(60),
         warm_up: true,
+        beside: None,
     }
 }
 
@@ -1068,6 +1166,26 @@ fn workloads(context: &Context) -> Vec<Workload> {
             &["-c", "1", "-P", "1"],
             redis(8_000),
             APP_VARIANTS,
+        ),
+        on_one_cpu(
+            redis_workload(
+                "redis GET+SET -c 1 -P 1",
+                "set,get",
+                &["-c", "1", "-P", "1"],
+                redis(8_000),
+                PAIR_VARIANTS,
+            ),
+            "0",
+        ),
+        beside_a_hog(
+            redis_workload(
+                "redis GET+SET -c 1 -P 1",
+                "set,get",
+                &["-c", "1", "-P", "1"],
+                redis(8_000),
+                PAIR_VARIANTS,
+            ),
+            "1",
         ),
         redis_workload(
             "redis GET+SET -c 50 -P 1",
@@ -1136,6 +1254,7 @@ fn workloads(context: &Context) -> Vec<Workload> {
             parse: Box::new(parse_own),
             timeout: Duration::from_secs(60),
             warm_up: false,
+            beside: None,
         },
         redis_workload(
             "redis-benchmark -k 0 -c 10 GET",
@@ -1165,6 +1284,18 @@ fn run_workload(context: &Context, workload: &Workload) -> Outcome {
         rounds: Vec::new(),
         skipped: None,
         path_labels: BTreeMap::new(),
+    };
+    let _beside = match workload
+        .beside
+        .as_ref()
+        .map(|beside| Beside::start(beside(context)))
+    {
+        Some(Err(error)) => {
+            outcome.skipped = Some(format!("could not start what runs beside it: {error}"));
+            return outcome;
+        }
+        Some(Ok(beside)) => Some(beside),
+        None => None,
     };
     let start = |preloaded: bool| -> Result<(Server, u16), String> {
         let port = free_port().map_err(|e| e.to_string())?;
