@@ -166,8 +166,8 @@ pub const KNOBS: &[Knob] = &[
     Knob {
         name: VERBS_LIBRARY,
         values: "path",
-        default: "libsandirect_verbs.so on the library search path",
-        effect: "the verbs provider library; not read when privileged",
+        default: "libsandirect_verbs.so beside libsandirect.so, else on the library search path",
+        effect: "the verbs provider library, loaded only on hosts with RDMA devices; not read when privileged",
         privileged: false,
     },
     Knob {
