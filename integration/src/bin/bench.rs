@@ -1005,30 +1005,45 @@ fn memcached_workload(context: &Context) -> Workload {
     }
 }
 
-fn iperf3_workload() -> Workload {
+/// iperf3 with `extra` client arguments (its default: one stream of 128 KiB writes); the
+/// figure is every byte received, both ways with `--bidir`.
+fn iperf3_workload(
+    name: &str,
+    extra: &'static [&'static str],
+    variants: &'static [Variant],
+) -> Workload {
     Workload {
-        name: "iperf3 (128 KiB writes)".to_owned(),
+        name: name.to_owned(),
         unit: "Gbit/s",
         op: "GB",
         programs: vec!["iperf3"],
-        variants: APP_VARIANTS,
+        variants,
         server: Box::new(|context: &Context, port, preloaded| {
             let mut command = context.command("iperf3", preloaded);
             command.args(["-s", "-B", "127.0.0.1", "-p", &port.to_string()]);
             Ok(command)
         }),
-        client: Box::new(|context: &Context, port, preloaded| {
+        client: Box::new(move |context: &Context, port, preloaded| {
             let mut command = context.command("iperf3", preloaded);
             command
                 .args(["-c", "127.0.0.1", "-p", &port.to_string(), "-J"])
-                .args(["-t", &context.run_seconds().to_string()]);
+                .args(["-t", &context.run_seconds().to_string()])
+                .args(extra);
             command
         }),
         parse: Box::new(|stdout: &str| {
             let report: Value = serde_json::from_str(stdout).ok()?;
-            let received = &report["end"]["sum_received"];
-            let bits = received["bits_per_second"].as_f64()?;
-            let bytes = received["bytes"].as_f64()?;
+            let end = &report["end"];
+            let mut bits = end["sum_received"]["bits_per_second"].as_f64()?;
+            let mut bytes = end["sum_received"]["bytes"].as_f64()?;
+            let reverse = &end["sum_received_bidir_reverse"];
+            if let (Some(reverse_bits), Some(reverse_bytes)) = (
+                reverse["bits_per_second"].as_f64(),
+                reverse["bytes"].as_f64(),
+            ) {
+                bits += reverse_bits;
+                bytes += reverse_bytes;
+            }
             Some(Reported {
                 value: bits / 1e9,
                 ops: bytes / 1e9,
@@ -1205,7 +1220,10 @@ fn workloads(context: &Context) -> Vec<Workload> {
         nginx_workload("nginx (2 workers) + wrk 1 KiB -c 10", "1k.bin", 10, 2),
         nginx_workload("nginx + wrk 64 KiB -c 10", "64k.bin", 10, 1),
         memcached_workload(context),
-        iperf3_workload(),
+        iperf3_workload("iperf3 (128 KiB writes)", &[], APP_VARIANTS),
+        iperf3_workload("iperf3 -l 16K", &["-l", "16K"], PAIR_VARIANTS),
+        iperf3_workload("iperf3 -P 4", &["-P", "4"], PAIR_VARIANTS),
+        iperf3_workload("iperf3 --bidir", &["--bidir"], PAIR_VARIANTS),
         echo_workload(
             "node echo 64 B",
             vec!["node"],

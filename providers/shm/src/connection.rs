@@ -1454,6 +1454,14 @@ impl ShmConnection {
         }
     }
 
+    /// Whether our bell rang since the last poll saw it, or completions or news wait to be taken:
+    /// [`ShmConnection::wait`]'s first look, without its spinning or sleeping.
+    pub fn rung(&self) -> bool {
+        self.my_control().bell.0.load(Ordering::SeqCst) != self.bell_seen.load(Ordering::Relaxed)
+            || !self.completions.is_empty()
+            || (self.up && self.has_news())
+    }
+
     /// Waits until the peer publishes something for us (a message, a window write, room we
     /// were waiting for, attach or close) since the last `poll_completions`, or `timeout` passes.
     ///

@@ -101,7 +101,7 @@ impl Link {
     /// false (completions are the service thread's to see).
     pub(crate) fn rung(&self) -> bool {
         match self {
-            Link::Shm(conn) => conn.wait(Duration::ZERO) == san_shm::WaitResult::Notified,
+            Link::Shm(conn) => conn.rung(),
             Link::Verbs(_) => false,
             #[cfg(test)]
             Link::Sim(_) => false,
