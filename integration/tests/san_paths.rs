@@ -430,6 +430,57 @@ fn an_answer_written_just_before_the_server_goes_idle_arrives_at_once() {
     assert!(worst < 0.5, "{client_report}");
 }
 
+/// A sender that writes more than the receiver's slots hold (most of it stays in its send
+/// buffer, waiting for credits) and then goes idle outside any socket call: its bytes must
+/// still flow while it sleeps, moved by its responder thread when the reader, having read
+/// what it had, waits for more (the reader nudges it then).
+const WRITE_THEN_IDLE_PY: &str = r#"
+import socket, sys, time
+SIZE = 3 << 20
+PAYLOAD = bytes((i * 131) % 251 for i in range(SIZE))
+if sys.argv[1] == "server":
+    listener = listen_announced()
+    conn, _ = listener.accept()
+    conn.sendall(PAYLOAD)
+    time.sleep(3)
+    conn.close()
+else:
+    conn = socket.create_connection(("127.0.0.1", int(sys.argv[2])))
+    started = time.monotonic()
+    got = bytearray()
+    while len(got) < SIZE:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    print("read %d bytes intact=%s after %.3f s" % (len(got), bytes(got) == PAYLOAD, time.monotonic() - started), flush=True)
+"#;
+
+#[test]
+fn bytes_left_in_the_send_buffer_of_an_idle_sender_reach_a_waiting_reader() {
+    let dirs = Dirs::new("write-then-idle");
+    let (_, client_report) = python_pair(
+        &dirs,
+        "write_then_idle.py",
+        WRITE_THEN_IDLE_PY,
+        &[],
+        &[],
+        true,
+    );
+    assert!(
+        client_report.contains(&format!("read {} bytes intact=True", 3 << 20)),
+        "{client_report}"
+    );
+    let seconds: f64 = client_report
+        .rsplit("after ")
+        .next()
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no timing: {client_report}"));
+    // The sender sleeps 3 s: bytes that waited for its next call fail this.
+    assert!(seconds < 1.5, "{client_report}");
+}
+
 /// A program that blocks a signal in its (only) thread after connecting, and takes it with
 /// `sigwait` (as programs using `signalfd` do), must get the signal: the library's own
 /// threads (the nudge responder that every SAN connection starts) block every signal.

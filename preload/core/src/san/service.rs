@@ -303,7 +303,7 @@ fn respond(fd: c_int) {
             Received::Nudge | Received::Ignored
         ) {}
         // (A panic of ours is counted; the responder keeps answering.)
-        let _ = crate::guard::contained(service_all);
+        let _ = crate::guard::contained(|| service_every(Wait::ForBusySockets));
     }
 }
 
@@ -352,6 +352,23 @@ impl ReadySignal {
 /// Services every switched SAN socket of this process once (`try_lock`: a socket in use by
 /// another thread is being serviced anyway). The safety net of the sliced waits.
 pub fn service_all() {
+    service_every(Wait::No);
+}
+
+/// Whether [`service_every`] waits for a socket another thread holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Skip it: that thread services it.
+    No,
+    /// Wait for it (the nudge responder): the thread may be an application thread about to
+    /// leave the call in which it asked for the nudge, and it will not service the socket
+    /// again before its next call. Skipped, the nudge was lost and the peer, which consumed
+    /// the request, never nudged again: the bytes waited for the application's next call
+    /// (a sender that wrote more than the reader's slots hold and then slept).
+    ForBusySockets,
+}
+
+fn service_every(wait: Wait) {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("service_all");
     if LIVE.load(Ordering::Relaxed) == 0 {
@@ -364,12 +381,15 @@ pub fn service_all() {
         }
     });
     for index in indices {
-        if let Ok(mut slot) = slot(index).try_lock() {
-            if let Some(SanObject::Socket(socket)) = slot.as_mut() {
-                if socket.phase == Phase::Switched {
-                    socket.service();
-                    socket.leaving_call();
-                }
+        let mut slot = match slot(index).try_lock() {
+            Ok(slot) => slot,
+            Err(_) if wait == Wait::ForBusySockets => lock(index),
+            Err(_) => continue,
+        };
+        if let Some(SanObject::Socket(socket)) = slot.as_mut() {
+            if socket.phase == Phase::Switched {
+                socket.service();
+                socket.leaving_call();
             }
         }
     }
