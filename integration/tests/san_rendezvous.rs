@@ -1,7 +1,7 @@
 //! Large blocking sends over the SAN go by rendezvous (zero-copy through the registration
-//! cache): two preloaded processes move 8 MiB (the threshold: twice the send buffer) and
-//! 16 MiB in single `send()` calls, with checksums, and the published counters must show the
-//! bytes went by rendezvous (and 6 MiB went inline, buffered as TCP would). Also: receive buffers smaller than the segment, `MSG_PEEK` and `MSG_WAITALL`
+//! cache): two preloaded processes move 4 MiB (the threshold: the send buffer) and 16 MiB
+//! in single `send()` calls, with checksums, and the published counters must show the bytes
+//! went by rendezvous (and 3 MiB went inline, buffered as TCP would). Also: receive buffers smaller than the segment, `MSG_PEEK` and `MSG_WAITALL`
 //! on a segment, and refused registrations (`SANDIRECT_SAN_REFUSE_REGISTRATIONS`, the san
 //! module's test knob): `ENOBUFS` on the sender with nothing sent, the receiver turning the
 //! segment down without losing a byte.
@@ -216,26 +216,23 @@ fn assert_delivered(server: &Report, transfer: &Transfer) {
 
 #[test]
 fn a_send_of_the_threshold_goes_by_rendezvous() {
-    let transfer = Transfer::new(8 << 20);
-    let (server, client) = run("8m", &transfer);
+    let transfer = Transfer::new(4 << 20);
+    let (server, client) = run("4m", &transfer);
     assert_delivered(&server, &transfer);
-    assert_eq!(client.number("rendezvous_sent"), 8 << 20, "{client:?}");
+    assert_eq!(client.number("rendezvous_sent"), 4 << 20, "{client:?}");
     assert_eq!(client.number("inline_sent"), 0, "{client:?}");
-    assert_eq!(server.number("rendezvous_received"), 8 << 20, "{server:?}");
+    assert_eq!(server.number("rendezvous_received"), 4 << 20, "{server:?}");
 }
 
 #[test]
 fn a_send_below_the_threshold_is_buffered_inline_as_tcp_would() {
     // A blocking send the kernel would buffer (its send buffer grows to 4 MiB) must not wait
-    // for the receiver: it goes inline through the send buffer; so does a send up to twice
-    // the buffer, which streams faster inline.
-    for (size, name) in [(3 << 20, "3m"), (6 << 20, "6m")] {
-        let transfer = Transfer::new(size);
-        let (server, client) = run(name, &transfer);
-        assert_delivered(&server, &transfer);
-        assert_eq!(client.number("rendezvous_sent"), 0, "{client:?}");
-        assert_eq!(client.number("inline_sent"), size as u64, "{client:?}");
-    }
+    // for the receiver: it goes inline through the send buffer.
+    let transfer = Transfer::new(3 << 20);
+    let (server, client) = run("3m", &transfer);
+    assert_delivered(&server, &transfer);
+    assert_eq!(client.number("rendezvous_sent"), 0, "{client:?}");
+    assert_eq!(client.number("inline_sent"), 3 << 20, "{client:?}");
 }
 
 #[test]
@@ -256,7 +253,7 @@ fn sixteen_mib_send_goes_by_rendezvous_into_smaller_receive_buffers() {
 #[test]
 fn peek_and_wait_all_on_a_rendezvous_segment() {
     let mut transfer = Transfer::new(16 << 20);
-    transfer.send_chunk = 8 << 20;
+    transfer.send_chunk = 4 << 20;
     transfer.recv_buffer = 6_000_000;
     transfer.peek = true;
     transfer.wait_all = true;
@@ -264,8 +261,8 @@ fn peek_and_wait_all_on_a_rendezvous_segment() {
     assert_delivered(&server, &transfer);
     assert_eq!(server.get("peek"), "same", "{server:?}");
     // FIONREAD counts the announced rendezvous segment, not only the inline prefix: the
-    // whole first 8 MiB send is readable without waiting for the peer.
-    assert!(server.number("fionread") >= 8 << 20, "{server:?}");
+    // whole first 4 MiB send is readable without waiting for the peer.
+    assert!(server.number("fionread") >= 4 << 20, "{server:?}");
     assert_eq!(client.number("rendezvous_sent"), 16 << 20, "{client:?}");
     // MSG_WAITALL fills each buffer across segment boundaries: 3 reads for 16 MiB.
     assert_eq!(server.number("reads"), 3, "{server:?}");
@@ -273,32 +270,32 @@ fn peek_and_wait_all_on_a_rendezvous_segment() {
 
 #[test]
 fn refused_sender_registration_is_enobufs_and_nothing_is_lost() {
-    let mut transfer = Transfer::new(16 << 20);
-    transfer.send_chunk = 8 << 20;
+    let mut transfer = Transfer::new(8 << 20);
+    transfer.send_chunk = 4 << 20;
     transfer.client_refusals = 2;
     let (server, client) = run("enobufs", &transfer);
     assert_delivered(&server, &transfer);
     assert_eq!(client.number("enobufs"), 2, "{client:?}");
     // The retries went by rendezvous once registrations were granted again.
-    assert_eq!(client.number("rendezvous_sent"), 16 << 20, "{client:?}");
+    assert_eq!(client.number("rendezvous_sent"), 8 << 20, "{client:?}");
 }
 
 #[test]
 fn refused_receiver_registration_turns_the_segment_down_without_loss() {
-    let mut transfer = Transfer::new(16 << 20);
-    transfer.send_chunk = 8 << 20;
+    let mut transfer = Transfer::new(8 << 20);
+    transfer.send_chunk = 4 << 20;
     transfer.server_refusals = 1;
     let (server, client) = run("reject", &transfer);
     assert_delivered(&server, &transfer);
     assert_eq!(client.number("enobufs"), 0, "{client:?}");
     let rendezvous = server.number("rendezvous_received");
     assert!(
-        rendezvous < 16 << 20,
+        rendezvous < 8 << 20,
         "the turned-down segment must not count as rendezvous: {server:?}"
     );
     assert_eq!(
         client.number("rendezvous_sent") + client.number("inline_sent"),
-        16 << 20,
+        8 << 20,
         "{client:?}"
     );
 }

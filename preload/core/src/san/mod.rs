@@ -71,8 +71,8 @@
 //! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
 //!
 //! # Rendezvous (large zero-copy sends)
-//! A *blocking* send of at least the negotiated threshold (8 MiB, twice the send buffer:
-//! smaller sends are buffered as TCP would buffer them; `SANDIRECT_SAN_RENDEZVOUS=0`
+//! A *blocking* send of at least the negotiated threshold (4 MiB, the send buffer: smaller
+//! sends are buffered as TCP would buffer them; `SANDIRECT_SAN_RENDEZVOUS=0`
 //! turns it off) registers the application's buffer through the process-wide registration
 //! cache (`registrations`) and moves it by the session's rendezvous: in READ mode the peer
 //! copies it out with CMA (`process_vm_readv`), in WRITE mode (CMA not permitted) we copy it

@@ -52,16 +52,13 @@ pub(super) const SHM_SEND_BUFFER: usize = 4 << 20;
 pub(super) const SHM_JOURNAL: u32 =
     (SHM_SEND_BUFFER + SLOTS.send_slots as usize * SLOTS.slot_size as usize) as u32;
 
-/// Smallest blocking send that goes by rendezvous over shm: twice the send buffer. A
-/// rendezvous returns only when the receiver took the bytes, so a send the send buffer could
-/// take is buffered as TCP would buffer it (two peers that each write a few megabytes before
-/// reading must not wait for each other). And below it inline is faster: measured side by
-/// side (`scripts/bench.sh`, sockets streams), inline copies through the rings stream 4 MiB
-/// sends at 17 GB/s (3.6x kernel TCP) against 13 GB/s (2.6x) by rendezvous: the slots' 16 KiB
-/// pieces stay in the caches while the receiver's single `process_vm_readv` of 4 MiB goes to
-/// memory. The rendezvous spends less CPU (one copy instead of three: 355 against 446 µs of
-/// both ends' CPU per 4 MiB), which is what a larger send gets.
-pub(super) const SHM_RENDEZVOUS_THRESHOLD: u32 = 2 * SHM_SEND_BUFFER as u32;
+/// Smallest blocking send that goes by rendezvous over shm. A rendezvous returns only when
+/// the receiver took the bytes, so below it a send is buffered as TCP would buffer it (two
+/// peers that each write a few megabytes before reading must not wait for each other).
+/// Measured side by side (`scripts/bench.sh`): inline copies through the rings stream at
+/// 2.4-6x kernel TCP for every size; a rendezvous per 64-256 KiB send fell to 0.6-1.1x (a
+/// round trip per send); from 1 MiB on it is about 3x.
+pub(super) const SHM_RENDEZVOUS_THRESHOLD: u32 = SHM_SEND_BUFFER as u32;
 
 /// The segment of every shm connection.
 pub(super) fn shm_segment_config() -> san_shm::SegmentConfig {
