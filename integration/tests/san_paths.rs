@@ -457,8 +457,6 @@ else:
 "#;
 
 #[test]
-#[ignore = "known stall: with a CPU hog beside it (or about 1 run in 10 without wait slices) the \
-            rest waits for the sender's next call; run with --ignored to reproduce"]
 fn bytes_left_in_the_send_buffer_of_an_idle_sender_reach_a_waiting_reader() {
     let dirs = Dirs::new("write-then-idle");
     let (_, client_report) = python_pair(

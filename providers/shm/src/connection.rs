@@ -311,6 +311,9 @@ pub struct ShmConnection {
     slots_ready: usize,
     /// Allocating more receive slots failed (full file system): we use those we have.
     slots_capped: bool,
+    /// Receives held back were published since [`ShmConnection::take_slots_grown`] last
+    /// looked: sends the peer had to queue for want of them can move now.
+    slots_grown: bool,
     /// Bytes `[0, peer_window_ready)` of the peer's write window have their pages allocated.
     peer_window_ready: u64,
     slot_state: Vec<SlotState>,
@@ -418,6 +421,7 @@ impl ShmConnection {
                 usize::from(geometry.slots.recv_slots)
             },
             slots_capped: false,
+            slots_grown: false,
             peer_window_ready: if sys::can_populate() {
                 0
             } else {
@@ -1334,7 +1338,15 @@ impl ShmConnection {
         for (slot, wr_id) in publish {
             self.publish_recv(slot, wr_id);
         }
+        self.slots_grown = true;
         self.notify_peer_if_waiting_for_space();
+    }
+
+    /// Whether more of our receive slots were published since the last call: the peer's
+    /// sends queued for want of posted receives (more than the few published at creation)
+    /// can move, but only once its process drives them, which an idle application does not.
+    pub fn take_slots_grown(&mut self) -> bool {
+        core::mem::take(&mut self.slots_grown)
     }
 
     /// Allocates the pages of the peer's write window under `[pos, pos + len)` before we

@@ -97,6 +97,17 @@ impl Link {
         }
     }
 
+    /// Shm: whether more of our receive slots were published since the last call (see
+    /// `ShmConnection::take_slots_grown`). Verbs: false (every receive is posted at once).
+    pub(crate) fn take_slots_grown(&mut self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.take_slots_grown(),
+            Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(_) => false,
+        }
+    }
+
     /// Shm: the peer rang since our last look (news, or room for sends we queued). Verbs:
     /// false (completions are the service thread's to see).
     pub(crate) fn rung(&self) -> bool {

@@ -67,6 +67,9 @@ impl SanSocket {
         // when they were not there yet: the drive that moves them must announce them again.
         let queued_before = conn.has_queued_sends();
         let progress = self.pump.drive(session, conn, &mut self.released);
+        // Receives published by this drive count as a transmission for the nudge below: the
+        // peer's sends may have waited for them rather than for credits.
+        let slots_grown = conn.take_slots_grown();
         let mut answer_downgrade = false;
         release(regs, &mut self.released);
         if let Err(error) = &progress {
@@ -189,7 +192,7 @@ impl SanSocket {
             }
             self.peer.raise_writable();
         }
-        if sent {
+        if sent || slots_grown {
             self.nudge_stalled_peer();
         }
         if !self.has_untransmitted() {
@@ -256,9 +259,14 @@ impl SanSocket {
             return;
         }
         self.set_progress_wanted(true);
-        // What the peer published before it could see the word (credits, its `Hello`) nudges
-        // nobody: drive it now (which clears the word if everything leaves).
-        if self.conn.as_ref().is_some_and(Link::has_input) {
+        // What the peer published before it could see the word (credits, its `Hello`, receive
+        // slots it rang us for) nudges nobody: drive it now (which clears the word if
+        // everything leaves).
+        if self
+            .conn
+            .as_ref()
+            .is_some_and(|conn| conn.has_input() || conn.rung())
+        {
             self.service();
         }
     }
