@@ -487,13 +487,18 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let group = self.child.id() as libc::pid_t;
-        // SAFETY: the server leads a process group of its own (process_group(0)); signalling
-        // it reaches only processes this benchmark started.
-        unsafe { libc::kill(-group, libc::SIGKILL) };
-        let _ = self.child.wait();
-        unregister_group(group);
+        kill_group_of(&mut self.child);
     }
+}
+
+/// Kills `child`'s process group (it leads one of its own: `process_group(0)`, so the signal
+/// reaches only processes this benchmark started) and reaps it.
+fn kill_group_of(child: &mut Child) {
+    let group = child.id() as libc::pid_t;
+    // SAFETY: plain kill(2) of a group this benchmark started.
+    unsafe { libc::kill(-group, libc::SIGKILL) };
+    let _ = child.wait();
+    unregister_group(group);
 }
 
 /// Whether a socket listens on `port` (any local address, IPv4 or IPv6), per /proc/net.
@@ -757,11 +762,7 @@ impl Beside {
 
 impl Drop for Beside {
     fn drop(&mut self) {
-        let group = self.child.id() as libc::pid_t;
-        // SAFETY: the program leads a process group of its own (process_group(0)).
-        unsafe { libc::kill(-group, libc::SIGKILL) };
-        let _ = self.child.wait();
-        unregister_group(group);
+        kill_group_of(&mut self.child);
     }
 }
 

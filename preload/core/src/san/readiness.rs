@@ -507,6 +507,20 @@ pub fn lower_deferred(deferred: &Deferred, linger: bool) {
 /// which is dropped.
 const LINGERING_WAITS: u8 = 8;
 
+/// The kernel's FIONREAD of the TCP socket `fd` (0 when it fails).
+fn tcp_queued(fd: c_int) -> usize {
+    let mut queued: c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    unsafe {
+        real::ioctl(
+            fd,
+            libc::FIONREAD as _,
+            (&mut queued as *mut c_int) as usize,
+        )
+    };
+    usize::try_from(queued).unwrap_or(0)
+}
+
 /// FIONREAD on a SAN socket; `None` when the kernel's answer is the right one (pending).
 pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
     if orphaned(index) {
@@ -518,16 +532,7 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
     let mut slot = lock(index);
     downgrade::settle(fd, index, &mut slot);
     if let Some(SanObject::Stashed(stashed)) = slot.as_ref() {
-        let mut tcp_queued: c_int = 0;
-        // SAFETY: FIONREAD writes one int.
-        unsafe {
-            real::ioctl(
-                fd,
-                libc::FIONREAD as _,
-                (&mut tcp_queued as *mut c_int) as usize,
-            )
-        };
-        let bytes = stashed.stash.remaining() + usize::try_from(tcp_queued).unwrap_or(0);
+        let bytes = stashed.stash.remaining() + tcp_queued(fd);
         return Some(c_int::try_from(bytes).unwrap_or(c_int::MAX));
     }
     let Some(SanObject::Socket(socket)) = slot.as_mut() else {
@@ -540,18 +545,7 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
     // The kernel is asked only while the stream's bytes may still be on TCP: once they were
     // all read, the answer is the session's alone (a program that asks after every read,
     // as wrk does, would otherwise pay a system call per read).
-    let bytes = socket.readable_bytes(|| {
-        let mut tcp_queued: c_int = 0;
-        // SAFETY: FIONREAD writes one int.
-        unsafe {
-            real::ioctl(
-                fd,
-                libc::FIONREAD as _,
-                (&mut tcp_queued as *mut c_int) as usize,
-            )
-        };
-        usize::try_from(tcp_queued).unwrap_or(0)
-    });
+    let bytes = socket.readable_bytes(|| tcp_queued(fd));
     Some(c_int::try_from(bytes).unwrap_or(c_int::MAX))
 }
 
