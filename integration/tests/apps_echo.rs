@@ -1,6 +1,9 @@
-//! Acceptance 15: a Python asyncio echo server and client, and a Rust `std::net` server and
-//! client, under `sandirect run`: every echoed byte verified (sha256 in Python, the regenerated
-//! stream in Rust), every connection on the expected path, nothing left behind.
+//! A Python asyncio echo server and client, Python forking servers (a `ForkingMixIn` server
+//! that forks per connection, and a pre-forked one whose workers accept), and a Rust
+//! `std::net` server and client, under `sandirect run`: every echoed byte verified (sha256 in
+//! Python, the regenerated stream in Rust), every connection on the expected path (for the
+//! forking servers, the process that serves a connection holds it on the SAN), nothing left
+//! behind.
 
 use std::time::Duration;
 
@@ -77,6 +80,52 @@ if sys.argv[1] == "server":
     asyncio.run(serve(int(sys.argv[2])))
 else:
     asyncio.run(client(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+"#;
+
+/// Forking echo servers: `forking.py per-connection N` accepts N connections in the parent
+/// (`socketserver.ForkingMixIn`: fork per connection, the parent closes its copy);
+/// `forking.py pre-forked N` forks N workers that each accept one connection from the
+/// inherited listener. Each prints `listening PORT`, then `served N` once every child exited
+/// successfully.
+const FORKING_PY: &str = r#"
+import os, socket, socketserver, sys
+
+class Echo(socketserver.BaseRequestHandler):
+    def handle(self):
+        while data := self.request.recv(65536):
+            self.request.sendall(data)
+
+class ForkingServer(socketserver.ForkingMixIn, socketserver.TCPServer):
+    block_on_close = True
+
+def per_connection(count):
+    with ForkingServer(("127.0.0.1", 0), Echo) as server:
+        print("listening", server.server_address[1], flush=True)
+        for _ in range(count):
+            server.handle_request()
+    # (server_close waited for every child)
+    print("served", count, flush=True)
+
+def pre_forked(count):
+    listener = socket.create_server(("127.0.0.1", 0), backlog=count)
+    workers = []
+    for _ in range(count):
+        pid = os.fork()
+        if pid == 0:
+            connection, _ = listener.accept()
+            listener.close()
+            while data := connection.recv(65536):
+                connection.sendall(data)
+            connection.close()
+            os._exit(0)
+        workers.append(pid)
+    print("listening", listener.getsockname()[1], flush=True)
+    failed = [pid for pid in workers if os.waitpid(pid, 0)[1] != 0]
+    if failed:
+        raise SystemExit(f"workers failed: {failed}")
+    print("served", count, flush=True)
+
+{"per-connection": per_connection, "pre-forked": pre_forked}[sys.argv[1]](int(sys.argv[2]))
 "#;
 
 /// Starts `server` (which prints `listening PORT`), runs `client` against it (each of its
@@ -165,6 +214,44 @@ fn python_echo(preloaded: Preloaded) {
     assert!(output.contains("served 6"), "{output}");
 }
 
+/// A forking server (`mode` of `FORKING_PY`) against the asyncio client: the children that
+/// serve the connections hold them on the expected path.
+fn python_forking_echo(mode: &str, preloaded: Preloaded) {
+    let _serial = exclusive();
+    let python = require_program("python3", "python3");
+    let sandbox = Sandbox::new(&format!("python-{mode}-{preloaded:?}"));
+    let (echo, forking) = (sandbox.path().join("echo.py"), sandbox.path().join("forking.py"));
+    std::fs::write(&echo, ECHO_PY).expect("write echo.py");
+    std::fs::write(&forking, FORKING_PY).expect("write forking.py");
+    let connections = 4;
+    let mut server = sandbox.command(&python, preloaded.server());
+    server
+        .arg(&forking)
+        .args([mode, &connections.to_string()]);
+    let output = echo_pair(
+        &sandbox,
+        preloaded,
+        server,
+        |port| {
+            let mut client = sandbox.command(&python, preloaded.client());
+            client.arg(&echo).args([
+                "client",
+                &port.to_string(),
+                &connections.to_string(),
+                &PYTHON_BYTES.to_string(),
+            ]);
+            client
+        },
+        connections,
+        PYTHON_BYTES,
+    );
+    assert!(
+        output.contains("holding: 4 connections, 3145728 bytes each, sha256 verified"),
+        "{output}"
+    );
+    assert!(output.contains("served 4"), "{output}");
+}
+
 fn rust_std_net_echo(preloaded: Preloaded) {
     let _serial = exclusive();
     let sandbox = Sandbox::new(&format!("stdnet-{preloaded:?}"));
@@ -206,6 +293,21 @@ fn python_asyncio_echo_with_both_preloaded() {
 #[test]
 fn python_asyncio_echo_with_only_the_server_preloaded() {
     python_echo(Preloaded::ServerOnly);
+}
+
+#[test]
+fn python_server_forking_per_connection_keeps_the_san() {
+    python_forking_echo("per-connection", Preloaded::Both);
+}
+
+#[test]
+fn python_pre_forked_server_keeps_the_san() {
+    python_forking_echo("pre-forked", Preloaded::Both);
+}
+
+#[test]
+fn python_server_forking_per_connection_with_only_the_server_preloaded() {
+    python_forking_echo("per-connection", Preloaded::ServerOnly);
 }
 
 #[test]

@@ -345,7 +345,11 @@ int main(void) {
     if (connect(c, (struct sockaddr *)&a, len)) return 3;
     int s = accept(l, 0, 0);
     if (s < 0) return 4;
-    /* a first round on the pair outside the count: the SAN switch-over happens here */
+    /* rounds on the pair outside the count: the SAN switch-over happens here (the acceptor
+       attaches at its first call, the client switches at its next one), and each end's first
+       send over the SAN makes its send buffer */
+    if (send(c, &b, 1, 0) != 1 || recv(s, &b, 1, 0) != 1) return 7;
+    if (send(s, &b, 1, 0) != 1 || recv(c, &b, 1, 0) != 1) return 7;
     if (send(c, &b, 1, 0) != 1 || recv(s, &b, 1, 0) != 1) return 7;
     unsigned long before = __atomic_load_n(&counted_allocations, __ATOMIC_RELAXED);
     for (int i = 0; i < 10000; i++) {

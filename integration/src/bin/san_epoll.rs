@@ -6,7 +6,7 @@
 //! ```
 //! Prints `clients ok N` when every client got its exact echo back, and
 //! `server paths san-shm=A tcp=B`: the data paths the interposer published for the accepted
-//! sockets (all `tcp` natively).
+//! sockets once they carried their echo (all `tcp` natively).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -195,10 +195,6 @@ fn serve(listener: RawFd, mode: Mode, clients: usize) -> (usize, usize) {
                         );
                         break;
                     }
-                    match published_path(conn) {
-                        Some(DataPath::SanShm) => san += 1,
-                        _ => tcp += 1,
-                    }
                     conns.insert(conn, Conn::default());
                     if mode != Mode::Poll {
                         register(libc::EPOLL_CTL_ADD, conn, false);
@@ -222,6 +218,12 @@ fn serve(listener: RawFd, mode: Mode, clients: usize) -> (usize, usize) {
                 register(libc::EPOLL_CTL_MOD, fd, !conn.out.is_empty());
             }
             if conn.eof && conn.out.is_empty() {
+                // The path the connection took (an accepted connection attaches to the SAN at
+                // its first use, not inside `accept`).
+                match published_path(fd) {
+                    Some(DataPath::SanShm) => san += 1,
+                    _ => tcp += 1,
+                }
                 conns.remove(&fd);
                 // SAFETY: our connection fd.
                 unsafe {

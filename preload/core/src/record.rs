@@ -97,6 +97,10 @@ pub enum Bypass {
     /// The server is preloaded, but this client's recent connections to it were short (see
     /// `SANDIRECT_SHORT_CONNECTION_BYTES`): setting up the SAN would cost more than it saves.
     ShortConnections = 15,
+    /// Accepted from a SAN client, but when the connection was first used another process
+    /// still held it (a `fork` copied it and neither copy was closed in time), or it was
+    /// passed to another program first: a session cannot be shared, so it stays on TCP.
+    SharedByProcesses = 16,
 }
 
 impl Bypass {
@@ -118,6 +122,7 @@ impl Bypass {
             13 => Self::PeerResources,
             14 => Self::PeerPidNamespace,
             15 => Self::ShortConnections,
+            16 => Self::SharedByProcesses,
             _ => Self::None,
         }
     }
@@ -141,6 +146,7 @@ impl Bypass {
             Self::PeerResources => "peer-resources",
             Self::PeerPidNamespace => "peer-pid-namespace",
             Self::ShortConnections => "short-connections",
+            Self::SharedByProcesses => "shared-by-processes",
         }
     }
 }
@@ -217,6 +223,9 @@ pub mod flags {
     /// As [`SAN_HANDSHAKING`]: messages the session posted wait in the provider (shm: the
     /// peer had no receive posted or its ring was full); they move at the next poll.
     pub const SAN_PROVIDER_QUEUED: u32 = 1 << 14;
+    /// Accepted from a SAN client, not attached yet: the first call that uses the connection
+    /// attaches it (or leaves it on TCP for good). Never set together with `SAN`.
+    pub const UNCLAIMED: u32 = 1 << 15;
 }
 
 /// Index into [`SocketRecord::counters`].

@@ -48,6 +48,9 @@ pub enum ShmError {
     Corrupt(CorruptSegment),
     /// Another process attached first.
     AlreadyAttached,
+    /// The creator withdrew the segment before anyone attached (see
+    /// [`crate::ShmSegment::withdraw`]).
+    Withdrawn,
     /// The segment is already driven by a connection or owned by another domain.
     InUse,
     /// An unexpected system-call failure.
@@ -84,6 +87,7 @@ impl fmt::Display for ShmError {
             ShmError::PermissionDenied(problem) => write!(f, "segment access refused: {problem:?}"),
             ShmError::Corrupt(why) => write!(f, "not a valid segment: {why:?}"),
             ShmError::AlreadyAttached => f.write_str("segment already attached by another process"),
+            ShmError::Withdrawn => f.write_str("segment withdrawn by its creator"),
             ShmError::InUse => f.write_str("segment already in use"),
             ShmError::Io { op, errno } => {
                 write!(f, "{op} failed: {}", io::Error::from_raw_os_error(*errno))

@@ -65,6 +65,9 @@ pub const STATE_CREATED: u32 = 1;
 pub const STATE_ATTACHING: u32 = 2;
 /// The attacher's identity is published.
 pub const STATE_ATTACHED: u32 = 3;
+/// The creator withdrew the segment before anyone attached (CAS from [`STATE_CREATED`]): no
+/// process may attach any more, and the connection stays on TCP.
+pub const STATE_WITHDRAWN: u32 = 4;
 
 /// `SideControl::running` values.
 pub const RUNNING: u32 = 0;
@@ -111,7 +114,8 @@ pub struct SegmentHeader {
     pub side_size: AtomicU64,
     /// Lifecycle: [`STATE_CREATED`] → (CAS by the attacher) [`STATE_ATTACHING`] → (Release
     /// store by the attacher after writing its identity) [`STATE_ATTACHED`]. The creator loads
-    /// it with Acquire before reading the attacher's identity.
+    /// it with Acquire before reading the attacher's identity. Or [`STATE_CREATED`] → (CAS by
+    /// the creator) [`STATE_WITHDRAWN`]: exactly one of the two CASes wins.
     pub state: AtomicU32,
     /// Reserved, zero.
     pub flags: AtomicU32,

@@ -54,7 +54,7 @@ use crate::layout::{
     CorruptSegment, Geometry, RawHeader, SegmentHeader, SetupWords, SideControl, ANSWER_ACCEPTED,
     ANSWER_NONE, ANSWER_REJECTED, ASLEEP, EXPOSURE_ENTRIES, HEADER_SIZE, LAYOUT_VERSION, MAGIC,
     MAX_SETUP_DATA, RUNNING, SETUP_AREA, SETUP_REPLY, SETUP_REQUEST, STATE_ATTACHED,
-    STATE_ATTACHING, STATE_CREATED,
+    STATE_ATTACHING, STATE_CREATED, STATE_WITHDRAWN,
 };
 use crate::sys::{self, Mapping};
 
@@ -526,6 +526,7 @@ impl ShmSegment {
         match raw.state {
             STATE_CREATED => {}
             STATE_ATTACHING | STATE_ATTACHED => return Err(ShmError::AlreadyAttached),
+            STATE_WITHDRAWN => return Err(ShmError::Withdrawn),
             _ => return Err(ShmError::Corrupt(CorruptSegment::BadState)),
         }
         // Writing through a window the creator left unallocated (it expected CMA) cannot
@@ -550,6 +551,7 @@ impl ShmSegment {
         ) {
             return Err(match state {
                 STATE_ATTACHING | STATE_ATTACHED => ShmError::AlreadyAttached,
+                STATE_WITHDRAWN => ShmError::Withdrawn,
                 _ => ShmError::Corrupt(CorruptSegment::BadState),
             });
         }
@@ -579,6 +581,23 @@ impl ShmSegment {
             dev_ino: (meta.dev(), meta.ino()),
             creator_lock: None,
         })
+    }
+
+    /// Creator: withdraws the segment if nobody has attached (or begun to): afterwards no
+    /// process can attach. False when the attacher got there first (it is attaching or
+    /// attached, and the connection goes on). Always false on the attacher.
+    pub fn withdraw(&self) -> bool {
+        self.side == Side::Creator
+            && self
+                .header()
+                .state
+                .compare_exchange(
+                    STATE_CREATED,
+                    STATE_WITHDRAWN,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
     }
 
     /// True once the passive side has attached (always true on the attacher).

@@ -215,7 +215,7 @@ impl Drop for Mapping {
 
 /// Result of a futex wait.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FutexWait {
+pub enum FutexWait {
     /// Woken by `FUTEX_WAKE` (or spuriously).
     Woken,
     /// The word no longer held the expected value.
@@ -227,7 +227,7 @@ pub(crate) enum FutexWait {
 /// Blocks while `word == expected`, at most `timeout`. Shared (not `FUTEX_PRIVATE_FLAG`): the
 /// word lives in a `MAP_SHARED` file mapping, so the kernel keys it by inode and offset and a
 /// wake from the peer process finds us.
-pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> FutexWait {
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) -> FutexWait {
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: timeout.subsec_nanos() as libc::c_long,

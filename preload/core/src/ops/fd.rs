@@ -84,7 +84,7 @@ fn before_replaced(fd: c_int, entry: FdEntry) {
     if entry.is_none() || guard::is_inside() || crate::san::live_sockets() == 0 {
         return;
     }
-    if let Some(index) = crate::san::san_index(entry) {
+    if let Some(index) = crate::san::attached_index(entry) {
         let _errno = errno::Preserved::save();
         let _guard = ReentrancyGuard::enter();
         let _ = crate::san::mirror_of(fd, index);

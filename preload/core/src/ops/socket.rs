@@ -298,6 +298,11 @@ fn settle_connect(entry: FdEntry, error: c_int) {
 #[inline(always)]
 pub unsafe fn shutdown(fd: c_int, how: c_int) -> c_int {
     let entry = tracked(fd);
+    // An accepted connection no call has used yet is used now: it attaches before the FIN
+    // goes out on TCP (see `san::san_index`).
+    if let Some(entry) = entry {
+        let _ = crate::san::san_index(entry);
+    }
     // SAFETY: forwarded.
     let rc = unsafe { real::shutdown(fd, how) };
     if let (0, Some(entry)) = (rc, entry) {

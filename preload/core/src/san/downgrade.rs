@@ -16,7 +16,9 @@ use super::outcome::{SanCall, SanError};
 use super::socket::Phase;
 use super::stash::Stash;
 use super::stashed::Stashed;
-use super::switchover::{assist_all_in_process, epoll_back_to_tcp, switch_if_attached};
+use super::switchover::{
+    assist_all_in_process, epoll_back_to_tcp, switch_if_attached, withdraw_pending,
+};
 use super::table::{forget_name, lock, san_index, SanObject, COUNTERS, LIVE};
 use super::tunables::{FORK_BUDGET, MARKER_WAIT};
 use crate::errno::Errno;
@@ -150,7 +152,7 @@ struct Draining {
 /// [`FORK_BUDGET`] for the peers' answers. Connections whose peer did not answer stay SAN in
 /// this process (the caller decides what the other process gets). `only` limits the work to
 /// these fds (exec: sockets that survive it).
-pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
+pub fn downgrade_connections(only: Option<&dyn Fn(c_int) -> bool>) {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("downgrade_all");
     if LIVE.load(Ordering::Relaxed) == 0 {
@@ -182,7 +184,12 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
     }
     for item in &mut draining {
         let mut slot = lock(item.index);
-        // A client whose acceptor attached switches first; one still waiting stays as it is.
+        // A client whose acceptor has not attached withdraws (it is plain TCP from now on);
+        // one whose acceptor attached switches first, then downgrades.
+        if withdraw_pending(item.index, &mut slot) {
+            item.done = true;
+            continue;
+        }
         let _ = switch_if_attached(item.fd, item.index, &mut slot);
         match slot.as_mut() {
             Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {

@@ -186,6 +186,18 @@ impl Link {
         }
     }
 
+    /// Client, pending (shm): withdraws the segment so that no acceptor can attach any more.
+    /// False when the acceptor got there first, and over verbs (no withdrawal: its acceptor
+    /// commits inside `accept()`).
+    pub(crate) fn withdraw(&self) -> bool {
+        match self {
+            Link::Shm(conn) => conn.segment().withdraw(),
+            Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(_) => false,
+        }
+    }
+
     /// As [`Link::peer_attached`] when the caller found bytes on TCP and must know whether
     /// they are the switch marker (verbs: the start of a token is waited for, bounded).
     pub(crate) fn peer_attached_settled(&self, tcp: RawFd) -> bool {

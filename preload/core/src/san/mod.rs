@@ -114,6 +114,7 @@ mod outcome;
 mod registrations;
 mod stash;
 mod tunables;
+mod unclaimed;
 
 // Process-wide shm resources, the stash holder, the verbs adapter.
 mod provider;
@@ -138,6 +139,9 @@ mod switchover;
 
 mod wait;
 
+// Accepted connections: attached at their first use, in the process that uses them.
+mod accept;
+
 // Moving connections back to kernel TCP (fork, exec).
 mod downgrade;
 
@@ -155,7 +159,7 @@ use core::sync::atomic::Ordering;
 use std::net::SocketAddr;
 use std::sync::MutexGuard;
 
-pub use downgrade::{adopt_stashes, downgrade_all, stash_env};
+pub use downgrade::{adopt_stashes, stash_env};
 pub(crate) use downgrade::{pass_on, stash_of};
 pub use epoll_removal::{any_removed, before_registering, epoll_ctl_on_mirror, Handled};
 pub use kernel::RawBuf;
@@ -171,7 +175,7 @@ pub use send::{send_file_in_place, send_iov};
 pub use service::service_all;
 pub(crate) use service::settle_all_owed;
 pub use switchover::assist_all_in_process;
-pub use table::{counters, live_sockets, san_index, SanCounters};
+pub use table::{counters, live_sockets, SanCounters};
 pub use tunables::FORK_BUDGET;
 
 use crate::discovery::{ConnectionKey, ListenerMarker};
@@ -184,15 +188,43 @@ use provider::provider;
 use socket::{SanSocket, SocketSetupError};
 use table::{forget_name, lock, orphaned, SanObject, COUNTERS, LIVE};
 
-/// Installs `socket` in the slot of record index `index`.
-fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
-    if socket.is_intra_host() {
-        // A fork in the peer process needs our answer even while the application is idle.
-        service::ensure_responder();
+/// The SAN slot index of `entry` when its socket has a SAN object (the data-path check: one
+/// flag load for tracked sockets). An accepted connection no call has used yet is claimed
+/// first (`accept::claim`): this call is its first use.
+#[inline]
+pub fn san_index(entry: crate::fdtable::FdEntry) -> Option<u32> {
+    let index = entry.socket_index()?;
+    let record = registry().get(index)?;
+    let record_flags = record.flags();
+    if record_flags & flags::SAN != 0 {
+        return Some(index);
     }
-    table::insert(index, record, socket);
-    // Registrations made while it was a plain TCP socket (e.g. before `connect`).
-    epoll_index::update(index, record);
+    if record_flags & flags::UNCLAIMED == 0 {
+        return None;
+    }
+    accept::claim(index, record).then_some(index)
+}
+
+/// The SAN slot index of `entry` when its socket has a SAN object, without claiming an
+/// unclaimed accepted connection (for a descriptor about to be closed).
+pub fn attached_index(entry: crate::fdtable::FdEntry) -> Option<u32> {
+    table::san_index(entry)
+}
+
+/// The SAN slot index of `entry` when its socket has a SAN object or is an unclaimed accepted
+/// connection, without claiming it (for a descriptor about to leave the process).
+pub fn san_or_unclaimed_index(entry: crate::fdtable::FdEntry) -> Option<u32> {
+    let index = entry.socket_index()?;
+    let record = registry().get(index)?;
+    (record.flags() & (flags::SAN | flags::UNCLAIMED) != 0).then_some(index)
+}
+
+/// Moves the SAN connections whose descriptor `only` accepts (`None`: all) back to kernel TCP
+/// (exec, spawn, vfork, a descriptor sent to another process), and leaves such unclaimed
+/// accepted connections on TCP: another program will use them as they are.
+pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
+    accept::give_up_unclaimed(only);
+    downgrade::downgrade_connections(only);
 }
 
 /// `listen()` succeeded on a tracked socket: publish the marker.
@@ -324,7 +356,7 @@ pub fn before_connect(
         return match verbs::connect::client(fd, local, peer, service::start) {
             Some(link) => {
                 tracing::debug!(fd, %local, %peer, "pending verbs SAN client");
-                install(
+                accept::install(
                     index,
                     record,
                     SanSocket::verbs_client(record, &name, link, charge),
@@ -355,7 +387,7 @@ pub fn before_connect(
     ) {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
-            install(index, record, socket);
+            accept::install(index, record, socket);
             // The connection is on the SAN path from here (its first bytes cross on TCP by
             // design, as the acceptor's first reads do); the fallbacks set TCP again.
             record
@@ -426,105 +458,10 @@ pub fn after_connect(
     }
 }
 
-/// `accept()` returned `fd` from a listener with a published marker: attach if the client
-/// created a segment.
+/// `accept()` returned `fd` from a listener with a published marker: a SAN client's
+/// connection attaches at its first use (shm) or now (verbs), see `accept`.
 pub fn on_accepted(listener_index: u32, fd: c_int, index: u32, record: &'static SocketRecord) {
-    let Some(provider) = provider() else { return };
-    if record.bypass() != Bypass::None
-        || !matches!(*lock(listener_index), Some(SanObject::Marker(_)))
-    {
-        return;
-    }
-    let (Some(local), Some(peer)) = record.addresses() else {
-        return;
-    };
-    let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
-    let mode = crate::settings::provider_choice();
-    // No client of ours waits on the client's port: it is plain (or not on this host), no
-    // need to probe its exchange (see `san_shm::PendingPorts`).
-    let no_pending_client = provider
-        .pending
-        .as_ref()
-        .is_some_and(|table| !table.may_be_pending(peer.port()));
-    let shm = if mode == ProviderChoice::Verbs || no_pending_client {
-        Err(SocketSetupError::PeerPlain)
-    } else {
-        match budget::charge_shm() {
-            Some(charge) => SanSocket::acceptor(
-                record,
-                provider.dir.handle(),
-                &name,
-                &provider.registrations,
-                charge,
-            ),
-            // Past the process's SAN memory budget: decline a client that made a segment
-            // (it stays on TCP, `peer-resources`); one that made none is plain.
-            None if provider.dir.handle().contains(name.as_str()) => {
-                Err(SocketSetupError::Resource)
-            }
-            None => Err(SocketSetupError::PeerPlain),
-        }
-    };
-    let accepted = match shm {
-        // Not a same-host client: a cross-host one, if a device serves this address.
-        Err(SocketSetupError::PeerPlain) if mode != ProviderChoice::Shm => {
-            match budget::charge_verbs() {
-                Some(charge) => match verbs::connect::acceptor(local, peer, service::start) {
-                    Ok(link) => SanSocket::verbs_acceptor(record, &name, link, charge),
-                    Err(verbs::connect::AcceptorError::PeerPlain) => {
-                        Err(SocketSetupError::PeerPlain)
-                    }
-                    Err(verbs::connect::AcceptorError::Resource) => Err(SocketSetupError::Resource),
-                },
-                // Not tried: whether the client is capable is not known.
-                None => Err(SocketSetupError::Resource),
-            }
-        }
-        other => other,
-    };
-    match accepted {
-        Ok(mut socket) => {
-            // The marker goes out now, before accept() returns: the application watches the
-            // mirror from now on, and a pending client's TCP bytes only become visible there
-            // once the client switched, which the marker makes it do at its next call.
-            socket.wake_pending_client(fd);
-            tracing::debug!(fd, %name, "accepted over the SAN");
-            COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
-            install(index, record, socket);
-            if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-                service::watch_socket(index, socket);
-            }
-        }
-        Err(SocketSetupError::PeerPlain) => {
-            record
-                .bypass
-                .store(Bypass::PeerNotCapable as u32, Ordering::Release);
-        }
-        Err(SocketSetupError::Resource) => {
-            COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
-            record
-                .bypass
-                .store(Bypass::SanResources as u32, Ordering::Release);
-            if mode != ProviderChoice::Verbs {
-                decline(provider.dir.handle(), &name);
-            }
-        }
-        Err(SocketSetupError::PeerPidNamespace) => {
-            COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
-            record
-                .bypass
-                .store(Bypass::PeerPidNamespace as u32, Ordering::Release);
-            decline(provider.dir.handle(), &name);
-        }
-    }
-}
-
-/// The acceptor gives up before it attached: it removes the client's segment name (in the
-/// segment directory it holds open), so that the pending client, when TCP data finds the
-/// segment unattached, knows a capable peer declined (`peer-resources`) rather than a plain
-/// one answered; the client stays on TCP either way (the exact rule).
-fn decline(dir: &san_shm::ShmDir, name: &crate::discovery::SegmentName) {
-    let _ = dir.remove(name.as_str());
+    accept::on_accepted(listener_index, fd, index, record);
 }
 
 /// The last fd of socket `index` is gone: tear down its SAN object (graceful close bounded by
@@ -560,6 +497,12 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
             socket.close(fd, abortive, linger);
         }
         Some(SanObject::Marker(marker)) => drop(marker),
+        Some(SanObject::Unclaimed(unclaimed)) => {
+            if let Some(record) = registry().get(index) {
+                record.set_flag(flags::UNCLAIMED, false);
+            }
+            accept::release(unclaimed);
+        }
         Some(SanObject::Stashed(stashed)) => {
             drop(stashed);
             LIVE.fetch_sub(1, Ordering::Relaxed);
@@ -577,8 +520,8 @@ pub struct ForkLocks(#[allow(dead_code)] Vec<MutexGuard<'static, Option<SanObjec
 pub fn before_fork() -> ForkLocks {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("before_fork");
-    downgrade::downgrade_all(None);
-    let mut indices = Vec::new();
+    downgrade::downgrade_connections(None);
+    let mut indices = accept::before_fork();
     registry().for_each_live(|index, record| {
         if record.flags() & flags::SAN != 0 {
             indices.push(index);

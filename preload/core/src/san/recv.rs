@@ -141,11 +141,17 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                     libc::MSG_PEEK | libc::MSG_DONTWAIT,
                 )
             };
-            if n < 0 && Errno::last() == Errno(libc::EAGAIN) {
+            let peeked_error = (n < 0).then(Errno::last);
+            if peeked_error == Some(Errno(libc::EAGAIN)) {
                 if nonblocking {
                     return Some(Err(fail(libc::EAGAIN)));
                 }
                 socket.prepare_wait(libc::POLLIN)
+            } else if let Some(Errno(code)) = peeked_error.filter(|_| !socket.peer_attached(fd)) {
+                // A reset (or another error) from a server that never attached: the peek took
+                // the socket's pending error, so this call is the one that reports it.
+                downgrade_pending(index, &mut slot);
+                return Some(partial(done, code));
             } else if socket.peer_attached_settled(fd) {
                 if n == 1 {
                     // The marker: consume it; the switch happens at the top of the loop.

@@ -108,6 +108,32 @@ pub(super) fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     }
 }
 
+/// A pending client that is about to be shared with another process (fork, exec, spawn)
+/// withdraws its segment when no acceptor has attached: from now on it is plain TCP, exactly
+/// (its bytes so far went on TCP, and no acceptor can attach any more). False when the
+/// acceptor attached first (the caller switches and downgrades it instead), or over verbs.
+pub(super) fn withdraw_pending(index: u32, slot: &mut Option<SanObject>) -> bool {
+    let withdrawn = matches!(slot, Some(SanObject::Socket(socket))
+        if socket.phase == Phase::Pending && socket.withdraw());
+    if !withdrawn {
+        return false;
+    }
+    tracing::debug!(index, "pending SAN client withdrew: staying on TCP");
+    if let Some(SanObject::Socket(socket)) = slot.take() {
+        drop(socket);
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+        forget_name(index);
+    }
+    if let Some(record) = registry().get(index) {
+        record.set_flag(flags::SAN, false);
+        record.path.store(DataPath::Tcp as u32, Ordering::Release);
+        record
+            .bypass
+            .store(Bypass::Downgraded as u32, Ordering::Release);
+    }
+    true
+}
+
 /// The switch failed after the acceptor committed to the SAN: the connection cannot go on.
 fn break_connection(fd: c_int, index: u32, slot: &mut Option<SanObject>) -> c_int {
     if let Some(SanObject::Socket(socket)) = slot.take() {

@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use super::socket::SanSocket;
 use super::stashed::Stashed;
+use super::unclaimed::Unclaimed;
 use crate::discovery::ListenerMarker;
 use crate::fdtable::FdEntry;
 use crate::record::{flags, Bypass, SocketRecord};
@@ -21,6 +22,9 @@ pub(crate) enum SanObject {
     Socket(Box<SanSocket>),
     /// A downgraded socket whose stash still holds bytes received over the SAN.
     Stashed(Box<Stashed>),
+    /// An accepted connection from a SAN client that no call has used yet: it attaches in
+    /// the process that uses it first (see `super::accept`).
+    Unclaimed(Box<Unclaimed>),
 }
 
 pub(super) type ObjectSlot = Mutex<Option<SanObject>>;
@@ -176,17 +180,33 @@ pub(super) fn forget_name(index: u32) {
 /// Puts `socket` into the slot of record index `index` (listed by its name, counted live,
 /// the record flagged SAN).
 pub(super) fn insert(index: u32, record: &'static SocketRecord, socket: SanSocket) {
-    {
-        let mut names = by_name();
-        remove_name(&mut names, index);
-        let name = socket.name.as_str();
-        let paired = pairing_change(&names, name);
-        names.push((name.to_owned(), index));
-        PAIRED.fetch_add(paired, Ordering::AcqRel);
-    }
+    list_name(index, &socket);
     *lock(index) = Some(SanObject::Socket(Box::new(socket)));
     record.set_flag(flags::SAN, true);
     LIVE.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Puts `socket` into `slot`, the held slot of record index `index`, in place of the
+/// unclaimed accepted connection it was (already counted live; see `super::accept`).
+pub(super) fn insert_claimed(
+    slot: &mut Option<SanObject>,
+    index: u32,
+    record: &'static SocketRecord,
+    socket: SanSocket,
+) {
+    list_name(index, &socket);
+    *slot = Some(SanObject::Socket(Box::new(socket)));
+    record.set_flag(flags::SAN, true);
+    record.set_flag(flags::UNCLAIMED, false);
+}
+
+fn list_name(index: u32, socket: &SanSocket) {
+    let mut names = by_name();
+    remove_name(&mut names, index);
+    let name = socket.name.as_str();
+    let paired = pairing_change(&names, name);
+    names.push((name.to_owned(), index));
+    PAIRED.fetch_add(paired, Ordering::AcqRel);
 }
 
 /// The socket's record is gone, or it is a fork child's copy (see `after_fork_in_child`):

@@ -165,6 +165,9 @@ pub(crate) enum SocketSetupError {
     /// Acceptor: the client runs in a pid namespace where we cannot name it (no pid of ours,
     /// no pidfd; see `exchange`, "Who the peer is"), so its death could not be noticed.
     PeerPidNamespace,
+    /// Acceptor: the client withdrew its segment (it was shared with another process first)
+    /// and stays on TCP.
+    ClientWithdrew,
 }
 
 /// A SAN socket.
@@ -404,6 +407,7 @@ impl SanSocket {
                 errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
                 ..
             } => SocketSetupError::Resource,
+            san_shm::ShmError::Withdrawn => SocketSetupError::ClientWithdrew,
             _ => SocketSetupError::PeerPlain,
         })?;
         let _ = segment.unlink();
@@ -584,6 +588,12 @@ impl SanSocket {
         self.conn
             .as_ref()
             .is_some_and(|conn| conn.peer_attached_settled(tcp))
+    }
+
+    /// Client, pending: withdraws the segment if no acceptor attached (see
+    /// [`Link::withdraw`]).
+    pub(crate) fn withdraw(&self) -> bool {
+        self.conn.as_ref().is_some_and(Link::withdraw)
     }
 
     /// Client, pending: counts stream bytes the kernel accepted on TCP.
