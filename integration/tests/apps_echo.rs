@@ -220,14 +220,15 @@ fn python_forking_echo(mode: &str, preloaded: Preloaded) {
     let _serial = exclusive();
     let python = require_program("python3", "python3");
     let sandbox = Sandbox::new(&format!("python-{mode}-{preloaded:?}"));
-    let (echo, forking) = (sandbox.path().join("echo.py"), sandbox.path().join("forking.py"));
+    let (echo, forking) = (
+        sandbox.path().join("echo.py"),
+        sandbox.path().join("forking.py"),
+    );
     std::fs::write(&echo, ECHO_PY).expect("write echo.py");
     std::fs::write(&forking, FORKING_PY).expect("write forking.py");
     let connections = 4;
     let mut server = sandbox.command(&python, preloaded.server());
-    server
-        .arg(&forking)
-        .args([mode, &connections.to_string()]);
+    server.arg(&forking).args([mode, &connections.to_string()]);
     let output = echo_pair(
         &sandbox,
         preloaded,

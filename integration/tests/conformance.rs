@@ -76,7 +76,7 @@ fn conformance_is_identical_natively_and_preloaded() {
     let native = stdout(&run(CONFORMANCE, false, &[]));
     let preloaded = stdout(&run(CONFORMANCE, true, &[("SANDIRECT_STAT_DIR", dir)]));
     let lines: Vec<_> = native.lines().collect();
-    assert_eq!(lines.len(), 46, "every case prints one line:\n{native}");
+    assert_eq!(lines.len(), 48, "every case prints one line:\n{native}");
     assert!(
         !native.contains("FAILED"),
         "native run failed a case:\n{native}"
@@ -94,12 +94,13 @@ fn conformance_is_identical_natively_and_preloaded() {
     );
     // The main process removes its stats file at exit. Each forked child got a file of its own
     // (atfork handler) and left it behind, because it ended with _exit, SIGABRT, SIGSEGV or
-    // SIGBUS, which skip destructors: fork-and-close-range's child, fortify-poll-overflow's
+    // SIGBUS, which skip destructors: fork-and-close-range's child, fork-per-connection's and
+    // fork-and-both-use's two each (a client process and a server child), fortify-poll-overflow's
     // two and fault-handlers' four. The reader recognises them as stale and removes them.
     let leftovers = std::fs::read_dir(dir).unwrap().count();
     assert_eq!(
-        leftovers, 7,
-        "expected exactly the files of the seven fork children that skipped their destructors"
+        leftovers, 11,
+        "expected exactly the files of the eleven fork children that skipped their destructors"
     );
     let live = preload_core::stats::read_dir(Path::new(dir), true).unwrap();
     assert!(

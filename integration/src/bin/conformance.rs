@@ -2086,6 +2086,131 @@ fn fork_and_close_range() -> CaseResult {
     Ok(format!("child wrote {got:?} and close_range(3,~0) closed it: {child_ok}; parent still writes: {parent:?}; CLOSE_RANGE_CLOEXEC={mark} cloexec={cloexec}; close_range(10,5)={bad}; vfork ok={vfork_ok}"))
 }
 
+/// Runs `talk` on a connection to `port` made by a client in a process of its own (so that the
+/// server's forks do not copy the client's socket), returns what `talk` reported and reaps it.
+fn in_client_process(
+    port: u16,
+    talk: impl FnOnce(c_int) -> Result<String, String>,
+) -> Result<ClientProcess, String> {
+    let mut pipe = [0 as c_int; 2];
+    // SAFETY: a two-int array for pipe2.
+    check(
+        // SAFETY: as above.
+        unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } as isize,
+        "pipe2",
+    )?;
+    let (report_read, report_write) = (Fd(pipe[0]), Fd(pipe[1]));
+    // SAFETY: this program is single-threaded; the child runs `talk` and _exits.
+    let pid = unsafe { libc::fork() };
+    check(pid as isize, "fork")?;
+    if pid == 0 {
+        drop(report_read);
+        let report = connect_to(Family::V4, port, libc::SOCK_CLOEXEC)
+            .and_then(|(client, rc)| check(rc, "connect").and_then(|_| talk(client.raw())))
+            .unwrap_or_else(|error| format!("client FAILED {error}"));
+        let _ = write_all(report_write.raw(), report.as_bytes());
+        // SAFETY: ends the client process without running the parent's exit handlers.
+        unsafe { libc::_exit(0) };
+    }
+    drop(report_write);
+    Ok(ClientProcess { pid, report_read })
+}
+
+/// A client process started by [`in_client_process`].
+struct ClientProcess {
+    pid: libc::pid_t,
+    report_read: Fd,
+}
+
+impl ClientProcess {
+    /// Waits for the client's report (until it exits) and reaps it.
+    fn report(self) -> Result<String, String> {
+        let mut report = Vec::new();
+        loop {
+            wait_for(self.report_read.raw(), libc::POLLIN, 10_000)?;
+            let (n, bytes) = read_some(self.report_read.raw(), 4096);
+            if n <= 0 {
+                break;
+            }
+            report.extend_from_slice(&bytes[..n as usize]);
+        }
+        reap(self.pid)?;
+        Ok(String::from_utf8_lossy(&report).into_owned())
+    }
+}
+
+/// Waits for child `pid`; true when it exited with status 0.
+fn reap(pid: libc::pid_t) -> Result<bool, String> {
+    let mut status = 0;
+    // SAFETY: waiting for our child.
+    check(
+        // SAFETY: as above.
+        unsafe { libc::waitpid(pid, &mut status, 0) } as isize,
+        "waitpid",
+    )?;
+    Ok(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0)
+}
+
+/// A server that forks per connection: the child serves the accepted connection, the parent
+/// closes its copy right after the fork (PostgreSQL's postmaster, `ForkingMixIn`). The client
+/// is a process of its own.
+fn fork_per_connection() -> CaseResult {
+    let (listener, port) = listener_on(Family::V4, false)?;
+    let client = in_client_process(port, |fd| {
+        write_all(fd, b"request")?;
+        let reply = read_exactly_text(fd, 5)?;
+        wait_for(fd, libc::POLLIN, 5000)?;
+        let (after, _) = read_some(fd, 16);
+        Ok(format!(
+            "client got {reply:?}, then read={}",
+            outcome(after)
+        ))
+    })?;
+    let server = accept_one(&listener)?;
+    // SAFETY: this program is single-threaded; the child serves and _exits.
+    let pid = unsafe { libc::fork() };
+    check(pid as isize, "fork")?;
+    if pid == 0 {
+        let served = read_exactly_text(server.raw(), 7).is_ok_and(|request| request == "request")
+            && write_all(server.raw(), b"reply").is_ok();
+        // SAFETY: ends the server child.
+        unsafe { libc::_exit(if served { 0 } else { 1 }) };
+    }
+    drop(server);
+    let served = reap(pid)?;
+    Ok(format!(
+        "server child served: {served}; {}",
+        client.report()?
+    ))
+}
+
+/// Both processes use an accepted connection after a fork: the child writes and exits, then
+/// the parent writes and reads. The client is a process of its own.
+fn fork_and_both_use() -> CaseResult {
+    let (listener, port) = listener_on(Family::V4, false)?;
+    let client = in_client_process(port, |fd| {
+        let got = read_exactly_text(fd, 12)?;
+        write_all(fd, b"back")?;
+        Ok(format!("client read {got:?}"))
+    })?;
+    let server = accept_one(&listener)?;
+    // SAFETY: this program is single-threaded; the child writes and _exits.
+    let pid = unsafe { libc::fork() };
+    check(pid as isize, "fork")?;
+    if pid == 0 {
+        let sent = write_all(server.raw(), b"child").is_ok();
+        // SAFETY: ends the child.
+        unsafe { libc::_exit(if sent { 0 } else { 1 }) };
+    }
+    let child_ok = reap(pid)?;
+    write_all(server.raw(), b"+parent")?;
+    let back = read_exactly_text(server.raw(), 4)?;
+    Ok(format!(
+        "child wrote: {child_ok}; server read {back:?}; {}",
+        client.report()?
+    ))
+}
+
 // ---- close and exit -----------------------------------------------------------------------------
 
 /// `send` with `MSG_NOSIGNAL` (no SIGPIPE), as text.
@@ -3151,6 +3276,8 @@ const CASES: &[Case] = &[
     ("zero-length-reads", zero_length_reads),
     ("mmsg", mmsg),
     ("fork-and-close-range", fork_and_close_range),
+    ("fork-per-connection", fork_per_connection),
+    ("fork-and-both-use", fork_and_both_use),
     ("close-then-send", close_then_send),
     ("close-reset-then-send", close_reset_then_send),
     (

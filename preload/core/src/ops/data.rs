@@ -243,7 +243,8 @@ unsafe fn downgrade_passed(msg: *const libc::msghdr) {
                 let data = libc::CMSG_DATA(cmsg).cast::<c_int>();
                 for position in 0..bytes / core::mem::size_of::<c_int>() {
                     let passed_fd = data.add(position).read_unaligned();
-                    if let Some(index) = crate::san::san_or_unclaimed_index(table().lookup(passed_fd))
+                    if let Some(index) =
+                        crate::san::san_or_unclaimed_index(table().lookup(passed_fd))
                     {
                         passed.push(index);
                     }

@@ -197,7 +197,7 @@ fn leave_on_tcp(record: &'static SocketRecord, unclaimed: &Unclaimed, bypass: By
 
 /// The last descriptor of unclaimed connection `unclaimed` in this process is gone. The last
 /// holder to let go declines the client's segment (the kernel connection closes with it).
-pub(super) fn release(unclaimed: Box<Unclaimed>) {
+pub(super) fn release(unclaimed: &Unclaimed) {
     LIVE.fetch_sub(1, Ordering::Relaxed);
     let last = unclaimed
         .holders

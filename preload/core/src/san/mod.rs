@@ -501,7 +501,7 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
             if let Some(record) = registry().get(index) {
                 record.set_flag(flags::UNCLAIMED, false);
             }
-            accept::release(unclaimed);
+            accept::release(&unclaimed);
         }
         Some(SanObject::Stashed(stashed)) => {
             drop(stashed);

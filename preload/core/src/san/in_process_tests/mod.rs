@@ -32,6 +32,7 @@ use san_api::{
 use san_shm::WaitResult;
 use san_sim::{FaultConfig, SimConnection, SimFabric};
 
+use super::accept::install;
 use super::kernel::RawBuf;
 use super::link::Link;
 use super::registrations::SharedRegistrations;
@@ -39,7 +40,6 @@ use super::socket::{Phase, SanSocket, Side};
 use super::switchover::switch_pending;
 use super::table::{lock, SanObject};
 use super::tunables::SLOTS;
-use super::accept::install;
 use super::{downgrade_all, on_released, on_shutdown, recv_iov, send_iov};
 use crate::discovery::{ConnectionKey, SegmentName};
 use crate::errno::{self, Errno};

@@ -136,12 +136,8 @@ impl SanSocket {
             }
         }
         let mut sent = progress.is_ok_and(|p| p.messages_sent > 0) || queued_before;
-        if let Some(moved) = (!self.early.is_empty())
-            .then(|| self.flush_early())
-            .flatten()
-        {
+        if !self.early.is_empty() && self.flush_early() {
             sent |= self.drive_again();
-            self.journal_accepted(&moved[..]);
         }
         if self.early.is_empty() {
             if let Some(how) = self.deferred_shutdown.take() {

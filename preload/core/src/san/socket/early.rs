@@ -12,20 +12,25 @@ use switch::error::SendError;
 use switch::session::{SendFlags, SessionState};
 
 impl SanSocket {
-    /// Moves early bytes into an established session: the bytes moved (`None` when none
-    /// did), for the journal after the drive that transmits them.
-    pub(super) fn flush_early(&mut self) -> Option<Vec<u8>> {
-        let session = self.session.as_mut()?;
+    /// Moves early bytes into an established session (the journal has them since they were
+    /// accepted): true when some did.
+    pub(super) fn flush_early(&mut self) -> bool {
+        let Some(session) = self.session.as_mut() else {
+            return false;
+        };
         if session.state() != SessionState::Established {
-            return None;
+            return false;
         }
         match session.send(&self.early, SendFlags::default()) {
-            Ok(n) if n > 0 => Some(self.early.drain(..n).collect()),
+            Ok(n) if n > 0 => {
+                self.early.drain(..n);
+                true
+            }
             Err(SendError::Downgraded) => {
                 self.early_to_tcp();
-                None
+                false
             }
-            _ => None,
+            _ => false,
         }
     }
 
@@ -39,6 +44,7 @@ impl SanSocket {
         let fd = self.record.fd.load(core::sync::atomic::Ordering::Acquire);
         let sent = send_all_on_tcp(fd, &self.early);
         self.early.drain(..sent);
+        self.journal_early_left_for_tcp(sent);
     }
 
     /// Before the peer's `Hello` (or behind bytes still waiting for it), a send is buffered
@@ -69,6 +75,7 @@ impl SanSocket {
             return Some(Err(SanError::Errno(libc::EFAULT)));
         }
         self.record.count(Counter::SanInlineSent, n as u64);
+        self.journal_early(n);
         Some(Ok(n))
     }
 }

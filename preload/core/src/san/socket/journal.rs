@@ -62,6 +62,42 @@ impl SanSocket {
         conn.journal_publish(self.stream_accepted);
     }
 
+    /// The last `n` bytes of `early` were just accepted before the handshake finished: they
+    /// are stream bytes like any other and go into the journal now, so that they outlive us
+    /// even if we end before the session takes them (a forked server's child that answers
+    /// and `_exit`s at once). While `early` holds bytes every send lands there, so they are
+    /// the stream's last bytes.
+    pub(super) fn journal_early(&mut self, n: usize) {
+        let Some(Link::Shm(conn)) = self.conn.as_mut() else {
+            return;
+        };
+        let from = self.stream_accepted;
+        self.stream_accepted += n as u64;
+        if self.journal_lost || n == 0 {
+            return;
+        }
+        let bytes = &self.early[self.early.len() - n..];
+        if conn.journal_write(from, bytes).is_err() {
+            tracing::debug!(name = %self.name, "journal unavailable: downgrading to TCP");
+            self.journal_lost = true;
+            self.want_downgrade();
+            return;
+        }
+        conn.journal_publish(self.stream_accepted);
+    }
+
+    /// `n` early bytes went on TCP (a downgrade came first): they leave the stream the
+    /// journal covers, whose end moves back.
+    pub(super) fn journal_early_left_for_tcp(&mut self, n: usize) {
+        let Some(Link::Shm(conn)) = self.conn.as_ref() else {
+            return;
+        };
+        self.stream_accepted = self.stream_accepted.saturating_sub(n as u64);
+        if !self.journal_lost {
+            conn.journal_publish(self.stream_accepted);
+        }
+    }
+
     /// A rendezvous send delivered `bytes`: the peer received them before the send returned,
     /// so only the stream's end moves.
     pub(super) fn journal_delivered(&mut self, bytes: u64) {
