@@ -166,7 +166,7 @@ macro_rules! sandirect_hook_table {
             Chain glibc generated "as sigaction, changing SA_RESTART (and what a later signal sets)"
                 fn siginterrupt(signum: ::libc::c_int, interrupt: ::libc::c_int) -> ::libc::c_int;
             // ---- processes ------------------------------------------------------------------------
-            Accelerate libc generated "SAN connections are first downgraded to kernel TCP, exactly (a session cannot be shared); unread SAN bytes go to a stash both processes share"
+            Accelerate libc generated "switched SAN connections are first downgraded to kernel TCP, exactly (a session cannot be shared; unread SAN bytes go to a stash both processes share); accepted connections not used yet attach later, in the process that uses them"
                 fn fork() -> ::libc::pid_t;
             Accelerate libc handwritten "every SAN connection is downgraded to kernel TCP first (the child may pass any socket on); a trampoline then jumps to the real vfork: no Rust code of ours runs in the child, and the child's hook calls act like the kernel calls alone"
                 fn vfork() -> ::libc::pid_t;

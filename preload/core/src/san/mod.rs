@@ -18,9 +18,10 @@
 //!   exchange listener and the segment are created *before the SYN leaves* ([`before_connect`]):
 //!   the acceptor may run `accept()` before our `connect()` returns and must find them. The
 //!   socket is *pending* and counts the bytes it writes on TCP.
-//! * `accept()` on a marked listener connects to the client's exchange, passes its mirror end
-//!   and the words page, attaches, starts its session with `tcp_bytes_sent = 0` and writes the
-//!   switch marker ([`on_accepted`]). The marker makes the client readable without data; a
+//! * `accept()` on a marked listener notes whether the client made a segment ([`on_accepted`]);
+//!   the connection's first use (in whichever process makes it: see `accept`) connects to the
+//!   client's exchange, passes its mirror end and the words page, attaches, starts its session
+//!   with `tcp_bytes_sent = 0` and writes the switch marker. The marker makes the client readable without data; a
 //!   nonblocking read that consumes it waits (bounded, 50 ms) for the handshake round trip and
 //!   the acceptor's first bytes instead of reporting an `EAGAIN` a strict level-triggered
 //!   client (wrk) would take for an error.
@@ -56,7 +57,11 @@
 //!   doorbells) live at or above half the soft `RLIMIT_NOFILE` (at most from 1024 on), so the
 //!   application's descriptor numbers are those it would get without the preload; a program
 //!   that `dup2`s onto those high numbers closes one of ours (that connection then fails).
-//! * fork and exec downgrade every SAN connection to kernel TCP first (`downgrade`,
+//! * An accepted connection that no call has used yet attaches in the process that uses it
+//!   first, once no other process holds it (fork-per-connection servers keep the SAN); used
+//!   while another copy is still open 20 ms later, or passed to another program first, it
+//!   stays on TCP (`accept`).
+//! * fork and exec downgrade every switched SAN connection to kernel TCP first (`downgrade`,
 //!   `docs/ARCHITECTURE.md` "fork and exec"): exact, counted, one round trip. An idle peer
 //!   answers through its nudge responder (`nudge`); one that cannot answer for a second
 //!   (stopped, or a verbs peer on another host that makes no call) leaves that connection
