@@ -53,6 +53,7 @@ const USAGE: &str = "usage: bench [--quick] [--rounds N] [--only NAME,...] [--ou
              [--baseline FILE] [--save-baseline] [--preload libsandirect.so]
    or: bench --redraw REPORT.json
    or: bench --role churn|rtt --port N --seconds S   (the clients this binary provides)
+   or: bench --role fork-echo --port N               (its fork-per-connection echo server)
 
   --quick          ~2 minutes: 3 rounds of short runs (what CI records)
   --rounds N       rounds per workload (default 5, quick 3)
@@ -1262,6 +1263,15 @@ fn workloads(context: &Context) -> Vec<Workload> {
                 Ok(command)
             }),
         ),
+        echo_workload(
+            "fork-per-connection echo 64 B",
+            vec![],
+            Box::new(|context: &Context, port, preloaded| {
+                let mut command = context.command(&context.exe, preloaded);
+                command.args(["--role", "fork-echo", "--port", &port.to_string()]);
+                Ok(command)
+            }),
+        ),
         Workload {
             name: "connect + 1 request + close (redis)".to_owned(),
             unit: "conn/s",
@@ -1575,6 +1585,7 @@ fn role_main(role: &str, port: u16, seconds: f64) -> io::Result<()> {
                 latencies.push(begin.elapsed().as_nanos() as u64);
             }
         }
+        "fork-echo" => return fork_echo_server(port),
         other => return Err(io::Error::other(format!("unknown role {other:?}"))),
     }
     let elapsed = started.elapsed().as_nanos();
@@ -1586,6 +1597,43 @@ fn role_main(role: &str, port: u16, seconds: f64) -> io::Result<()> {
         percentile(&latencies, 0.99)
     );
     Ok(())
+}
+
+/// `fork-echo`: a server that forks per connection, as PostgreSQL's postmaster and Python's
+/// `ForkingMixIn` do: the parent accepts, forks and closes its copy; the child echoes until end
+/// of stream and exits. Runs until it is killed (with its process group).
+fn fork_echo_server(port: u16) -> io::Result<()> {
+    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, port))?;
+    loop {
+        let (mut stream, _) = listener.accept()?;
+        // SAFETY: this role is single-threaded; the child only echoes and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            drop(listener);
+            let _ = stream.set_nodelay(true);
+            let mut buffer = [0u8; 65536];
+            let status = loop {
+                match stream.read(&mut buffer) {
+                    Ok(0) => break 0,
+                    Ok(n) => {
+                        if stream.write_all(&buffer[..n]).is_err() {
+                            break 1;
+                        }
+                    }
+                    Err(_) => break 1,
+                }
+            };
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(status) };
+        }
+        if pid < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        drop(stream);
+        // Children that ended (no zombies pile up).
+        // SAFETY: reaping our own children without blocking.
+        while unsafe { libc::waitpid(-1, core::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
