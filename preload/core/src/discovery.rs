@@ -9,6 +9,9 @@
 //!   to the open socket, so a dead server leaves nothing behind.
 //! * [`probe_listener`] — the client's question "is the server preloaded?": `connect()` a
 //!   datagram socket to the marker names. No byte is sent; it costs a few µs.
+//! * Markers, exchange listeners and nudge sockets also exist as socket files in the segment
+//!   directory ([`address_in_dir`]): abstract names are per network namespace, the directory
+//!   can be shared (a volume mounted in two containers, `ip netns` on one file system).
 //! * `negative_cache::NegativeCache` — remembers "plain server" answers per (address, port) for a while, so
 //!   repeated connections to a plain server skip even the probe. Lock-free.
 //! * [`ConnectionKey`] — the canonical 4-tuple and its file-name encoding ([`SegmentName`]),
@@ -331,6 +334,85 @@ pub(crate) fn abstract_address(name: &[u8]) -> (libc::sockaddr_un, libc::socklen
     (sun, len as libc::socklen_t)
 }
 
+/// Longest `sun_path` of a socket file in the segment directory: `/proc/self/fd/` + fd (10) +
+/// `/` + name, NUL-terminated.
+const DIR_ADDRESS_CAPACITY: usize = 107;
+
+/// The address of the Unix socket file `name` in directory `dir`, reached through the open
+/// descriptor (`/proc/self/fd/N/name`: no path can be swapped under us, and a long directory
+/// path still fits). These files are how processes that share the segment directory but not a
+/// network namespace (containers with a shared volume, `ip netns`) find each other, since
+/// abstract names are per network namespace. `None` if the name does not fit.
+pub(crate) fn address_in_dir(
+    dir: BorrowedFd<'_>,
+    name: &str,
+) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    let mut path = StackStr::<DIR_ADDRESS_CAPACITY>::new();
+    write!(path, "/proc/self/fd/{}/{name}", dir.as_raw_fd()).ok()?;
+    // SAFETY: plain data, zero is valid.
+    let mut sun: libc::sockaddr_un = unsafe { core::mem::zeroed() };
+    sun.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (dst, &src) in sun.sun_path.iter_mut().zip(path.as_bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // The path and its terminating NUL (the capacity leaves room for it).
+    let len = size_of::<libc::sa_family_t>() + path.as_bytes().len() + 1;
+    Some((sun, len as libc::socklen_t))
+}
+
+/// The file name of the marker for `addr` (already canonical) in the segment directory.
+fn marker_file_name(addr: SocketAddr) -> StackStr<MARKER_NAME_CAPACITY> {
+    let mut name = StackStr::<MARKER_NAME_CAPACITY>::new();
+    // Cannot fail: as for `marker_address`.
+    let _ = write!(name, ".L-{addr}");
+    name
+}
+
+/// Binds datagram socket `socket` to the marker file `name` in `dir`. A file left by a marker
+/// whose holders are gone (a connect is refused) is replaced; one a live marker holds (a
+/// `SO_REUSEPORT` sibling in another process) is left to it: false.
+fn bind_marker_file(socket: &OwnedFd, dir: BorrowedFd<'_>, name: &str) -> bool {
+    let Some((sun, len)) = address_in_dir(dir, name) else {
+        return false;
+    };
+    let bind = || {
+        // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+        unsafe {
+            libc::bind(
+                socket.as_raw_fd(),
+                (&sun as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        }
+    };
+    if bind() == 0 {
+        return true;
+    }
+    if errno::get() != libc::EADDRINUSE {
+        return false;
+    }
+    let Ok(probe) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
+        return false;
+    };
+    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+    let live = unsafe {
+        libc::connect(
+            probe.as_raw_fd(),
+            (&sun as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    } == 0;
+    if live || errno::get() != libc::ECONNREFUSED {
+        return false;
+    }
+    let Ok(file) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: a NUL-terminated name relative to the directory we hold open.
+    unsafe { libc::unlinkat(dir.as_raw_fd(), file.as_ptr(), 0) };
+    bind() == 0
+}
+
 /// Capacity of a [`nudge_address`] name: `sandirect/` + uid (10) + `/N/` + pid namespace
 /// (20) + `/` + pid (10) + `/` + contact (16).
 const NUDGE_NAME_CAPACITY: usize = 96;
@@ -388,6 +470,12 @@ fn marker_names_for_listener(bound: SocketAddr, v6_only: bool) -> [Option<Socket
 #[derive(Debug)]
 pub struct ListenerMarker {
     sockets: [Option<OwnedFd>; 2],
+    /// The same names as socket files in the segment directory (see [`address_in_dir`]), for
+    /// clients in other network namespaces that share the directory. Not removed when the
+    /// marker goes (a pre-forked sibling may still hold the socket): a file whose holders are
+    /// gone refuses connections, which probes take for "no marker", and the next publisher
+    /// replaces it.
+    in_dir: [Option<OwnedFd>; 2],
 }
 
 impl ListenerMarker {
@@ -422,7 +510,28 @@ impl ListenerMarker {
                 return Err(DiscoveryError::last_os("bind listener marker"));
             }
         }
-        Ok(ListenerMarker { sockets })
+        Ok(ListenerMarker {
+            sockets,
+            in_dir: [None, None],
+        })
+    }
+
+    /// Publishes the marker's names in the segment directory `dir` too (best effort: a name
+    /// that cannot be bound there only keeps clients of other network namespaces on TCP).
+    pub fn publish_in_dir(&mut self, dir: BorrowedFd<'_>, bound: SocketAddr, v6_only: bool) {
+        for (slot, name) in self
+            .in_dir
+            .iter_mut()
+            .zip(marker_names_for_listener(bound, v6_only))
+        {
+            let Some(name) = name else { continue };
+            let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker socket") else {
+                continue;
+            };
+            if bind_marker_file(&socket, dir, marker_file_name(name).as_str()) {
+                *slot = Some(socket);
+            }
+        }
     }
 
     /// [`publish`](Self::publish) for a listening socket: reads its bound address and
@@ -433,6 +542,7 @@ impl ListenerMarker {
     /// [`DiscoveryError::UnsupportedFamily`] for a non-IP socket.
     pub fn publish_for_listener(
         listener: BorrowedFd<'_>,
+        dir: Option<BorrowedFd<'_>>,
     ) -> Result<ListenerMarker, DiscoveryError> {
         let bound = socket_name(listener, false)?;
         let v6_only = match bound {
@@ -456,7 +566,11 @@ impl ListenerMarker {
                 value != 0
             }
         };
-        ListenerMarker::publish(bound, v6_only)
+        let mut marker = ListenerMarker::publish(bound, v6_only)?;
+        if let Some(dir) = dir {
+            marker.publish_in_dir(dir, bound, v6_only);
+        }
+        Ok(marker)
     }
 
     /// Whether this marker holds at least one of its names (false: every name was already
@@ -540,6 +654,37 @@ fn probe_listener_of(uid: u32, peer: SocketAddr) -> Option<bool> {
             && connects(SocketAddr::new(wildcard, peer.port()))
             && is_local_address(peer.ip()),
     )
+}
+
+/// When [`probe_listener`] said no: whether a preloaded process that shares the segment
+/// directory `dir` listens on `peer` from another network namespace (its marker files, see
+/// [`ListenerMarker::publish_in_dir`]): the exact name, then the family's wildcard. The
+/// wildcard's address cannot be checked from here; a wrong "yes" only costs a segment that
+/// nobody attaches (the connection stays on TCP by the exact switch-over rule).
+pub fn probe_listener_in_dir(dir: BorrowedFd<'_>, peer: SocketAddr) -> bool {
+    let peer = canonical_addr(peer);
+    let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
+        return false;
+    };
+    let connects = |name: SocketAddr| {
+        let Some((sun, len)) = address_in_dir(dir, marker_file_name(name).as_str()) else {
+            return false;
+        };
+        // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+        let rc = unsafe {
+            libc::connect(
+                socket.as_raw_fd(),
+                (&sun as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        rc == 0
+    };
+    let wildcard = match peer.ip() {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    connects(peer) || (peer.ip() != wildcard && connects(SocketAddr::new(wildcard, peer.port())))
 }
 
 /// When [`probe_listener`] said no: the user of the listener on `peer` if it is a preloaded

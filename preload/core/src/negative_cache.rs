@@ -5,6 +5,7 @@
 use core::hash::{Hash, Hasher};
 use core::sync::atomic::{AtomicU64, Ordering};
 use std::net::SocketAddr;
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use crate::discovery::{canonical_addr, probe_listener_checked};
@@ -35,6 +36,9 @@ impl Default for NegativeCacheConfig {
 pub enum PeerKind {
     /// A listener marker exists: the server is preloaded.
     Preloaded,
+    /// No marker in this network namespace, but a marker file in the shared segment
+    /// directory: the server is preloaded in another network namespace.
+    PreloadedThroughDirectory,
     /// No marker (the answer is now cached).
     Plain,
     /// The cache said plain; no probe was made.
@@ -162,9 +166,9 @@ impl NegativeCache {
         }
     }
 
-    /// The client's whole discovery step: the cache, else [`probe_listener_checked`] (caching a
-    /// negative answer).
-    pub fn probe(&self, server: SocketAddr) -> PeerKind {
+    /// The client's whole discovery step: the cache, else [`probe_listener_checked`], then the
+    /// marker files of the segment directory `dir` when given (caching a negative answer).
+    pub fn probe(&self, server: SocketAddr, dir: Option<BorrowedFd<'_>>) -> PeerKind {
         if self.is_plain(server) {
             return PeerKind::PlainCached;
         }
@@ -175,6 +179,8 @@ impl NegativeCache {
             PeerKind::Preloaded
         } else if crate::discovery::preloaded_listener_of_another_user(server).is_some() {
             PeerKind::OtherUser
+        } else if dir.is_some_and(|dir| crate::discovery::probe_listener_in_dir(dir, server)) {
+            PeerKind::PreloadedThroughDirectory
         } else {
             self.mark_plain(server);
             PeerKind::Plain

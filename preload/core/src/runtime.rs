@@ -54,4 +54,5 @@ fn init_guarded(argv0: Option<&CStr>) {
 /// Destructor's work: stop publishing.
 pub fn at_exit() {
     registry::registry().unpublish_at_exit();
+    crate::san::at_exit();
 }

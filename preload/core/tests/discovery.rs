@@ -158,7 +158,7 @@ fn marker_of_a_real_listener() {
     let _no_fork = no_fork_now();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let marker = ListenerMarker::publish_for_listener(listener.as_fd()).unwrap();
+    let marker = ListenerMarker::publish_for_listener(listener.as_fd(), None).unwrap();
     assert!(probe_listener(addr));
     drop(marker);
     assert!(!probe_listener(addr));
@@ -167,7 +167,7 @@ fn marker_of_a_real_listener() {
         // std does not set IPV6_V6ONLY: a dual-stack listener (Linux default).
         let listener = TcpListener::bind("[::]:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let _marker = ListenerMarker::publish_for_listener(listener.as_fd()).unwrap();
+        let _marker = ListenerMarker::publish_for_listener(listener.as_fd(), None).unwrap();
         assert!(probe_listener(v4(127, 0, 0, 1, port)));
         assert!(probe_listener(v6(Ipv6Addr::LOCALHOST, port)));
     } else {
@@ -413,14 +413,14 @@ fn probe_caches_only_negative_answers() {
     let _no_fork = no_fork_now();
     let cache = NegativeCache::new(NegativeCacheConfig::default());
     let plain = v4(127, 0, 0, 1, unique_port());
-    assert_eq!(cache.probe(plain), PeerKind::Plain);
-    assert_eq!(cache.probe(plain), PeerKind::PlainCached);
+    assert_eq!(cache.probe(plain, None), PeerKind::Plain);
+    assert_eq!(cache.probe(plain, None), PeerKind::PlainCached);
 
     let preloaded = v4(127, 0, 0, 1, unique_port());
     let _marker = ListenerMarker::publish(preloaded, false).unwrap();
-    assert_eq!(cache.probe(preloaded), PeerKind::Preloaded);
+    assert_eq!(cache.probe(preloaded, None), PeerKind::Preloaded);
     assert!(!cache.is_plain(preloaded));
-    assert_eq!(cache.probe(preloaded), PeerKind::Preloaded);
+    assert_eq!(cache.probe(preloaded, None), PeerKind::Preloaded);
 }
 
 #[test]

@@ -232,7 +232,7 @@ pub fn downgrade_connections(only: Option<&dyn Fn(c_int) -> bool>) {
             waiting_for.sort_unstable();
             waiting_for.dedup();
             for &peer in &waiting_for {
-                super::nudge::nudge(peer);
+                super::nudge::nudge(peer, super::provider::segment_dir());
             }
             next_nudge = Instant::now() + super::nudge::NUDGE_INTERVAL;
         }

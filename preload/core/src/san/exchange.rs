@@ -39,7 +39,7 @@ use core::ops::Deref;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use crate::discovery::SegmentName;
+use crate::discovery::{address_in_dir, SegmentName};
 use crate::mirror::MirrorWords;
 
 /// The payload byte sent with a mirror end.
@@ -112,9 +112,51 @@ fn unix_stream() -> Option<OwnedFd> {
     })
 }
 
-/// The connecting side's exchange listener (created right after the TCP connect).
-pub(crate) fn listen(name: &SegmentName) -> Option<OwnedFd> {
-    let (sun, len) = exchange_address(name)?;
+/// `.X-<segment name>`: the exchange listener's socket file in the segment directory, for a
+/// client that found its server there (another network namespace, see
+/// `crate::discovery::address_in_dir`).
+fn exchange_file_name(name: &SegmentName) -> String {
+    format!(".X-{}", name.as_str())
+}
+
+/// The exchange listener's socket file, removed when the pending client's socket is dropped
+/// (it switched, gave up or closed).
+pub(crate) struct ExchangeFile {
+    dir: san_shm::ShmDir,
+    file: String,
+}
+
+impl Drop for ExchangeFile {
+    fn drop(&mut self) {
+        let _ = self.dir.remove(&self.file);
+    }
+}
+
+/// The connecting side's exchange listener (created right after the TCP connect): at its
+/// abstract name, or with `dir` (the server was found through the segment directory) as a
+/// socket file there, whose removal the returned [`ExchangeFile`] owns.
+pub(crate) fn listen(
+    name: &SegmentName,
+    dir: Option<&san_shm::ShmDir>,
+) -> Option<(OwnedFd, Option<ExchangeFile>)> {
+    let (socket, file) = match dir {
+        Some(dir) => {
+            let file = exchange_file_name(name);
+            let address = address_in_dir(dir.as_fd(), &file)?;
+            (
+                bind_listener(address)?,
+                Some(ExchangeFile {
+                    dir: dir.clone(),
+                    file,
+                }),
+            )
+        }
+        None => (bind_listener(exchange_address(name)?)?, None),
+    };
+    Some((socket, file))
+}
+
+fn bind_listener((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Option<OwnedFd> {
     let socket = unix_stream()?;
     // SAFETY: `sun` is a valid sockaddr_un of length `len`.
     let bound = unsafe {
@@ -145,9 +187,27 @@ pub(crate) enum ConnectError {
     Resource,
 }
 
-/// The acceptor's connection to the client's exchange listener.
-pub(crate) fn connect(name: &SegmentName) -> Result<OwnedFd, ConnectError> {
-    let (sun, len) = exchange_address(name).ok_or(ConnectError::NoListener)?;
+/// The acceptor's connection to the client's exchange listener: its abstract name, else (a
+/// client in another network namespace) its socket file in the segment directory `dir`.
+pub(crate) fn connect(
+    name: &SegmentName,
+    dir: Option<&san_shm::ShmDir>,
+) -> Result<OwnedFd, ConnectError> {
+    let address = exchange_address(name).ok_or(ConnectError::NoListener)?;
+    match connect_to(address) {
+        Err(ConnectError::NoListener) => {
+            let file = dir
+                .and_then(|dir| address_in_dir(dir.as_fd(), &exchange_file_name(name)))
+                .ok_or(ConnectError::NoListener)?;
+            connect_to(file)
+        }
+        other => other,
+    }
+}
+
+fn connect_to(
+    (sun, len): (libc::sockaddr_un, libc::socklen_t),
+) -> Result<OwnedFd, ConnectError> {
     // Moved above the application's numbers only once it connected: most accepted clients
     // are plain, and for them this probe is all the SAN costs the acceptor.
     // SAFETY: plain socket(2) call.

@@ -162,6 +162,7 @@ mod in_process_tests;
 use core::ffi::c_int;
 use core::sync::atomic::Ordering;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::MutexGuard;
 
 pub use downgrade::{adopt_stashes, stash_env};
@@ -232,18 +233,25 @@ pub fn downgrade_all(only: Option<&dyn Fn(c_int) -> bool>) {
     downgrade::downgrade_connections(only);
 }
 
+/// At exit: removes this process's nudge socket file from the segment directory.
+pub fn at_exit() {
+    if ever_used() {
+        service::at_exit();
+    }
+}
+
 /// `listen()` succeeded on a tracked socket: publish the marker.
 pub fn on_listen(fd: c_int, index: u32) {
-    if provider().is_none() {
+    let Some(provider) = provider() else {
         return;
-    }
+    };
     let mut slot = lock(index);
     if matches!(*slot, Some(SanObject::Marker(_))) {
         return;
     }
     // SAFETY: `fd` is the listening socket the application just passed to listen().
     let listener = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    match ListenerMarker::publish_for_listener(listener) {
+    match ListenerMarker::publish_for_listener(listener, Some(provider.dir.as_fd())) {
         Ok(marker) => *slot = Some(SanObject::Marker(marker)),
         Err(error) => tracing::debug!(fd, %error, "listener marker not published"),
     }
@@ -303,7 +311,13 @@ pub fn before_connect(
     let kind = if mode == ProviderChoice::Verbs {
         PeerKind::Plain
     } else {
-        provider.negative.probe(peer)
+        provider.negative.probe(peer, Some(provider.dir.as_fd()))
+    };
+    let through_dir = kind == PeerKind::PreloadedThroughDirectory;
+    let kind = if through_dir {
+        PeerKind::Preloaded
+    } else {
+        kind
     };
     let via_verbs = kind != PeerKind::Preloaded
         && mode != ProviderChoice::Shm
@@ -389,6 +403,7 @@ pub fn before_connect(
         &provider.registrations,
         charge,
         pending,
+        through_dir,
     ) {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");

@@ -9,7 +9,9 @@
 //! and the fork used to wait its whole budget and leave the connection to the parent.
 //!
 //! So every process with an intra-host SAN connection keeps one **responder** thread, blocked
-//! in `recvmsg` on an abstract Unix datagram socket named
+//! in `recvmsg` on a Unix datagram socket: the file `.N-<pid ns>-<pid>-<contact>` in the
+//! segment directory (so that peers in another network namespace that share the directory
+//! reach it too; removed at exit), or where that cannot be bound, the abstract name
 //! `\0sandirect/<euid>/N/<pid ns>/<pid>/<contact>`: it
 //! costs nothing until a nudge arrives (no timer, no spinning), and then services every SAN
 //! socket of the process once (`service::service_all`: the same work an application call or a wait
@@ -40,20 +42,44 @@
 
 use core::mem::{size_of, zeroed};
 use core::sync::atomic::{AtomicI32, Ordering};
-use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::time::Duration;
 
 use san_shm::NamespacedPid;
 
-use crate::discovery::{effective_uid, nudge_address};
+use crate::discovery::{address_in_dir, effective_uid, nudge_address};
 use crate::real;
 
 /// How often a forking process repeats its nudge while a peer has not answered.
 pub(crate) const NUDGE_INTERVAL: Duration = Duration::from_millis(20);
 
+/// The nudge socket file of process `process` in the segment directory (see
+/// [`crate::discovery::address_in_dir`]): how a peer in another network namespace that shares
+/// the directory reaches it. It is tried first, the abstract name (this namespace only) second.
+fn nudge_file_name(process: NamespacedPid) -> String {
+    format!(
+        ".N-{}-{}-{:016x}",
+        process.namespace, process.pid, process.contact
+    )
+}
+
+/// The address process `process` takes nudges at: its socket file in `dir` when there is one,
+/// else its abstract name.
+fn nudge_addresses(
+    process: NamespacedPid,
+    dir: Option<BorrowedFd<'_>>,
+) -> [Option<(libc::sockaddr_un, libc::socklen_t)>; 2] {
+    let file = dir.and_then(|dir| address_in_dir(dir, &nudge_file_name(process)));
+    [file, Some(nudge_address(effective_uid(), process))]
+}
+
 /// The bound, credential-passing socket of process `process` (this one), or the call that
-/// failed.
-pub(super) fn bind_nudge_socket(process: NamespacedPid) -> Result<OwnedFd, &'static str> {
+/// failed: bound to its socket file in the segment directory `dir`, or where that cannot be
+/// made, to its abstract name. True with it when it is the file (removed at exit).
+pub(super) fn bind_nudge_socket(
+    process: NamespacedPid,
+    dir: Option<BorrowedFd<'_>>,
+) -> Result<(OwnedFd, bool), &'static str> {
     // SAFETY: plain socket(2) through the real symbol.
     let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
@@ -76,13 +102,62 @@ pub(super) fn bind_nudge_socket(process: NamespacedPid) -> Result<OwnedFd, &'sta
     if rc != 0 {
         return Err("setsockopt(SO_PASSCRED)");
     }
-    let (address, len) = nudge_address(effective_uid(), process);
-    // SAFETY: bind(2) reads `len` bytes of `address`.
-    let rc = unsafe { real::bind(fd, (&address as *const libc::sockaddr_un).cast(), len) };
-    if rc != 0 {
-        return Err("bind");
+    for (in_dir, address) in nudge_addresses(process, dir).into_iter().enumerate() {
+        let Some((address, len)) = address else {
+            continue;
+        };
+        // SAFETY: bind(2) reads `len` bytes of `address`.
+        let rc = unsafe { real::bind(fd, (&address as *const libc::sockaddr_un).cast(), len) };
+        if rc == 0 {
+            return Ok((socket, in_dir == 0));
+        }
     }
-    Ok(socket)
+    Err("bind")
+}
+
+/// Removes the socket files of processes that are gone from the segment directory `dir`:
+/// nudge sockets and listener markers (`.N-…`, `.L-…`) whose socket refuses a connection. A
+/// process removes its own nudge file at exit, but one killed or ended by `_exit` leaves it;
+/// a marker is left on purpose (see `crate::discovery::ListenerMarker`). Run once per process
+/// as its responder starts, so that the directory does not fill with them.
+pub(super) fn sweep_stale_files(dir: &san_shm::ShmDir) {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&std::os::fd::AsFd::as_fd(dir));
+    let Ok(entries) = std::fs::read_dir(format!("/proc/self/fd/{fd}")) else {
+        return;
+    };
+    // SAFETY: plain socket(2) through the real symbol.
+    let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return;
+    }
+    // SAFETY: a fresh descriptor owned by nobody else.
+    let probe = unsafe { OwnedFd::from_raw_fd(raw) };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !(name.starts_with(".N-") || name.starts_with(".L-")) {
+            continue;
+        }
+        let Some((address, len)) = address_in_dir(std::os::fd::AsFd::as_fd(dir), name) else {
+            continue;
+        };
+        // SAFETY: connect(2) reads `len` bytes of `address`.
+        let rc = unsafe {
+            real::connect(
+                std::os::fd::AsRawFd::as_raw_fd(&probe),
+                (&address as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if rc != 0 && crate::errno::get() == libc::ECONNREFUSED {
+            let _ = dir.remove(name);
+        }
+    }
+}
+
+/// At exit: removes the nudge socket file of process `process` from `dir`.
+pub(super) fn remove_nudge_file(process: NamespacedPid, dir: &san_shm::ShmDir) {
+    let _ = dir.remove(&nudge_file_name(process));
 }
 
 /// What [`receive`] got.
@@ -164,22 +239,29 @@ fn libc_cmsg_len(payload: usize) -> usize {
 
 /// Asks process `peer` (of our user, on this host) to service its SAN sockets now. Best
 /// effort: a process without a responder just does not answer sooner.
-pub(crate) fn nudge(peer: NamespacedPid) {
+/// `dir`: the segment directory, where a peer of another network namespace has its socket file.
+pub(crate) fn nudge(peer: NamespacedPid, dir: Option<BorrowedFd<'_>>) {
     let Some(fd) = sender() else {
         return;
     };
-    let (address, len) = nudge_address(effective_uid(), peer);
-    // SAFETY: sendto(2) reads one byte and `len` bytes of `address`.
-    unsafe {
-        real::sendto(
-            fd,
-            [0u8].as_ptr().cast(),
-            1,
-            libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            (&address as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    };
+    for (address, len) in nudge_addresses(peer, dir).into_iter().flatten() {
+        // SAFETY: sendto(2) reads one byte and `len` bytes of `address`.
+        let sent = unsafe {
+            real::sendto(
+                fd,
+                [0u8].as_ptr().cast(),
+                1,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                (&address as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        // Delivered, or queued for a responder that is busy: done. Nobody at this name (a peer
+        // with only the other kind): try the next.
+        if sent >= 0 || !matches!(crate::errno::get(), libc::ENOENT | libc::ECONNREFUSED) {
+            return;
+        }
+    }
 }
 
 /// The unbound datagram socket nudges are sent from (made on first use, kept: forks are rare

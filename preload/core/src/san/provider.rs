@@ -6,6 +6,7 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::registrations::SharedRegistrations;
+use std::os::fd::{AsFd, BorrowedFd};
 use crate::discovery::SegmentDir;
 use crate::negative_cache::{NegativeCache, NegativeCacheConfig};
 
@@ -109,6 +110,12 @@ pub(super) fn hold_init() -> MutexGuard<'static, ()> {
 }
 
 /// Whether the SAN path is enabled (not turned off with `SANDIRECT_SAN=0`).
+/// The segment directory of this process's provider, when it has one (where peers' socket
+/// files are, see `crate::discovery::address_in_dir`).
+pub(super) fn segment_dir() -> Option<BorrowedFd<'static>> {
+    provider().map(|provider| provider.dir.as_fd())
+}
+
 pub fn enabled() -> bool {
     crate::settings::san_enabled()
 }

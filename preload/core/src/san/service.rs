@@ -11,7 +11,7 @@
 //!   before a thread sleeps on readiness.
 
 use core::ffi::c_int;
-use core::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -240,8 +240,12 @@ pub(crate) fn ensure_responder() {
     {
         return;
     }
-    match bind_nudge_socket(super::link::own_pid()) {
-        Ok(socket) => {
+    match bind_nudge_socket(super::link::own_pid(), super::provider::segment_dir()) {
+        Ok((socket, in_dir)) => {
+            NUDGE_FILE.store(in_dir, Ordering::Release);
+            if let (true, Some(provider)) = (in_dir, super::provider::provider()) {
+                super::nudge::sweep_stale_files(provider.dir.handle());
+            }
             let raw = socket.into_raw_fd();
             RESPONDER_FD.store(raw, Ordering::Release);
             // The new thread's own start-up (std's thread bookkeeping) happens before we
@@ -267,6 +271,20 @@ pub(crate) fn ensure_responder() {
                 errno = crate::errno::get(),
                 "nudge responder not set up: idle peers cannot be hurried"
             );
+        }
+    }
+}
+
+/// Whether this process's nudge socket is a file in the segment directory (removed at exit).
+static NUDGE_FILE: AtomicBool = AtomicBool::new(false);
+
+/// At exit: the nudge socket file of this process goes (a fork child that never made its own
+/// responder has none: its copy of the flag belongs to the parent's pid).
+pub(crate) fn at_exit() {
+    if NUDGE_FILE.load(Ordering::Acquire) && RESPONDER_PID.load(Ordering::Acquire) == std::process::id()
+    {
+        if let Some(provider) = super::provider::provider() {
+            super::nudge::remove_nudge_file(super::link::own_pid(), provider.dir.handle());
         }
     }
 }

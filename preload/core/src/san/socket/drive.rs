@@ -275,7 +275,7 @@ impl SanSocket {
         };
         if words.take_progress_wanted() {
             if let Some(pid) = self.peer_process() {
-                nudge(pid);
+                nudge(pid, crate::san::provider::segment_dir());
             }
         }
     }

@@ -180,6 +180,9 @@ pub(crate) struct SanSocket {
     mirror: Option<Mirror<SideWords>>,
     peer: Arc<PeerMirror>,
     page: Option<Arc<WordsPage>>,
+    /// Client, pending, found through the segment directory: its exchange listener's socket
+    /// file there (removed with this value).
+    exchange_file: Option<exchange::ExchangeFile>,
     /// Client: the exchange listener while pending. Acceptor: the exchange connection until
     /// the client's raising end arrived.
     exchange: Option<OwnedFd>,
@@ -342,6 +345,7 @@ impl SanSocket {
             raised_idle_waits: 0,
             local_bell: None,
             pending_bell: None,
+            exchange_file: None,
             released: Vec::new(),
             pump: Pump::new(),
             owner: next_owner(),
@@ -371,14 +375,17 @@ impl SanSocket {
         registrations: &super::registrations::SharedRegistrations,
         charge: Charge,
         pending: Option<san_shm::PendingMark>,
+        through_dir: bool,
     ) -> Result<SanSocket, SocketSetupError> {
-        let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
+        let (listener, exchange_file) = exchange::listen(name, through_dir.then_some(dir))
+            .ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
         let segment = ShmSegment::create(dir, name.as_str(), &shm_segment_config())
             .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations, None)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
         socket.exchange = Some(listener);
+        socket.exchange_file = exchange_file;
         socket.reserve = Some(reserve);
         socket.pending_mark = pending;
         Ok(socket)
@@ -395,7 +402,7 @@ impl SanSocket {
         registrations: &super::registrations::SharedRegistrations,
         charge: Charge,
     ) -> Result<SanSocket, SocketSetupError> {
-        let (link, our_mirror, page) = offer_mirror(name)?;
+        let (link, our_mirror, page) = offer_mirror(name, Some(dir))?;
         let client = exchange::peer_process(link.as_fd(), None);
         if !client.is_known() {
             return Err(SocketSetupError::PeerPidNamespace);
@@ -446,14 +453,14 @@ impl SanSocket {
     ) -> Result<SanSocket, SocketSetupError> {
         let peer = Arc::new(PeerMirror::default());
         if side == Side::Client {
-            let listener = exchange::listen(name).ok_or(SocketSetupError::Resource)?;
+            let (listener, _) = exchange::listen(name, None).ok_or(SocketSetupError::Resource)?;
             let reserve = SwitchReserve::new(listener.as_fd())?;
             let mut socket = Self::fresh(record, Side::Client, name, conn, peer, None);
             socket.exchange = Some(listener);
             socket.reserve = Some(reserve);
             return Ok(socket);
         }
-        let (link, our_mirror, page) = offer_mirror(name)?;
+        let (link, our_mirror, page) = offer_mirror(name, None)?;
         let session = Session::new(
             Role::Passive,
             session_config(conn.offers_rendezvous()),
@@ -704,8 +711,9 @@ impl SwitchReserve {
 /// (when the kernel has pidfds). Returns the exchange connection, our mirror end and the page.
 fn offer_mirror(
     name: &SegmentName,
+    dir: Option<&san_shm::ShmDir>,
 ) -> Result<(OwnedFd, Mirror<SideWords>, Arc<WordsPage>), SocketSetupError> {
-    let link = exchange::connect(name).map_err(|error| match error {
+    let link = exchange::connect(name, dir).map_err(|error| match error {
         exchange::ConnectError::NoListener => SocketSetupError::PeerPlain,
         exchange::ConnectError::Resource => SocketSetupError::Resource,
     })?;

@@ -38,8 +38,10 @@ impl SanSocket {
     /// The shm part of [`SanSocket::switch`].
     fn switch_shm(&mut self) -> Result<(), ()> {
         let listener = self.exchange.take().ok_or(())?;
-        // No longer pending: acceptors of our port need not probe for us.
+        // No longer pending: acceptors of our port need not probe for us (nor find our
+        // exchange listener's file).
         self.pending_mark = None;
+        self.exchange_file = None;
         let reserve = self.reserve.take().ok_or(())?;
         // The numbers held for what arrives now become free for it.
         drop(reserve.spare);

@@ -275,7 +275,7 @@ impl SanSocket {
         self.data_to_announce = true;
         self.service();
         if let Some(peer) = self.peer_process() {
-            crate::san::nudge::nudge(peer);
+            crate::san::nudge::nudge(peer, crate::san::provider::segment_dir());
         }
         true
     }
