@@ -11,8 +11,8 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use preload_core::discovery::{
-    probe_listener, ConnectionKey, DirectoryProblem, DiscoveryError, ListenerMarker, Role,
-    SegmentDir,
+    probe_listener, probe_listener_in_dir, ConnectionKey, DirectoryProblem, DiscoveryError,
+    ListenerMarker, Role, SegmentDir,
 };
 use preload_core::negative_cache::{NegativeCache, NegativeCacheConfig, PeerKind};
 
@@ -82,6 +82,51 @@ fn exact_marker_is_found_until_dropped() {
         !probe_listener(server),
         "closing the listener withdraws the marker"
     );
+}
+
+/// Markers published in a segment directory are found there (what a client in another network
+/// namespace that shares the directory asks), exact and wildcard names alike; a marker whose
+/// holder is gone is not, and the next publisher replaces its file.
+#[test]
+fn markers_in_the_segment_directory_are_found_until_their_holder_is_gone() {
+    let _no_fork = no_fork_now();
+    let path = std::env::temp_dir().join(format!("sandirect-markers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&path);
+    let dir = SegmentDir::open(Some(&path)).unwrap();
+    let (exact, wildcard) = (unique_port(), unique_port());
+    let server = v4(10, 203, 9, 1, exact);
+    let mut marker = ListenerMarker::publish(server, false).unwrap();
+    assert!(
+        !probe_listener_in_dir(dir.as_fd(), server),
+        "not published there yet"
+    );
+    marker.publish_in_dir(dir.as_fd(), server, false);
+    assert!(probe_listener_in_dir(dir.as_fd(), server));
+    assert!(!probe_listener_in_dir(
+        dir.as_fd(),
+        v4(10, 203, 9, 1, wildcard)
+    ));
+    // A wildcard listener's file answers for any address of its port (the address cannot be
+    // checked from another namespace; the exact switch-over rule keeps a wrong guess on TCP).
+    let mut any = ListenerMarker::publish(v4(0, 0, 0, 0, wildcard), false).unwrap();
+    any.publish_in_dir(dir.as_fd(), v4(0, 0, 0, 0, wildcard), false);
+    assert!(probe_listener_in_dir(
+        dir.as_fd(),
+        v4(10, 203, 9, 7, wildcard)
+    ));
+    drop(marker);
+    assert!(
+        !probe_listener_in_dir(dir.as_fd(), server),
+        "a file whose socket is gone refuses connections: no marker"
+    );
+    let mut again = ListenerMarker::publish(server, false).unwrap();
+    again.publish_in_dir(dir.as_fd(), server, false);
+    assert!(
+        probe_listener_in_dir(dir.as_fd(), server),
+        "the stale file was replaced"
+    );
+    drop((again, any));
+    let _ = std::fs::remove_dir_all(&path);
 }
 
 #[test]
@@ -197,7 +242,7 @@ fn a_taken_name_is_reported_not_stolen() {
 fn marker_is_not_a_non_ip_listener() {
     let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
     assert!(matches!(
-        ListenerMarker::publish_for_listener(a.as_fd()),
+        ListenerMarker::publish_for_listener(a.as_fd(), None),
         Err(DiscoveryError::UnsupportedFamily(libc::AF_UNIX))
     ));
 }

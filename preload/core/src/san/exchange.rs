@@ -205,9 +205,7 @@ pub(crate) fn connect(
     }
 }
 
-fn connect_to(
-    (sun, len): (libc::sockaddr_un, libc::socklen_t),
-) -> Result<OwnedFd, ConnectError> {
+fn connect_to((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedFd, ConnectError> {
     // Moved above the application's numbers only once it connected: most accepted clients
     // are plain, and for them this probe is all the SAN costs the acceptor.
     // SAFETY: plain socket(2) call.

@@ -6,9 +6,9 @@ use core::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::registrations::SharedRegistrations;
-use std::os::fd::{AsFd, BorrowedFd};
 use crate::discovery::SegmentDir;
 use crate::negative_cache::{NegativeCache, NegativeCacheConfig};
+use std::os::fd::{AsFd, BorrowedFd};
 
 /// Process-wide SAN resources, created on first use.
 pub(super) struct Provider {

@@ -281,7 +281,8 @@ static NUDGE_FILE: AtomicBool = AtomicBool::new(false);
 /// At exit: the nudge socket file of this process goes (a fork child that never made its own
 /// responder has none: its copy of the flag belongs to the parent's pid).
 pub(crate) fn at_exit() {
-    if NUDGE_FILE.load(Ordering::Acquire) && RESPONDER_PID.load(Ordering::Acquire) == std::process::id()
+    if NUDGE_FILE.load(Ordering::Acquire)
+        && RESPONDER_PID.load(Ordering::Acquire) == std::process::id()
     {
         if let Some(provider) = super::provider::provider() {
             super::nudge::remove_nudge_file(super::link::own_pid(), provider.dir.handle());

@@ -377,8 +377,8 @@ impl SanSocket {
         pending: Option<san_shm::PendingMark>,
         through_dir: bool,
     ) -> Result<SanSocket, SocketSetupError> {
-        let (listener, exchange_file) = exchange::listen(name, through_dir.then_some(dir))
-            .ok_or(SocketSetupError::Resource)?;
+        let (listener, exchange_file) =
+            exchange::listen(name, through_dir.then_some(dir)).ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
         let segment = ShmSegment::create(dir, name.as_str(), &shm_segment_config())
             .map_err(|_| SocketSetupError::Resource)?;
