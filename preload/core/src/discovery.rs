@@ -391,18 +391,7 @@ fn bind_marker_file(socket: &OwnedFd, dir: BorrowedFd<'_>, name: &str) -> bool {
     if errno::get() != libc::EADDRINUSE {
         return false;
     }
-    let Ok(probe) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
-        return false;
-    };
-    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
-    let live = unsafe {
-        libc::connect(
-            probe.as_raw_fd(),
-            (&sun as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    } == 0;
-    if live || errno::get() != libc::ECONNREFUSED {
+    if file_socket_is_held(dir, name) {
         return false;
     }
     let Ok(file) = std::ffi::CString::new(name) else {
@@ -471,11 +460,56 @@ fn marker_names_for_listener(bound: SocketAddr, v6_only: bool) -> [Option<Socket
 pub struct ListenerMarker {
     sockets: [Option<OwnedFd>; 2],
     /// The same names as socket files in the segment directory (see [`address_in_dir`]), for
-    /// clients in other network namespaces that share the directory. Not removed when the
-    /// marker goes (a pre-forked sibling may still hold the socket): a file whose holders are
-    /// gone refuses connections, which probes take for "no marker", and the next publisher
-    /// replaces it.
+    /// clients in other network namespaces that share the directory, with the directory.
+    /// When the marker goes, a file whose socket no process holds any more (a connect is
+    /// refused) is removed; one a pre-forked sibling still holds stays. A file left by a
+    /// process that died holding it also refuses connections, which probes take for "no
+    /// marker", and the next publisher replaces it.
     in_dir: [Option<OwnedFd>; 2],
+    dir: Option<san_shm::ShmDir>,
+    bound: Option<(SocketAddr, bool)>,
+}
+
+impl Drop for ListenerMarker {
+    fn drop(&mut self) {
+        let (Some(dir), Some((bound, v6_only))) = (self.dir.take(), self.bound) else {
+            return;
+        };
+        for (socket, name) in self
+            .in_dir
+            .iter_mut()
+            .zip(marker_names_for_listener(bound, v6_only))
+        {
+            let (Some(socket), Some(name)) = (socket.take(), name) else {
+                continue;
+            };
+            drop(socket);
+            let file = marker_file_name(name);
+            if !file_socket_is_held(dir.as_fd(), file.as_str()) {
+                let _ = dir.remove(file.as_str());
+            }
+        }
+    }
+}
+
+/// Whether some process holds the datagram socket bound to file `name` in `dir` (a connect
+/// succeeds; a file whose socket is closed refuses it).
+fn file_socket_is_held(dir: BorrowedFd<'_>, name: &str) -> bool {
+    let Some((sun, len)) = address_in_dir(dir, name) else {
+        return false;
+    };
+    let Ok(probe) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
+        return true;
+    };
+    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+    let rc = unsafe {
+        libc::connect(
+            probe.as_raw_fd(),
+            (&sun as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    rc == 0 || errno::get() != libc::ECONNREFUSED
 }
 
 impl ListenerMarker {
@@ -513,12 +547,17 @@ impl ListenerMarker {
         Ok(ListenerMarker {
             sockets,
             in_dir: [None, None],
+            dir: None,
+            bound: None,
         })
     }
 
     /// Publishes the marker's names in the segment directory `dir` too (best effort: a name
     /// that cannot be bound there only keeps clients of other network namespaces on TCP).
-    pub fn publish_in_dir(&mut self, dir: BorrowedFd<'_>, bound: SocketAddr, v6_only: bool) {
+    pub fn publish_in_dir(&mut self, dir: &SegmentDir, bound: SocketAddr, v6_only: bool) {
+        self.dir = Some(dir.handle().clone());
+        self.bound = Some((bound, v6_only));
+        let dir = dir.as_fd();
         for (slot, name) in self
             .in_dir
             .iter_mut()
@@ -542,7 +581,7 @@ impl ListenerMarker {
     /// [`DiscoveryError::UnsupportedFamily`] for a non-IP socket.
     pub fn publish_for_listener(
         listener: BorrowedFd<'_>,
-        dir: Option<BorrowedFd<'_>>,
+        dir: Option<&SegmentDir>,
     ) -> Result<ListenerMarker, DiscoveryError> {
         let bound = socket_name(listener, false)?;
         let v6_only = match bound {

@@ -100,7 +100,7 @@ fn markers_in_the_segment_directory_are_found_until_their_holder_is_gone() {
         !probe_listener_in_dir(dir.as_fd(), server),
         "not published there yet"
     );
-    marker.publish_in_dir(dir.as_fd(), server, false);
+    marker.publish_in_dir(&dir, server, false);
     assert!(probe_listener_in_dir(dir.as_fd(), server));
     assert!(!probe_listener_in_dir(
         dir.as_fd(),
@@ -109,7 +109,7 @@ fn markers_in_the_segment_directory_are_found_until_their_holder_is_gone() {
     // A wildcard listener's file answers for any address of its port (the address cannot be
     // checked from another namespace; the exact switch-over rule keeps a wrong guess on TCP).
     let mut any = ListenerMarker::publish(v4(0, 0, 0, 0, wildcard), false).unwrap();
-    any.publish_in_dir(dir.as_fd(), v4(0, 0, 0, 0, wildcard), false);
+    any.publish_in_dir(&dir, v4(0, 0, 0, 0, wildcard), false);
     assert!(probe_listener_in_dir(
         dir.as_fd(),
         v4(10, 203, 9, 7, wildcard)
@@ -117,10 +117,15 @@ fn markers_in_the_segment_directory_are_found_until_their_holder_is_gone() {
     drop(marker);
     assert!(
         !probe_listener_in_dir(dir.as_fd(), server),
-        "a file whose socket is gone refuses connections: no marker"
+        "a marker's file goes with it"
     );
+    // A file left by a process that died holding the marker refuses connections: no marker,
+    // and the next publisher replaces it.
+    let stale = std::os::unix::net::UnixDatagram::bind(path.join(format!(".L-{server}"))).unwrap();
+    drop(stale);
+    assert!(!probe_listener_in_dir(dir.as_fd(), server));
     let mut again = ListenerMarker::publish(server, false).unwrap();
-    again.publish_in_dir(dir.as_fd(), server, false);
+    again.publish_in_dir(&dir, server, false);
     assert!(
         probe_listener_in_dir(dir.as_fd(), server),
         "the stale file was replaced"

@@ -251,7 +251,7 @@ pub fn on_listen(fd: c_int, index: u32) {
     }
     // SAFETY: `fd` is the listening socket the application just passed to listen().
     let listener = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    match ListenerMarker::publish_for_listener(listener, Some(provider.dir.as_fd())) {
+    match ListenerMarker::publish_for_listener(listener, Some(&provider.dir)) {
         Ok(marker) => *slot = Some(SanObject::Marker(marker)),
         Err(error) => tracing::debug!(fd, %error, "listener marker not published"),
     }
