@@ -12,8 +12,9 @@ use switch::error::SendError;
 use switch::session::{SendFlags, SessionState};
 
 impl SanSocket {
-    /// Moves early bytes into an established session (the journal has them since they were
-    /// accepted): true when some did.
+    /// Moves early bytes into an established session: true when some did. The journal has
+    /// them since they were accepted, except the unjournaled tail (see `journal_early`), which
+    /// is journaled now.
     pub(super) fn flush_early(&mut self) -> bool {
         let Some(session) = self.session.as_mut() else {
             return false;
@@ -23,7 +24,11 @@ impl SanSocket {
         }
         match session.send(&self.early, SendFlags::default()) {
             Ok(n) if n > 0 => {
-                self.early.drain(..n);
+                let journaled = self.early.len() - self.early_unjournaled;
+                let unjournaled = n.saturating_sub(journaled);
+                let moved: Vec<u8> = self.early.drain(..n).skip(n - unjournaled).collect();
+                self.early_unjournaled -= unjournaled;
+                self.journal_flushed_early(&moved);
                 true
             }
             Err(SendError::Downgraded) => {

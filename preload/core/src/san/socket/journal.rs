@@ -67,23 +67,34 @@ impl SanSocket {
     /// even if we end before the session takes them (a forked server's child that answers
     /// and `_exit`s at once). While `early` holds bytes every send lands there, so they are
     /// the stream's last bytes.
+    ///
+    /// Where the journal cannot take them (a full file system) they wait, as every later early
+    /// byte does, and are journaled as they enter the session ([`Self::journal_flushed_early`]),
+    /// where a failure moves the connection to TCP: a downgrade needs the established session,
+    /// and bytes sent on TCP before it would never be read.
     pub(super) fn journal_early(&mut self, n: usize) {
         let Some(Link::Shm(conn)) = self.conn.as_mut() else {
             return;
         };
-        let from = self.stream_accepted;
-        self.stream_accepted += n as u64;
-        if self.journal_lost || n == 0 {
+        if n == 0 || self.journal_lost {
+            self.stream_accepted += n as u64;
             return;
         }
         let bytes = &self.early[self.early.len() - n..];
-        if conn.journal_write(from, bytes).is_err() {
-            tracing::debug!(name = %self.name, "journal unavailable: downgrading to TCP");
-            self.journal_lost = true;
-            self.want_downgrade();
+        if self.early_unjournaled > 0 || conn.journal_write(self.stream_accepted, bytes).is_err() {
+            self.early_unjournaled += n;
             return;
         }
+        self.stream_accepted += n as u64;
         conn.journal_publish(self.stream_accepted);
+    }
+
+    /// `moved` bytes of `early` just entered the session, of which the last `unjournaled`
+    /// were not journaled when accepted: journals them as any accepted bytes.
+    pub(super) fn journal_flushed_early(&mut self, unjournaled: &[u8]) {
+        if !unjournaled.is_empty() {
+            self.journal_accepted(unjournaled);
+        }
     }
 
     /// `n` early bytes went on TCP (a downgrade came first): they leave the stream the
@@ -92,7 +103,10 @@ impl SanSocket {
         let Some(Link::Shm(conn)) = self.conn.as_ref() else {
             return;
         };
-        self.stream_accepted = self.stream_accepted.saturating_sub(n as u64);
+        // The unjournaled ones are the last: they never counted.
+        let unjournaled = core::mem::take(&mut self.early_unjournaled).min(n);
+        let counted = n - unjournaled;
+        self.stream_accepted = self.stream_accepted.saturating_sub(counted as u64);
         if !self.journal_lost {
             conn.journal_publish(self.stream_accepted);
         }

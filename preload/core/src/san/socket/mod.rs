@@ -280,6 +280,9 @@ pub(crate) struct SanSocket {
     stream_consumed: u64,
     /// The journal could not be allocated: the connection is moving to TCP.
     journal_lost: bool,
+    /// The last this many bytes of `early` are not in the journal yet (it could not take them
+    /// when they were accepted): they are journaled as they enter the session.
+    early_unjournaled: usize,
     /// The leftovers of a peer that ended were looked for.
     leftovers_taken: bool,
     /// After a downgrade the application's epoll sets watch the TCP socket again.
@@ -358,6 +361,7 @@ impl SanSocket {
             just_accepted: 0,
             stream_consumed: 0,
             journal_lost: false,
+            early_unjournaled: 0,
             leftovers_taken: false,
             epoll_on_tcp: false,
             pending_mark: None,
