@@ -305,3 +305,134 @@ if perl -e "$probe"; then echo allowed; else echo refused; fi
         );
     }
 }
+
+/// Removes the named Docker objects when dropped (containers, then the network and volume).
+struct DockerObjects {
+    containers: Vec<String>,
+    network: String,
+    volume: String,
+}
+
+impl Drop for DockerObjects {
+    fn drop(&mut self) {
+        for container in &self.containers {
+            let _ = Command::new("docker")
+                .args(["rm", "-f", container])
+                .output();
+        }
+        let _ = Command::new("docker")
+            .args(["network", "rm", &self.network])
+            .output();
+        let _ = Command::new("docker")
+            .args(["volume", "rm", "-f", &self.volume])
+            .output();
+    }
+}
+
+/// A server and a client in two containers on one bridge network (separate network, pid and
+/// mount namespaces, Docker's default seccomp profile and capabilities): with a volume both
+/// mount as the segment directory they use the intra-host SAN (small writes inline, one 8 MB
+/// write through the segment's window: CMA cannot cross pid namespaces), every byte checked;
+/// without it they stay on TCP.
+#[test]
+#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+fn two_containers_sharing_a_segment_volume_use_the_san() {
+    if !docker_available("two_containers_sharing_a_segment_volume_use_the_san") {
+        return;
+    }
+    images();
+    let tag = format!("sandirect-test-{}", std::process::id());
+    let mut objects = DockerObjects {
+        containers: Vec::new(),
+        network: tag.clone(),
+        volume: tag.clone(),
+    };
+    let mut network = Command::new("docker");
+    network.args(["network", "create", &tag]);
+    checked(network, "docker network create");
+    let mut volume = Command::new("docker");
+    volume.args(["volume", "create", &tag]);
+    checked(volume, "docker volume create");
+    let echo = format!("{SAN_ECHO}:/usr/local/bin/san_echo:ro");
+    let segments = format!("{tag}:/san");
+    let cases = [
+        (true, "client-first", 4 << 20, "path=san-shm"),
+        (true, "write-then-read", 8_000_000, "path=san-shm"),
+        (false, "client-first", 1 << 20, "path=TCP"),
+    ];
+    for (round, (shared, protocol, bytes, path)) in cases.into_iter().enumerate() {
+        let server_name = format!("{tag}-server-{round}");
+        objects.containers.push(server_name.clone());
+        let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--name".into()];
+        args.push(server_name.clone());
+        args.extend(["--network".into(), tag.clone(), "-v".into(), echo.clone()]);
+        args.extend(["-e".into(), "SAN_ECHO_HOST=0.0.0.0".into()]);
+        let mut client_args: Vec<String> = vec!["--network".into(), tag.clone()];
+        client_args.extend(["-v".into(), echo.clone()]);
+        if shared {
+            for list in [&mut args, &mut client_args] {
+                list.extend(["-v".into(), segments.clone()]);
+                list.extend(["-e".into(), "SANDIRECT_SHM_DIR=/san".into()]);
+            }
+        }
+        // The volume is the segment directory: private to the user the programs run as.
+        args.extend([IMAGE.into(), "sh".into(), "-c".into()]);
+        args.push(format!(
+            "mkdir -p /san && chmod 700 /san && exec san_echo server {protocol}"
+        ));
+        let mut server = Command::new("docker");
+        server.args(&args);
+        checked(server, "docker run (server)");
+        let mut port = None;
+        for _ in 0..100 {
+            let mut logs = Command::new("docker");
+            logs.args(["logs", &server_name]);
+            let text = stdout(&checked(logs, "docker logs"));
+            port = text
+                .lines()
+                .find_map(|line| line.strip_prefix("port "))
+                .map(str::to_owned);
+            if port.is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let port = port.expect("the server container printed no port");
+        let mut inspect = Command::new("docker");
+        inspect.args([
+            "inspect",
+            "-f",
+            "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+            &server_name,
+        ]);
+        let address = stdout(&checked(inspect, "docker inspect"))
+            .trim()
+            .to_owned();
+        client_args.extend(["-e".into(), format!("SAN_ECHO_HOST={address}")]);
+        client_args.extend([IMAGE.into(), "timeout".into(), "120".into()]);
+        client_args.extend(["san_echo".into(), "client".into(), port, protocol.into()]);
+        client_args.push(bytes.to_string());
+        let args: Vec<&str> = client_args.iter().map(String::as_str).collect();
+        let client = docker_run(&args, &format!("the client container ({protocol})"));
+        let mut wait = Command::new("docker");
+        wait.args(["wait", &server_name]);
+        let status = stdout(&checked(wait, "docker wait")).trim().to_owned();
+        let mut logs = Command::new("docker");
+        logs.args(["logs", &server_name]);
+        let server = stdout(&checked(logs, "docker logs"));
+        assert_eq!(status, "0", "the server container failed:\n{server}");
+        for (side, out) in [("client", client.as_str()), ("server", server.as_str())] {
+            let line = out
+                .lines()
+                .find(|line| line.starts_with(side))
+                .unwrap_or_else(|| {
+                    panic!("no {side} report ({protocol}, shared {shared}):\n{out}")
+                });
+            assert!(
+                line.contains(&format!("ok bytes={bytes} ")) && line.ends_with(path),
+                "{protocol}, shared directory {shared}: {line}"
+            );
+        }
+        eprintln!("two containers, shared directory {shared}, {protocol}: {path}");
+    }
+}

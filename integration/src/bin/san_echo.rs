@@ -7,6 +7,8 @@
 //! san_echo client PORT PROTOCOL BYTES [ROUNDS] # ROUNDS (default 1) connections one after
 //!                                            # another, a report each
 //! san_echo inprocess PROTOCOL BYTES          # both ends in one process (threads)
+//! (`SAN_ECHO_HOST`: the address the server listens on and the client connects to, for
+//! peers in two containers; the loopback address by default)
 //! ```
 //!
 //! With several rounds the client reads one line on stdin before each round after the first
@@ -345,8 +347,14 @@ fn serve(listener: &TcpListener, protocol: &str) -> std::io::Result<String> {
     ))
 }
 
+/// The address the server listens on and the client connects to: `SAN_ECHO_HOST` (for
+/// peers in two containers), else the loopback address.
+fn host() -> String {
+    std::env::var("SAN_ECHO_HOST").unwrap_or_else(|_| "127.0.0.1".to_owned())
+}
+
 fn client(port: u16, protocol: &str, bytes: usize) -> std::io::Result<String> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    let mut stream = TcpStream::connect((host().as_str(), port))?;
     let local_port = stream.local_addr()?.port();
     if protocol == "timeouts" {
         return client_timeouts(stream, port, bytes);
@@ -440,7 +448,7 @@ fn main() -> std::io::Result<()> {
     let arg = |i: usize| args.get(i).map(String::as_str).unwrap_or_default();
     match arg(1) {
         "server" => {
-            let listener = TcpListener::bind("127.0.0.1:0")?;
+            let listener = TcpListener::bind((host().as_str(), 0))?;
             prepare_listener(&listener, arg(2))?;
             let connections = count_or_one(arg(3))?;
             println!("port {}", listener.local_addr()?.port());
