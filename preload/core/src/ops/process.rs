@@ -118,6 +118,7 @@ fn prepare_exec() -> Option<std::ffi::CString> {
                     .socket_index()
                     .is_some_and(|index| inherited.contains(&index))
             };
+            crate::san::release_unclaimed_at_exec(&survives);
             crate::san::downgrade_all(Some(&survives));
             crate::san::stash_env()
         })

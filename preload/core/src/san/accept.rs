@@ -262,6 +262,28 @@ pub(super) fn give_up_unclaimed(only: Option<&dyn Fn(c_int) -> bool>) {
     }
 }
 
+/// Before an exec: unclaimed connections whose descriptor does not survive it
+/// (`survives` says no: close-on-exec) are let go by this process, as a close would, so that
+/// a process that forked them to us and still holds them can claim them (a forked child that
+/// execs a helper program otherwise holds the count up for ever). Those that survive are
+/// given up by `give_up_unclaimed`.
+pub(super) fn release_unclaimed_at_exec(survives: &dyn Fn(c_int) -> bool) {
+    let mut leaving = Vec::new();
+    registry().for_each_live(|index, record| {
+        if record.flags() & flags::UNCLAIMED != 0 && !survives(record.fd.load(Ordering::Acquire)) {
+            leaving.push(index);
+        }
+    });
+    for index in leaving {
+        let mut slot = lock(index);
+        if let Some(SanObject::Unclaimed(unclaimed)) = slot.as_mut() {
+            if let Some(holders) = unclaimed.holders.take() {
+                holders.release();
+            }
+        }
+    }
+}
+
 /// The record keeps to TCP for reason `bypass` (counted as a fallback unless the peer is plain).
 fn stay_on_tcp(record: &SocketRecord, bypass: Bypass) {
     if bypass != Bypass::PeerNotCapable {

@@ -225,6 +225,12 @@ pub fn san_or_unclaimed_index(entry: crate::fdtable::FdEntry) -> Option<u32> {
     (record.flags() & (flags::SAN | flags::UNCLAIMED) != 0).then_some(index)
 }
 
+/// Before an exec: lets go of the unclaimed accepted connections that do not survive it (see
+/// `accept::release_unclaimed_at_exec`).
+pub fn release_unclaimed_at_exec(survives: &dyn Fn(c_int) -> bool) {
+    accept::release_unclaimed_at_exec(survives);
+}
+
 /// Moves the SAN connections whose descriptor `only` accepts (`None`: all) back to kernel TCP
 /// (exec, spawn, vfork, a descriptor sent to another process), and leaves such unclaimed
 /// accepted connections on TCP: another program will use them as they are.
