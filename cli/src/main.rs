@@ -42,7 +42,8 @@ enum Command {
         )]
         command: Vec<OsString>,
     },
-    /// List live connections of this user's preloaded processes.
+    /// List live connections of this user's preloaded processes (run as root with the default
+    /// directory: every user's, as `ss -p` does).
     Stat {
         /// Also list listeners and not-yet-connected sockets.
         #[arg(short, long)]
@@ -201,17 +202,23 @@ fn address(addr: Option<std::net::SocketAddr>) -> String {
 }
 
 fn stat(all: bool, remove_stale: bool) -> ExitCode {
-    let Some(dir) = stats::default_dir() else {
+    let dirs = stats::directories_to_list();
+    if dirs.is_empty() {
         eprintln!("sandirect: publication is off (SANDIRECT_STAT_DIR=off)");
         return ExitCode::FAILURE;
-    };
-    let connections = match stats::read_dir(&dir, remove_stale) {
-        Ok(connections) => connections,
-        Err(error) => {
-            eprintln!("sandirect: cannot read {}: {error}", dir.display());
-            return ExitCode::FAILURE;
+    }
+    let mut connections = Vec::new();
+    for (dir, own) in dirs {
+        match stats::read_dir(&dir, remove_stale && own) {
+            Ok(found) => connections.extend(found),
+            // Another user's directory that cannot be read says nothing about ours.
+            Err(_) if !own => {}
+            Err(error) => {
+                eprintln!("sandirect: cannot read {}: {error}", dir.display());
+                return ExitCode::FAILURE;
+            }
         }
-    };
+    }
     println!(
         "{:>7} {:>5} {:<9} {:<6} {:<24} {:<24} {:<9} {:>10} {:>10} {:>10} {:>10} REASON",
         "PID",

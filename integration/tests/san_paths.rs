@@ -1113,3 +1113,74 @@ fn conformance_over_the_san_matches_native_except_documented_policy() {
         }
     }
 }
+
+/// Run as root with the default directories, `sandirect stat` lists the connections of every
+/// user's preloaded processes (as `ss -p` does): here an echo pair of `nobody`. Needs root
+/// (skipped otherwise).
+#[test]
+fn root_sees_every_users_connections_in_sandirect_stat() {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: not root (the test runs a process as nobody)");
+        return;
+    }
+    let (nobody, nogroup) = (65534, 65534);
+    // The binaries where nobody may run them (the build tree may not be reachable).
+    let dir = std::env::temp_dir().join(format!("sandirect-nobody-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (echo, library) = (dir.join("san_echo"), dir.join("libsandirect.so"));
+    std::fs::copy(SAN_ECHO, &echo).unwrap();
+    std::fs::copy(&integration::apps::products().library, &library).unwrap();
+    for path in [&dir, &echo, &library] {
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+    }
+    // Its own default directories (/dev/shm/sandirect-65534), as a service user's would be.
+    let child = Command::new(&echo)
+        .args(["inprocess", "paced", "2000000"])
+        .env_clear()
+        .env("LD_PRELOAD", &library)
+        .uid(nobody)
+        .gid(nogroup)
+        .current_dir(&dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id().to_string();
+    // The paced stream takes about two seconds: look while it runs.
+    let mut rows = Vec::new();
+    for _ in 0..40 {
+        std::thread::sleep(Duration::from_millis(50));
+        let out = Command::new(&integration::apps::products().cli)
+            .arg("stat")
+            .env_remove("SANDIRECT_STAT_DIR")
+            .output()
+            .unwrap();
+        rows = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|line| line.split_whitespace().next() == Some(pid.as_str()))
+            .map(str::to_owned)
+            .collect();
+        if rows.len() == 2 {
+            break;
+        }
+    }
+    let report = finish(child, "inprocess as nobody");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        report.contains("client ok bytes=2000000") && report.contains("server ok bytes=2000000"),
+        "{report}"
+    );
+    assert_eq!(
+        rows.len(),
+        2,
+        "both ends of nobody's pair listed for root: {rows:?}"
+    );
+    assert!(
+        rows.iter().all(|row| row.contains("SAN-shm")),
+        "nobody's pair on the SAN: {rows:?}"
+    );
+}

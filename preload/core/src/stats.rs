@@ -180,6 +180,44 @@ pub fn default_dir() -> Option<PathBuf> {
     }
 }
 
+/// Run as root with the default directory: every user's default stats directory
+/// (`/dev/shm/sandirect-<uid>` owned by that uid, as `ss -p` shows every user's sockets), this
+/// user's first; otherwise just [`default_dir`]. Each with whether it is the caller's own (whose
+/// stale files the caller may remove).
+pub fn directories_to_list() -> Vec<(PathBuf, bool)> {
+    let Some(own) = default_dir() else {
+        return Vec::new();
+    };
+    let mut dirs = vec![(own.clone(), true)];
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || crate::settings::var_os(crate::settings::STAT_DIR).is_some() {
+        return dirs;
+    }
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else {
+        return dirs;
+    };
+    let mut others: Vec<(u32, PathBuf)> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let uid: u32 = entry
+                .file_name()
+                .to_str()?
+                .strip_prefix("sandirect-")?
+                .parse()
+                .ok()?;
+            let path = entry.path();
+            // Only a real directory its uid owns (a name another user made proves nothing).
+            let meta = std::fs::symlink_metadata(&path).ok()?;
+            (meta.is_dir() && std::os::unix::fs::MetadataExt::uid(&meta) == uid && path != own)
+                .then_some((uid, path))
+        })
+        .collect();
+    others.sort();
+    dirs.extend(others.into_iter().map(|(_, path)| (path, false)));
+    dirs
+}
+
 /// Every live connection published in `dir`, sorted by pid then fd. Stale files are removed
 /// when `remove_stale` (they belong to this user's dead processes; see the module's doc for
 /// what counts). A missing directory publishes nothing; a symbolic link is refused.
