@@ -10,7 +10,7 @@
 //! * [`probe_listener`] — the client's question "is the server preloaded?": `connect()` a
 //!   datagram socket to the marker names. No byte is sent; it costs a few µs.
 //! * Markers, exchange listeners and nudge sockets also exist as socket files in the segment
-//!   directory ([`address_in_dir`]): abstract names are per network namespace, the directory
+//!   directory (`address_in_dir`): abstract names are per network namespace, the directory
 //!   can be shared (a volume mounted in two containers, `ip netns` on one file system).
 //! * `negative_cache::NegativeCache` — remembers "plain server" answers per (address, port) for a while, so
 //!   repeated connections to a plain server skip even the probe. Lock-free.
