@@ -459,30 +459,24 @@ fn marker_names_for_listener(bound: SocketAddr, v6_only: bool) -> [Option<Socket
 #[derive(Debug)]
 pub struct ListenerMarker {
     sockets: [Option<OwnedFd>; 2],
-    /// The same names as socket files in the segment directory (see [`address_in_dir`]), for
-    /// clients in other network namespaces that share the directory, with the directory.
-    /// When the marker goes, a file whose socket no process holds any more (a connect is
-    /// refused) is removed; one a pre-forked sibling still holds stays. A file left by a
-    /// process that died holding it also refuses connections, which probes take for "no
-    /// marker", and the next publisher replaces it.
-    in_dir: [Option<OwnedFd>; 2],
+    /// Socket files in the segment directory (see [`address_in_dir`]), for clients in other
+    /// network namespaces that share the directory: one per address a client there can reach
+    /// the listener at (a wildcard listener's: every non-loopback address of this network
+    /// namespace, read once at `listen`), with the directory. When the marker goes, a file
+    /// whose socket no process holds any more (a connect is refused) is removed; one a
+    /// pre-forked sibling still holds stays. A file left by a process that died holding it
+    /// also refuses connections, which probes take for "no marker", and the next publisher
+    /// replaces it.
+    in_dir: Vec<(OwnedFd, SocketAddr)>,
     dir: Option<san_shm::ShmDir>,
-    bound: Option<(SocketAddr, bool)>,
 }
 
 impl Drop for ListenerMarker {
     fn drop(&mut self) {
-        let (Some(dir), Some((bound, v6_only))) = (self.dir.take(), self.bound) else {
+        let Some(dir) = self.dir.take() else {
             return;
         };
-        for (socket, name) in self
-            .in_dir
-            .iter_mut()
-            .zip(marker_names_for_listener(bound, v6_only))
-        {
-            let (Some(socket), Some(name)) = (socket.take(), name) else {
-                continue;
-            };
+        for (socket, name) in self.in_dir.drain(..) {
             drop(socket);
             let file = marker_file_name(name);
             if !file_socket_is_held(dir.as_fd(), file.as_str()) {
@@ -490,6 +484,62 @@ impl Drop for ListenerMarker {
             }
         }
     }
+}
+
+/// The addresses a client of another network namespace can reach a listener bound to `bound`
+/// at: `bound` itself, or for a wildcard, every non-loopback address of this network namespace
+/// of its family (IPv4 ones too for a dual-stack `::`). Loopback addresses are left out: no
+/// other namespace reaches them.
+fn addresses_reachable_from_elsewhere(bound: SocketAddr, v6_only: bool) -> Vec<SocketAddr> {
+    let bound = canonical_addr(bound);
+    if !bound.ip().is_unspecified() {
+        return if bound.ip().is_loopback() {
+            Vec::new()
+        } else {
+            vec![bound]
+        };
+    }
+    let (want_v4, want_v6) = match bound.ip() {
+        IpAddr::V4(_) => (true, false),
+        IpAddr::V6(_) => (!v6_only, true),
+    };
+    let mut found = Vec::new();
+    let mut list: *mut libc::ifaddrs = core::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return found;
+    }
+    let mut entry = list;
+    while !entry.is_null() {
+        // SAFETY: a node of the list getifaddrs returned, valid until freeifaddrs.
+        let node = unsafe { &*entry };
+        entry = node.ifa_next;
+        if node.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: `ifa_addr` points to a socket address whose family says its size.
+        let family = i32::from(unsafe { (*node.ifa_addr).sa_family });
+        let ip = match family {
+            libc::AF_INET if want_v4 => {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*node.ifa_addr.cast::<libc::sockaddr_in>() };
+                IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
+            }
+            libc::AF_INET6 if want_v6 => {
+                // SAFETY: an AF_INET6 address is a sockaddr_in6.
+                let sin6 = unsafe { &*node.ifa_addr.cast::<libc::sockaddr_in6>() };
+                IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr))
+            }
+            _ => continue,
+        };
+        let addr = canonical_addr(SocketAddr::new(ip, bound.port()));
+        if !addr.ip().is_loopback() && !found.contains(&addr) {
+            found.push(addr);
+        }
+    }
+    // SAFETY: the list getifaddrs returned, freed once.
+    unsafe { libc::freeifaddrs(list) };
+    found
 }
 
 /// Whether some process holds the datagram socket bound to file `name` in `dir` (a connect
@@ -546,29 +596,22 @@ impl ListenerMarker {
         }
         Ok(ListenerMarker {
             sockets,
-            in_dir: [None, None],
+            in_dir: Vec::new(),
             dir: None,
-            bound: None,
         })
     }
 
-    /// Publishes the marker's names in the segment directory `dir` too (best effort: a name
-    /// that cannot be bound there only keeps clients of other network namespaces on TCP).
+    /// Publishes the marker in the segment directory `dir` too, under every address a client
+    /// of another network namespace can reach the listener at (best effort: an address whose
+    /// file cannot be bound only keeps such clients on TCP).
     pub fn publish_in_dir(&mut self, dir: &SegmentDir, bound: SocketAddr, v6_only: bool) {
         self.dir = Some(dir.handle().clone());
-        self.bound = Some((bound, v6_only));
-        let dir = dir.as_fd();
-        for (slot, name) in self
-            .in_dir
-            .iter_mut()
-            .zip(marker_names_for_listener(bound, v6_only))
-        {
-            let Some(name) = name else { continue };
+        for name in addresses_reachable_from_elsewhere(bound, v6_only) {
             let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker socket") else {
                 continue;
             };
-            if bind_marker_file(&socket, dir, marker_file_name(name).as_str()) {
-                *slot = Some(socket);
+            if bind_marker_file(&socket, dir.as_fd(), marker_file_name(name).as_str()) {
+                self.in_dir.push((socket, name));
             }
         }
     }
@@ -696,34 +739,25 @@ fn probe_listener_of(uid: u32, peer: SocketAddr) -> Option<bool> {
 }
 
 /// When [`probe_listener`] said no: whether a preloaded process that shares the segment
-/// directory `dir` listens on `peer` from another network namespace (its marker files, see
-/// [`ListenerMarker::publish_in_dir`]): the exact name, then the family's wildcard. The
-/// wildcard's address cannot be checked from here; a wrong "yes" only costs a segment that
-/// nobody attaches (the connection stays on TCP by the exact switch-over rule).
+/// directory `dir` listens on `peer` from another network namespace (its marker file for that
+/// exact address, see [`ListenerMarker::publish_in_dir`]).
 pub fn probe_listener_in_dir(dir: BorrowedFd<'_>, peer: SocketAddr) -> bool {
     let peer = canonical_addr(peer);
+    let Some((sun, len)) = address_in_dir(dir, marker_file_name(peer).as_str()) else {
+        return false;
+    };
     let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
         return false;
     };
-    let connects = |name: SocketAddr| {
-        let Some((sun, len)) = address_in_dir(dir, marker_file_name(name).as_str()) else {
-            return false;
-        };
-        // SAFETY: `sun` is a valid sockaddr_un of length `len`.
-        let rc = unsafe {
-            libc::connect(
-                socket.as_raw_fd(),
-                (&sun as *const libc::sockaddr_un).cast(),
-                len,
-            )
-        };
-        rc == 0
+    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
+    let rc = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            (&sun as *const libc::sockaddr_un).cast(),
+            len,
+        )
     };
-    let wildcard = match peer.ip() {
-        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-    };
-    connects(peer) || (peer.ip() != wildcard && connects(SocketAddr::new(wildcard, peer.port())))
+    rc == 0
 }
 
 /// When [`probe_listener`] said no: the user of the listener on `peer` if it is a preloaded

@@ -106,14 +106,24 @@ fn markers_in_the_segment_directory_are_found_until_their_holder_is_gone() {
         dir.as_fd(),
         v4(10, 203, 9, 1, wildcard)
     ));
-    // A wildcard listener's file answers for any address of its port (the address cannot be
-    // checked from another namespace; the exact switch-over rule keeps a wrong guess on TCP).
+    // A wildcard listener publishes a file per non-loopback address of its namespace, and
+    // none for an address that is not its own or for loopback (no other namespace reaches it).
     let mut any = ListenerMarker::publish(v4(0, 0, 0, 0, wildcard), false).unwrap();
     any.publish_in_dir(&dir, v4(0, 0, 0, 0, wildcard), false);
-    assert!(probe_listener_in_dir(
+    assert!(!probe_listener_in_dir(
         dir.as_fd(),
         v4(10, 203, 9, 7, wildcard)
     ));
+    assert!(!probe_listener_in_dir(
+        dir.as_fd(),
+        v4(127, 0, 0, 1, wildcard)
+    ));
+    for ip in own_non_loopback_v4() {
+        assert!(probe_listener_in_dir(
+            dir.as_fd(),
+            SocketAddr::new(IpAddr::V4(ip), wildcard)
+        ));
+    }
     drop(marker);
     assert!(
         !probe_listener_in_dir(dir.as_fd(), server),
@@ -132,6 +142,25 @@ fn markers_in_the_segment_directory_are_found_until_their_holder_is_gone() {
     );
     drop((again, any));
     let _ = std::fs::remove_dir_all(&path);
+}
+
+/// This host's non-loopback IPv4 addresses (from `ip -4 -o addr`; empty without the tool).
+fn own_non_loopback_v4() -> Vec<Ipv4Addr> {
+    let Ok(out) = std::process::Command::new("ip")
+        .args(["-4", "-o", "addr", "show"])
+        .output()
+    else {
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            words.find(|w| *w == "inet")?;
+            words.next()?.split('/').next()?.parse().ok()
+        })
+        .filter(|ip: &Ipv4Addr| !ip.is_loopback())
+        .collect()
 }
 
 #[test]
