@@ -30,7 +30,9 @@ pub unsafe fn fork() -> libc::pid_t {
         return unsafe { real::fork() };
     }
     // (A panic of ours: a fork without the slot locks, as a process without SAN sockets.)
-    let held = (crate::san::live_sockets() != 0)
+    // (Also with no SAN socket yet: another thread may be accepting one right now, which the
+    // fork must either count or see after it.)
+    let held = (san || crate::san::live_sockets() != 0)
         .then(|| guard::contained(crate::san::before_fork))
         .flatten();
     let signal = published.then(ForkSignal::new).flatten();

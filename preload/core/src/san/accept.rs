@@ -12,6 +12,7 @@
 
 use core::ffi::c_int;
 use core::sync::atomic::Ordering;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::budget;
@@ -32,6 +33,17 @@ use crate::settings::ProviderChoice;
 /// `fork` returns, usually before the child's first call, but not always (the child may run
 /// first on another CPU).
 const CLAIM_WAIT: Duration = Duration::from_millis(20);
+
+/// Held while a connection becomes unclaimed and from a fork's count of the unclaimed
+/// connections to the fork itself (see [`before_fork`]).
+static ACCEPTING: Mutex<()> = Mutex::new(());
+
+/// [`ACCEPTING`]'s guard (a poisoned lock is taken over: it guards no data).
+pub(super) fn hold_accepting() -> MutexGuard<'static, ()> {
+    ACCEPTING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// Installs `socket` in the slot of record index `index`.
 pub(super) fn install(index: u32, record: &'static SocketRecord, socket: SanSocket) {
@@ -73,6 +85,7 @@ pub(super) fn on_accepted(
         && !no_pending_client
         && provider.dir.handle().contains(name.as_str())
     {
+        let _accepting = hold_accepting();
         *lock(index) = Some(SanObject::Unclaimed(Box::new(Unclaimed::new(name))));
         record.set_flag(flags::UNCLAIMED, true);
         LIVE.fetch_add(1, Ordering::Relaxed);

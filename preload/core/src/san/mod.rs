@@ -538,7 +538,10 @@ pub fn on_released(index: u32, fd: Option<c_int>) {
 }
 
 /// The held slot locks of [`before_fork`], released in both processes after the fork.
-pub struct ForkLocks(#[allow(dead_code)] Vec<MutexGuard<'static, Option<SanObject>>>);
+pub struct ForkLocks(
+    #[allow(dead_code)] MutexGuard<'static, ()>,
+    #[allow(dead_code)] Vec<MutexGuard<'static, Option<SanObject>>>,
+);
 
 /// Before `fork()`: downgrades every SAN connection to kernel TCP (exactly; see
 /// `downgrade`), then locks every slot with a SAN object so no other thread is inside one
@@ -547,6 +550,9 @@ pub fn before_fork() -> ForkLocks {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("before_fork");
     downgrade::downgrade_connections(None);
+    // No connection becomes unclaimed between the count below and the fork (it would be
+    // copied uncounted, and both processes could claim it).
+    let accepting = accept::hold_accepting();
     let mut indices = accept::before_fork();
     registry().for_each_live(|index, record| {
         if record.flags() & flags::SAN != 0 {
@@ -556,7 +562,7 @@ pub fn before_fork() -> ForkLocks {
     indices.sort_unstable();
     indices.dedup();
     // Ascending index order: the only place that holds several slot locks at once.
-    ForkLocks(indices.into_iter().map(lock).collect())
+    ForkLocks(accepting, indices.into_iter().map(lock).collect())
 }
 
 /// Whether this process ever started setting up the SAN path (another thread may then
