@@ -752,6 +752,16 @@ struct Beside {
 
 impl Beside {
     fn start(mut command: Command) -> io::Result<Beside> {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: between fork and exec the closure makes one async-signal-safe system call.
+        // A benchmark killed outright (no destructor runs) must not leave a CPU hog behind: it
+        // dies with the thread that started it.
+        unsafe {
+            command.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
         let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
