@@ -135,7 +135,9 @@ impl SanSocket {
                 self.peer.raise_writable();
             }
         }
-        let mut sent = progress.is_ok_and(|p| p.messages_sent > 0) || queued_before;
+        let mut sent = progress.is_ok_and(|p| p.messages_sent > 0)
+            || queued_before
+            || core::mem::take(&mut self.sent_outside_drive);
         if let Some(moved) = (!self.early.is_empty())
             .then(|| self.flush_early())
             .flatten()

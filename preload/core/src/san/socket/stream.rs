@@ -176,7 +176,14 @@ impl SanSocket {
         let Some(session) = self.session.as_mut() else {
             return Err(SanError::Errno(libc::ENOTCONN));
         };
-        match session.send_from(data, SendFlags { urgent }) {
+        let flags = SendFlags { urgent };
+        let messages = session.stats().messages_sent;
+        let sent = match self.conn.as_mut() {
+            Some(conn) => session.send_into_slots(data, flags, conn),
+            None => session.send_from(data, flags),
+        };
+        self.sent_outside_drive |= session.stats().messages_sent != messages;
+        match sent {
             Ok(n) => {
                 self.sent_after_fin |= self.peer_fin;
                 self.record.count(Counter::SanInlineSent, n as u64);
