@@ -35,9 +35,10 @@ const FAULT_UNIT: usize = 64 << 10;
 /// included) or the errno. `None`: not (or no longer) a SAN socket — the caller makes the
 /// real call.
 pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> SanCall<isize> {
+    let entered = matches!(lock(index).as_ref(), Some(SanObject::Socket(s)) if s.entering_call());
     let sent = send_iov_inner(fd, index, bufs, send_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-        socket.leaving_call();
+        socket.leaving_call(entered);
         socket.note_call(matches!(sent, Some(Ok(n)) if n > 0), false);
     }
     sent
@@ -81,7 +82,7 @@ pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Optio
     if sent == 0 {
         return None;
     }
-    socket.leaving_call();
+    socket.leaving_call(false);
     socket.note_call(true, false);
     Some(sent)
 }
