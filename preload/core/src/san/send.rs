@@ -46,9 +46,9 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Sa
 
 /// `sendfile` of `len` bytes of `file` from offset `at` into a SAN socket whose session takes
 /// them all at once (switched, established, with room, nothing else to do first): the bytes
-/// are read from the file straight into the peer's receive slots as far as credits go (over
-/// shm), the rest into the session's send buffer. The count sent, or `None` when the general
-/// path must serve the call (no room, a downgrade, a rendezvous, a file that gave fewer bytes
+/// are read from the file straight into the session's send buffer, in one read (see
+/// `SanSocket::send_buffered`). The count sent, or `None` when the general path must serve
+/// the call (no room, a downgrade, a rendezvous, a file that gave fewer bytes
 /// than asked: it then reads what there is and sends it).
 pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Option<usize> {
     if len == 0 || orphaned(index) || record_flag(index, flags::STASHED) {
@@ -61,27 +61,10 @@ pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Optio
     if !socket.queues_without_drive(len) {
         return None;
     }
-    // A send straight into the slots stops where the credits do; the send buffer, which has
-    // room for all of it, takes the rest (a short count would tell the caller "no room").
-    let mut sent = 0;
-    while sent < len {
-        let source = FileRange {
-            fd: file,
-            at: at.saturating_add(sent as i64),
-            len: len - sent,
-        };
-        match socket.send(&source, false) {
-            Ok(n) if n > 0 => {
-                socket.service();
-                socket.journal_sent(&source);
-                sent += n;
-            }
-            _ => break,
-        }
-    }
-    if sent == 0 {
-        return None;
-    }
+    let source = FileRange { fd: file, at, len };
+    let sent = socket.send_buffered(&source).ok().filter(|&n| n > 0)?;
+    socket.service();
+    socket.journal_sent(&source);
     socket.leaving_call(false);
     socket.note_call(true, false);
     Some(sent)
