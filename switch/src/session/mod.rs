@@ -915,6 +915,18 @@ impl Session {
         self.peer.is_some() && self.send_credits.allows(MessageClass::Last)
     }
 
+    /// True when a send now would be buffered only for want of credits or send slots: the
+    /// session sends into the slots ([`SessionConfig::send_in_slots`]), nothing is queued
+    /// ahead, but no data message may go. A blocking caller may wait for the peer's credits
+    /// instead, and copy its bytes once.
+    pub fn waits_for_credits_to_send_straight(&self) -> bool {
+        self.config.send_in_slots
+            && self.peer.is_some()
+            && self.sends_straight()
+            && (!self.send_credits.allows(MessageClass::Data)
+                || self.sends_in_flight >= self.slots.send_slots)
+    }
+
     /// Bytes [`Session::send`] accepts now (0 during our rendezvous).
     pub fn send_space(&self) -> usize {
         if self.tx_rndv.is_some() {

@@ -89,6 +89,8 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
     let mut inline_only = false;
     // Since when this call waits with the peer's data unread (`absorb_if_stalled`).
     let mut stalled_since = None;
+    // Since when this call waits for credits rather than buffer (`waits_for_credits`).
+    let mut credit_wait_since = None;
     let claim = claim_of(index);
     loop {
         if !still_claimed(index, claim) {
@@ -182,6 +184,22 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         continue;
                     }
                     Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
+                }
+            }
+            if !nonblocking && !urgent && socket.waits_for_credits(total, &mut credit_wait_since) {
+                // Buffering now would cost a copy more per byte than waiting briefly for the
+                // reader's credits (the bytes then go straight into its slots).
+                match socket.prepare_wait(0) {
+                    Some(mut wait) => {
+                        wait.cap = Some(super::tunables::CREDIT_WAIT_BOUND);
+                        drop(slot);
+                        if let Err(code) = block(index, fd, Some(wait), deadline) {
+                            return Some(partial(done, code));
+                        }
+                        continue;
+                    }
+                    // News came: drive it, then send (into the slots if it brought credits).
+                    None => socket.service(),
                 }
             }
             match socket.send(&source, urgent) {

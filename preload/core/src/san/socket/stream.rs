@@ -218,6 +218,33 @@ impl SanSocket {
         }
     }
 
+    /// Whether a blocking send (of `len` bytes in all: its tail waits as its head did) should
+    /// wait for the reader's credits instead of buffering its bytes (see `Session::waits_for_credits_to_send_straight`), for at most
+    /// `CREDIT_WAIT_BOUND` from the first time it asked (`since`; a reader that does not read
+    /// leaves the send to buffer after that, as before). Small sends buffer at once: there
+    /// they share messages, straight into the slots each would take a slot of its own.
+    pub(crate) fn waits_for_credits(
+        &self,
+        len: usize,
+        since: &mut Option<std::time::Instant>,
+    ) -> bool {
+        let waits = len >= crate::san::tunables::CREDIT_WAIT_MIN_SEND
+            && self.phase == Phase::Switched
+            && matches!(self.conn, Some(Link::Shm(_)))
+            && self.early.is_empty()
+            && !self.downgrade_wanted
+            && !self.write_shut
+            && self
+                .session
+                .as_ref()
+                .is_some_and(|s| s.waits_for_credits_to_send_straight());
+        if !waits {
+            return false;
+        }
+        let started = *since.get_or_insert_with(std::time::Instant::now);
+        started.elapsed() < crate::san::tunables::CREDIT_WAIT_BOUND
+    }
+
     /// Whether a blocking send of `len` bytes should go by rendezvous: the session is
     /// established with a negotiated threshold `len` reaches, and nothing is buffered ahead
     /// of it locally.
