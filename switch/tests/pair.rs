@@ -457,6 +457,10 @@ fn sends_go_straight_into_the_slots_while_nothing_is_queued_ahead_and_credits_al
         pair.a.session.stats().messages_sent,
         messages + straight as u64
     );
+    assert!(
+        pair.a.session.waits_for_credits_to_send_straight(),
+        "only credits are missing"
+    );
 
     // No credits left: the next send is buffered, and the one after it follows it there
     // even once credits are back.
@@ -467,6 +471,10 @@ fn sends_go_straight_into_the_slots_while_nothing_is_queued_ahead_and_credits_al
         .send_into_slots(&data[accepted..], SendFlags::default(), &mut pair.a.conn)
         .unwrap();
     assert_eq!(pair.a.session.send_queue_len(), accepted - n);
+    assert!(
+        !pair.a.session.waits_for_credits_to_send_straight(),
+        "bytes in the send buffer go first"
+    );
     pair.run();
     let mut got = pair
         .recv_up_to(Which::B, 3 * INLINE_PAYLOAD, 1 << 20)
