@@ -54,8 +54,10 @@ fn config() -> PairConfig {
             send_buffer: 256 * 1024,
             rendezvous_threshold: 64 * 1024,
             credit_update_threshold: 0,
-            // As the intra-host sessions run: reads copy straight out of the slots.
+            // As the intra-host sessions run: reads copy straight out of the slots, sends
+            // straight into them.
             receive_in_slots: true,
+            send_in_slots: true,
         },
         ..PairConfig::default()
     }
@@ -89,7 +91,12 @@ fn run(size: usize) -> Figures {
         } else {
             let mut sent = 0;
             while sent < size {
-                match pair.a.session.send(&data[sent..], SendFlags::default()) {
+                let sending = pair.a.session.send_into_slots(
+                    &data[sent..],
+                    SendFlags::default(),
+                    &mut pair.a.conn,
+                );
+                match sending {
                     Ok(n) => sent += n,
                     Err(SendError::WouldBlock) => {
                         pair.run();

@@ -625,10 +625,17 @@ pub mod ctrl {
         /// copies it straight from where it lies uses this instead of [`Repr::emit`]. Fails
         /// as `emit` does (but needs room for the header and body only).
         pub fn emit_header(&self, buf: &mut [u8]) -> Result<usize> {
+            self.emit_header_for(buf, self.payload.len())
+        }
+
+        /// [`Repr::emit_header`] of the message carrying a payload of `payload_len` bytes
+        /// (this `Repr`'s own payload is not looked at): for a sender that copies the payload
+        /// from where it lies only after the header is written.
+        pub fn emit_header_for(&self, buf: &mut [u8], payload_len: usize) -> Result<usize> {
             let kind = self.message.kind();
             let len = HEADER_LEN + kind.body_len();
-            let payload_len = u32::try_from(self.payload.len()).map_err(|_| Error)?;
-            if buf.len() < len || (!kind.carries_payload() && !self.payload.is_empty()) {
+            let payload_len32 = u32::try_from(payload_len).map_err(|_| Error)?;
+            if buf.len() < len || (!kind.carries_payload() && payload_len != 0) {
                 return Err(Error);
             }
             let out = &mut buf[..len];
@@ -636,7 +643,7 @@ pub mod ctrl {
             let mut packet = Packet::new_unchecked(&mut *out);
             packet.set_kind(kind);
             packet.set_credits(self.credits);
-            packet.set_payload_len(payload_len);
+            packet.set_payload_len(payload_len32);
             let mut flag_bits = 0;
             match self.message {
                 Message::Hello(hello) => {
@@ -651,7 +658,7 @@ pub mod ctrl {
                     packet.set_body_u64(field::hello::TCP_BYTES_SENT, hello.tcp_bytes_sent);
                 }
                 Message::Data { urgent } => {
-                    if self.payload.is_empty() {
+                    if payload_len == 0 {
                         return Err(Error);
                     }
                     if urgent {

@@ -412,6 +412,198 @@ fn data_left_in_its_receive_slots_reads_intact_and_frees_the_slots_as_it_is_read
     assert_eq!(pair.b.session.recv_queue_len(), 0);
 }
 
+/// A pair whose sessions send into the slots and read out of them (with a send buffer
+/// smaller than what the slots take at once).
+fn slots_both_ways() -> Pair {
+    Pair::established(PairConfig {
+        session: SessionConfig {
+            send_buffer: 1024,
+            receive_in_slots: true,
+            send_in_slots: true,
+            ..SessionConfig::default()
+        },
+        ..PairConfig::default()
+    })
+}
+
+/// With `send_in_slots`, a send finding nothing queued ahead of it goes straight into the
+/// slots as far as the credits go (more than the send buffer holds, nothing of it in the
+/// buffer, a short count); the next send, without credits, is buffered, and sends go on
+/// through the buffer until it is empty again. The stream arrives intact and the credits
+/// all come back.
+#[test]
+fn sends_go_straight_into_the_slots_while_nothing_is_queued_ahead_and_credits_allow() {
+    let mut pair = slots_both_ways();
+    let total = 40 * INLINE_PAYLOAD + 13;
+    let data = pattern(8, 0, total);
+    let credits = pair.a.session.send_credits().get();
+    let messages = pair.a.session.stats().messages_sent;
+    let straight = usize::from(credits - CREDIT_RESERVE);
+
+    let n = pair
+        .a
+        .session
+        .send_into_slots(&data[..], SendFlags::default(), &mut pair.a.conn)
+        .unwrap();
+    assert_eq!(n, straight * INLINE_PAYLOAD, "as far as the credits go");
+    assert!(n > 1024, "more than the send buffer would have taken");
+    assert_eq!(
+        pair.a.session.send_queue_len(),
+        0,
+        "nothing in the send buffer"
+    );
+    assert_eq!(pair.a.session.send_credits().get(), CREDIT_RESERVE);
+    assert_eq!(
+        pair.a.session.stats().messages_sent,
+        messages + straight as u64
+    );
+    assert!(
+        pair.a.session.waits_for_credits_to_send_straight(),
+        "only credits are missing"
+    );
+
+    // No credits left: the next send is buffered, and the one after it follows it there
+    // even once credits are back.
+    let mut accepted = n;
+    accepted += pair
+        .a
+        .session
+        .send_into_slots(&data[accepted..], SendFlags::default(), &mut pair.a.conn)
+        .unwrap();
+    assert_eq!(pair.a.session.send_queue_len(), accepted - n);
+    assert!(
+        !pair.a.session.waits_for_credits_to_send_straight(),
+        "bytes in the send buffer go first"
+    );
+    pair.run();
+    let mut got = pair
+        .recv_up_to(Which::B, 3 * INLINE_PAYLOAD, 1 << 20)
+        .unwrap();
+    pair.run();
+    let queued = pair.a.session.send_queue_len();
+    if queued > 0 {
+        let more = pair
+            .a
+            .session
+            .send_into_slots(&data[accepted..], SendFlags::default(), &mut pair.a.conn)
+            .unwrap();
+        assert_eq!(
+            pair.a.session.send_queue_len(),
+            queued + more,
+            "behind bytes in the send buffer"
+        );
+        accepted += more;
+    }
+
+    while got.len() < total {
+        let before = got.len();
+        if accepted < total {
+            match pair.a.session.send_into_slots(
+                &data[accepted..],
+                SendFlags::default(),
+                &mut pair.a.conn,
+            ) {
+                Ok(n) => accepted += n,
+                Err(SendError::WouldBlock) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        pair.run();
+        got.extend(
+            pair.recv_up_to(Which::B, total - got.len(), 1 << 20)
+                .unwrap(),
+        );
+        assert!(got.len() > before || accepted < total, "the stream stalled");
+    }
+    assert_eq!(got, data);
+    assert!(pair.a.errors.is_empty() && pair.b.errors.is_empty());
+    assert_eq!(pair.a.session.stats().bytes_inline, total as u64);
+    pair.run();
+    assert!(pair.a.session.send_credits().get() > CREDIT_RESERVE);
+}
+
+/// A send into the slots whose source faults after some of its messages were staged takes
+/// nothing: no credit or send slot is spent, the peer sees none of it, and the stream goes
+/// on intact. A connection that stages fewer messages than the credits allow (side B's
+/// simulated connection stages two at most) gives a short count at that point.
+#[test]
+fn a_send_into_the_slots_that_faults_takes_nothing_and_spends_no_credit() {
+    let mut pair = slots_both_ways();
+    pair.a
+        .session
+        .send_into_slots(&b"before "[..], SendFlags::default(), &mut pair.a.conn)
+        .unwrap();
+    pair.run();
+    let credits = pair.a.session.send_credits();
+    let messages = pair.a.session.stats().messages_sent;
+    let faulty = Faulty {
+        bytes: pattern(9, 0, 3 * INLINE_PAYLOAD),
+        bad_from: 2 * INLINE_PAYLOAD + 10,
+    };
+    assert_eq!(
+        pair.a
+            .session
+            .send_into_slots(&faulty, SendFlags::default(), &mut pair.a.conn),
+        Err(SendError::BadAddress)
+    );
+    assert_eq!(pair.a.session.send_credits(), credits, "no credit spent");
+    assert_eq!(pair.a.session.stats().messages_sent, messages);
+    assert_eq!(pair.a.session.send_queue_len(), 0, "nothing buffered");
+    pair.run();
+    assert_eq!(
+        pair.a
+            .session
+            .send_into_slots(&b"after"[..], SendFlags::default(), &mut pair.a.conn),
+        Ok(5)
+    );
+    pair.run();
+    assert_eq!(
+        pair.recv_up_to(Which::B, 1 << 20, 1 << 20).unwrap(),
+        b"before after",
+        "nothing of the faulting send"
+    );
+
+    let data = pattern(10, 0, 5 * INLINE_PAYLOAD);
+    assert_eq!(
+        pair.b
+            .session
+            .send_into_slots(&data[..], SendFlags::default(), &mut pair.b.conn),
+        Ok(2 * INLINE_PAYLOAD),
+        "as far as the connection staged"
+    );
+    assert_eq!(pair.b.session.send_queue_len(), 0);
+    pair.run();
+    assert_eq!(
+        pair.recv_up_to(Which::A, 1 << 20, 1 << 20).unwrap(),
+        data[..2 * INLINE_PAYLOAD]
+    );
+    assert!(pair.a.errors.is_empty() && pair.b.errors.is_empty());
+}
+
+/// Urgent bytes never go straight into the slots: they are buffered (their message ends at
+/// the urgent byte), and the receiver finds the mark where it belongs.
+#[test]
+fn urgent_sends_into_the_slots_are_buffered_and_keep_their_mark() {
+    let mut pair = slots_both_ways();
+    let urgent = SendFlags { urgent: true };
+    assert_eq!(
+        pair.a
+            .session
+            .send_into_slots(&b"abc!"[..], urgent, &mut pair.a.conn),
+        Ok(4)
+    );
+    assert_eq!(pair.a.session.send_queue_len(), 4, "buffered");
+    pair.run();
+    let mut buf = [0u8; 16];
+    let n = pair
+        .b
+        .session
+        .recv_from_slots(&mut buf[..], RecvFlags::default(), &pair.b.conn)
+        .unwrap();
+    assert_eq!(&buf[..n], b"abc", "a read stops at the mark");
+    assert!(pair.b.session.at_mark());
+}
+
 #[test]
 fn a_receiver_that_stops_reading_bounds_memory_in_both_directions() {
     let mut pair = Pair::established(PairConfig::default());

@@ -59,6 +59,10 @@ fn simulation() {
             coverage.clean_downgrades > 0 && coverage.tcp_bytes > 0,
             "no session moved its stream to kernel TCP"
         );
+        assert!(
+            coverage.sends_into_slots > 0 && coverage.unreadable_sends > 0,
+            "no send went straight into the slots, or none faulted"
+        );
     }
 }
 

@@ -524,6 +524,36 @@ pub trait SanConnection {
         self.post_send(wr_id, &joined(head, payload))
     }
 
+    /// Prepares a send of the message `head` followed by the bytes of `payload` (the
+    /// application's memory, whose copy may fail) without posting it: the message is
+    /// copied to where the next send after those already staged goes (for a provider that
+    /// copies into the peer's memory: straight into the peer's next free receive slot),
+    /// where nobody sees it until [`SanConnection::commit_staged`] posts it, with `wr_id`.
+    ///
+    /// `Ok(false)`: no room for another message now (no send slot, no posted receive of
+    /// the peer, sends queued that it must follow), or the provider does not stage (the
+    /// default): nothing was copied, post the message the ordinary way. `Err(BadAddress)`:
+    /// `payload` could not be read; the messages staged before stay staged (the caller
+    /// commits or discards them). Staged messages are committed or discarded before any
+    /// other call on the connection.
+    fn stage_send_from(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &dyn AppSource,
+    ) -> Result<bool, BadAddress> {
+        let _ = (wr_id, head, payload);
+        Ok(false)
+    }
+
+    /// Posts every staged message, in the order staged, as [`SanConnection::post_send`]
+    /// would have posted each (each completes as a send).
+    fn commit_staged(&mut self) {}
+
+    /// Forgets every staged message: none was posted, none reaches the peer, and their
+    /// slots stay free for the next sends.
+    fn discard_staged(&mut self) {}
+
     /// Posts receive slot `slot`.
     fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError>;
 

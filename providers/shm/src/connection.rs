@@ -180,6 +180,14 @@ enum SlotState {
     Holding(u32),
 }
 
+/// A message staged in a posted slot of the peer, waiting for its publication.
+#[derive(Clone, Copy, Debug)]
+struct Staged {
+    wr_id: WrId,
+    slot: u32,
+    len: u32,
+}
+
 #[derive(Debug)]
 enum Outbound {
     Send {
@@ -325,6 +333,9 @@ pub struct ShmConnection {
     peer_ring_head: u64,
     peer_window_head: u64,
     outbound: VecDeque<Outbound>,
+    /// Messages copied into the peer's next posted slots and not yet published (see
+    /// [`SanConnection::stage_send_from`]), in the order they go.
+    staged: Vec<Staged>,
     queued_rdma: usize,
     sends_in_flight: usize,
     rnr_since: Option<Instant>,
@@ -435,6 +446,7 @@ impl ShmConnection {
             peer_ring_head: 0,
             peer_window_head: 0,
             outbound: VecDeque::new(),
+            staged: Vec::with_capacity(usize::from(geometry.slots.send_slots)),
             queued_rdma: 0,
             sends_in_flight: 0,
             rnr_since: None,
@@ -812,6 +824,32 @@ impl ShmConnection {
         // NOTE(cast): `len <= slot_size` (a u32) was checked when the send was posted.
         self.push_entry(ENTRY_MESSAGE, slot, len as u32, 0, 0, 0);
         Ok(())
+    }
+
+    /// The peer's posted receive slot `ahead` places after the one the next message takes,
+    /// when the peer posted that many and its inbound ring has room for as many more entries
+    /// (`None` otherwise, also when the peer's counters make no sense: the ordinary send path
+    /// finds that out and fails the connection).
+    fn peer_slot_ahead(&self, ahead: u64) -> Option<u32> {
+        let peer = self.me.peer().index();
+        let head = self.peer_control().post_head.0.load(Ordering::SeqCst);
+        let posted = head.wrapping_sub(self.peer_post_tail);
+        if posted <= ahead || posted > self.recv_slots() {
+            return None;
+        }
+        let tail = self.peer_control().inbound_tail.0[RING].load(Ordering::SeqCst);
+        let used = self.peer_ring_head.wrapping_sub(tail);
+        let entries = u64::from(self.geometry.ring_entries);
+        if used > entries || used.saturating_add(ahead) >= entries {
+            return None;
+        }
+        let fifo_index = ((self.peer_post_tail + ahead) % self.recv_slots()) as usize;
+        let slot = self
+            .segment
+            .map()
+            .get::<AtomicU32>(self.geometry.fifo_entry(peer, fifo_index))
+            .load(Ordering::Relaxed);
+        (slot < u32::from(self.geometry.slots.recv_slots)).then_some(slot)
     }
 
     /// Checks a remote descriptor against the peer's published exposure table.
@@ -1704,6 +1742,70 @@ impl SanConnection for ShmConnection {
         Ok(())
     }
 
+    /// Straight into the peer's next posted slot (after those staged before), published at
+    /// the commit: the payload is copied once, from the application to the peer.
+    fn stage_send_from(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &dyn AppSource,
+    ) -> Result<bool, BadAddress> {
+        let len = head.len().saturating_add(payload.len());
+        if !self.up
+            || !self.outbound.is_empty()
+            || len > self.geometry.slots.slot_size as usize
+            || self.sends_in_flight + self.staged.len()
+                >= usize::from(self.geometry.slots.send_slots)
+        {
+            return Ok(false);
+        }
+        self.learn_peer();
+        if self.peer.is_none() {
+            return Ok(false);
+        }
+        let Some(slot) = self.peer_slot_ahead(self.staged.len() as u64) else {
+            return Ok(false);
+        };
+        let at = self.geometry.slot(self.me.peer().index(), slot as usize);
+        let map = self.segment.map();
+        map.copy_in(at, head);
+        map.copy_in_from(at + head.len(), payload, 0, payload.len())?;
+        // NOTE(cast): `len <= slot_size`, a u32 (checked above).
+        self.staged.push(Staged {
+            wr_id,
+            slot,
+            len: len as u32,
+        });
+        Ok(true)
+    }
+
+    fn commit_staged(&mut self) {
+        if self.staged.is_empty() {
+            return;
+        }
+        let mut staged = core::mem::take(&mut self.staged);
+        for message in staged.drain(..) {
+            self.peer_post_tail += 1;
+            self.peer_control()
+                .post_tail
+                .0
+                .store(self.peer_post_tail, Ordering::Release);
+            self.push_entry(ENTRY_MESSAGE, message.slot, message.len, 0, 0, 0);
+            self.sends_in_flight += 1;
+            self.completions.push_back(Completion {
+                wr_id: message.wr_id,
+                kind: CompletionKind::Send,
+                status: Ok(()),
+            });
+        }
+        self.staged = staged;
+        self.notify_peer();
+    }
+
+    fn discard_staged(&mut self) {
+        self.staged.clear();
+    }
+
     fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
         if !self.up {
             return Err(PostError::Disconnected);
@@ -1865,6 +1967,91 @@ mod tests {
             conn.post_recv(completion.wr_id, slot).unwrap();
         }
         got
+    }
+
+    /// An application buffer readable only before `bad_from`.
+    struct Unreadable {
+        bytes: Vec<u8>,
+        bad_from: usize,
+    }
+
+    impl AppSource for Unreadable {
+        fn len(&self) -> usize {
+            self.bytes.len()
+        }
+
+        fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+            if offset + dst.len() > self.bad_from {
+                return Err(BadAddress);
+            }
+            dst.copy_from_slice(&self.bytes[offset..offset + dst.len()]);
+            Ok(())
+        }
+    }
+
+    /// Staged messages land in the peer's posted slots but reach it only when committed, in
+    /// order; discarded ones (a source that faulted) are never seen and leave their slots to
+    /// the next sends; staging stops at the receives the peer posted.
+    #[test]
+    fn staged_sends_are_seen_only_once_committed() {
+        let mut p = pair("stage");
+        for slot in 0..4u16 {
+            p.attacher
+                .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                .unwrap();
+        }
+        poll(&mut p.creator);
+        let good = |text: &[u8]| Unreadable {
+            bytes: text.to_vec(),
+            bad_from: usize::MAX,
+        };
+        assert_eq!(
+            p.creator.stage_send_from(WrId(10), b"h1", &good(b"one")),
+            Ok(true)
+        );
+        let faulty = Unreadable {
+            bytes: b"never".to_vec(),
+            bad_from: 3,
+        };
+        assert_eq!(
+            p.creator.stage_send_from(WrId(11), b"h2", &faulty),
+            Err(BadAddress)
+        );
+        p.creator.discard_staged();
+        assert!(
+            receive_and_repost(&mut p.attacher).is_empty(),
+            "nothing seen"
+        );
+        assert!(poll(&mut p.creator).is_empty(), "nothing completed");
+
+        for (wr, text) in [
+            (12, &b"two"[..]),
+            (13, b"three"),
+            (14, b"four"),
+            (15, b"five"),
+        ] {
+            assert_eq!(
+                p.creator.stage_send_from(WrId(wr), b"h", &good(text)),
+                Ok(true)
+            );
+        }
+        assert_eq!(
+            p.creator.stage_send_from(WrId(16), b"h", &good(b"six")),
+            Ok(false),
+            "the peer posted four receives"
+        );
+        assert!(receive_and_repost(&mut p.attacher).is_empty(), "not yet");
+        p.creator.commit_staged();
+        let sent: Vec<WrId> = poll(&mut p.creator).iter().map(|c| c.wr_id).collect();
+        assert_eq!(sent, [WrId(12), WrId(13), WrId(14), WrId(15)]);
+        assert_eq!(
+            receive_and_repost(&mut p.attacher),
+            [&b"htwo"[..], b"hthree", b"hfour", b"hfive"]
+        );
+        // The ordinary path goes on after them.
+        poll(&mut p.creator);
+        p.creator.post_send(WrId(17), b"seven").unwrap();
+        assert_eq!(receive_and_repost(&mut p.attacher), [&b"seven"[..]]);
     }
 
     #[test]

@@ -140,10 +140,12 @@ impl Mapping {
         }
     }
 
-    /// Copies `len` bytes of `source` from `start` on into the segment at `offset`, for the
-    /// part of the segment only this process writes while it lives (its outbound journal,
-    /// which the peer reads only after we closed or died). The source may be the
-    /// application's memory, whose copy can fail: what landed is then unspecified.
+    /// Copies `len` bytes of `source` from `start` on into the segment at `offset`, for a
+    /// part of the segment only this process accesses until it publishes it: its outbound
+    /// journal (which the peer reads only after we closed or died), or a receive slot the
+    /// peer posted and we have not yet named in a message entry (an honest peer neither
+    /// reads nor writes a posted slot before that). The source may be the application's
+    /// memory, whose copy can fail: what landed is then unspecified.
     pub(crate) fn copy_in_from<S: AppSource + ?Sized>(
         &self,
         offset: usize,
@@ -154,8 +156,10 @@ impl Mapping {
         self.check(offset, len, 1);
         // SAFETY: in bounds (checked); `u8` accepts every bit pattern. No other view of this
         // part of the segment exists in this process while the slice lives (the caller
-        // writes its own journal through `&mut` of its connection, and only the peer reads
-        // it, after we are gone), so the exclusive view holds for the copy.
+        // writes its own journal, or a posted slot of the peer not yet published, through
+        // `&mut` of its connection, and the peer reads either only after we published it or
+        // are gone), so the exclusive view holds for the copy. A hostile same-user peer could
+        // write there meanwhile (it could equally ptrace us): it only spoils its own bytes.
         let target =
             unsafe { core::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) };
         source.copy_to(start, target)

@@ -696,6 +696,14 @@ impl Fabric {
             .is_none_or(|qp| qp.state != QpState::Ready)
     }
 
+    /// Whether `extra` more sends may be posted on `conn` now (ready, send queue not full).
+    pub fn can_post_sends(&self, conn: ConnId, extra: usize) -> bool {
+        self.qps.get(conn.index()).is_some_and(|qp| {
+            qp.state == QpState::Ready
+                && usize::from(qp.sends_unpolled) + extra < usize::from(qp.slots.send_slots)
+        })
+    }
+
     /// (requests posted without a queued completion, completions not yet handed out)
     pub fn queue_depths(&self, conn: ConnId) -> (usize, usize) {
         self.qps

@@ -121,9 +121,9 @@ use std::fmt;
 use std::rc::Rc;
 
 use san_api::{
-    Access, Capabilities, Completion, CompletionError, CompletionKind, LocalKey, LocalSegment,
-    MemRange, PostError, RecvSlot, RegisterError, Registration, RemoteDescriptor, RemoteKey,
-    SanConnection, SanDomain, SlotConfig, WrId,
+    Access, AppSource, BadAddress, Capabilities, Completion, CompletionError, CompletionKind,
+    LocalKey, LocalSegment, MemRange, PostError, RecvSlot, RegisterError, Registration,
+    RemoteDescriptor, RemoteKey, SanConnection, SanDomain, SlotConfig, WrId,
 };
 
 use fabric::Fabric;
@@ -316,6 +316,7 @@ impl SimFabric {
             slots,
             caps,
             slot_bytes: vec![Vec::new(); usize::from(slots.recv_slots)],
+            staged: Vec::new(),
         }
     }
 
@@ -558,6 +559,8 @@ pub struct SimConnection {
     slots: SlotConfig,
     caps: Capabilities,
     slot_bytes: Vec<Vec<u8>>,
+    /// Messages staged by [`SanConnection::stage_send_from`], posted at the commit.
+    staged: Vec<(WrId, Vec<u8>)>,
 }
 
 impl fmt::Debug for SimConnection {
@@ -620,6 +623,43 @@ impl SanConnection for SimConnection {
     /// default), the other whole: every simulation then runs both of the pump's send paths.
     fn sends_in_parts(&self) -> bool {
         self.id.0.is_multiple_of(2)
+    }
+
+    /// Staged messages are copied out of the source and posted at the commit (the simulated
+    /// wire copies them anyway). One end of each connection stages at most two messages
+    /// per commit, so that every simulation also meets a stage refused for want of room.
+    fn stage_send_from(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &dyn AppSource,
+    ) -> Result<bool, BadAddress> {
+        let len = head.len().saturating_add(payload.len());
+        let room = self
+            .shared
+            .borrow()
+            .can_post_sends(self.id, self.staged.len());
+        let capped = !self.id.0.is_multiple_of(2) && self.staged.len() >= 2;
+        if !room || capped || len > self.slots.slot_size as usize {
+            return Ok(false);
+        }
+        let mut message = vec![0u8; len];
+        message[..head.len()].copy_from_slice(head);
+        payload.copy_to(0, &mut message[head.len()..])?;
+        self.staged.push((wr_id, message));
+        Ok(true)
+    }
+
+    fn commit_staged(&mut self) {
+        for (wr_id, message) in core::mem::take(&mut self.staged) {
+            // (Room for every staged message was checked when it was staged.)
+            let posted = self.post_send(wr_id, &message);
+            debug_assert!(posted.is_ok(), "a staged message could not be posted");
+        }
+    }
+
+    fn discard_staged(&mut self) {
+        self.staged.clear();
     }
 
     fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {

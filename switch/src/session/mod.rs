@@ -65,7 +65,7 @@ use alloc::vec::Vec;
 use san_api::{
     Access, AppSink, AppSource, BadAddress, Capabilities, Completion, CompletionError,
     CompletionKind, LocalSegment, MemRange, PostError, RecvSlot, Registration, RemoteDescriptor,
-    SlotConfig, WrId,
+    SanConnection, SlotConfig, SourcePart, WrId,
 };
 use tx_ring::TxRing;
 
@@ -130,6 +130,13 @@ pub struct SessionConfig {
     /// bytes until re-posted for as long as the connection object lives, and a caller that
     /// reads through [`Session::recv_from_slots`].
     pub receive_in_slots: bool,
+    /// Inline data is copied by [`Session::send_into_slots`] straight from the application
+    /// into the connection's send slots (over shm: the peer's receive slots) whenever
+    /// nothing is queued ahead of it and credits allow, so each byte is copied once on its
+    /// way out; the rest goes through the send buffer as without it. Useful with a provider
+    /// that stages sends ([`san_api::SanConnection::stage_send_from`]); with one that does
+    /// not, every send goes through the send buffer.
+    pub send_in_slots: bool,
 }
 
 impl Default for SessionConfig {
@@ -139,6 +146,7 @@ impl Default for SessionConfig {
             rendezvous_threshold: 64 * 1024,
             credit_update_threshold: 0,
             receive_in_slots: false,
+            send_in_slots: false,
         }
     }
 }
@@ -415,7 +423,7 @@ pub trait SlotBytes {
     fn slot_bytes(&self, slot: RecvSlot, len: u32) -> &[u8];
 }
 
-impl<C: san_api::SanConnection + ?Sized> SlotBytes for C {
+impl<C: SanConnection + ?Sized> SlotBytes for C {
     fn slot_bytes(&self, slot: RecvSlot, len: u32) -> &[u8] {
         self.recv_slot(slot, len)
     }
@@ -905,6 +913,18 @@ impl Session {
 
     fn can_send_anything(&self) -> bool {
         self.peer.is_some() && self.send_credits.allows(MessageClass::Last)
+    }
+
+    /// True when a send now would be buffered only for want of credits or send slots: the
+    /// session sends into the slots ([`SessionConfig::send_in_slots`]), nothing is queued
+    /// ahead, but no data message may go. A blocking caller may wait for the peer's credits
+    /// instead, and copy its bytes once.
+    pub fn waits_for_credits_to_send_straight(&self) -> bool {
+        self.config.send_in_slots
+            && self.peer.is_some()
+            && self.sends_straight()
+            && (!self.send_credits.allows(MessageClass::Data)
+                || self.sends_in_flight >= self.slots.send_slots)
     }
 
     /// Bytes [`Session::send`] accepts now (0 during our rendezvous).
@@ -1799,6 +1819,94 @@ impl Session {
             self.tx_urgent_ends.push_back(self.tx_queued_total);
         }
         Ok(n)
+    }
+
+    /// [`Session::send_from`] for a session with [`SessionConfig::send_in_slots`]: when
+    /// nothing waits to go before them (no byte in the send buffer, no rendezvous, no
+    /// control message queued) and credits allow, the bytes go straight into `conn`'s send
+    /// slots as data messages, staged first and posted only once every copy succeeded: a
+    /// source that cannot be read takes nothing and costs no credit
+    /// ([`SendError::BadAddress`]). The count is short when credits or slots ran out first
+    /// (the caller's next send queues the rest). Urgent bytes, sends with something ahead of
+    /// them and sends the connection cannot stage go into the send buffer, as
+    /// [`Session::send_from`] does.
+    pub fn send_into_slots<S: AppSource + ?Sized, C: SanConnection + ?Sized>(
+        &mut self,
+        source: &S,
+        flags: SendFlags,
+        conn: &mut C,
+    ) -> Result<usize, SendError> {
+        self.settle_downgrade();
+        self.check_send()?;
+        if source.is_empty() {
+            return Ok(0);
+        }
+        let max_payload = match self.peer {
+            Some(peer) if self.config.send_in_slots && !flags.urgent && self.sends_straight() => {
+                peer.max_message.saturating_sub(ctrl::HEADER_LEN)
+            }
+            _ => 0,
+        };
+        if max_payload == 0 {
+            return self.send_from(source, flags);
+        }
+        // Every credit owed rides on the first message, as `next_data` would send it.
+        let owed = self.credits_to_return();
+        let mut credits = self.send_credits;
+        let mut staged = 0u16;
+        let mut taken = 0usize;
+        let mut head = [0u8; ctrl::HEADER_LEN];
+        while taken < source.len()
+            && credits.allows(MessageClass::Data)
+            && self.sends_in_flight.saturating_add(staged) < self.slots.send_slots
+        {
+            let n = (source.len() - taken).min(max_payload);
+            let repr = ctrl::Repr {
+                credits: if staged == 0 { owed } else { 0 },
+                message: ctrl::Message::Data { urgent: false },
+                payload: &[],
+            };
+            let Ok(head_len) = repr.emit_header_for(&mut head, n) else {
+                break;
+            };
+            let wr_id = self.wr(tag::SEND);
+            let payload = SourcePart::new(source, taken, n);
+            match conn.stage_send_from(wr_id, &head[..head_len], &payload) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(BadAddress) => {
+                    conn.discard_staged();
+                    return Err(SendError::BadAddress);
+                }
+            }
+            staged += 1;
+            taken += n;
+            credits = credits.checked_sub(1).unwrap_or(Credits::ZERO);
+        }
+        if staged == 0 {
+            return self.send_from(source, flags);
+        }
+        conn.commit_staged();
+        self.note_returned(owed);
+        self.send_credits = credits;
+        self.sends_in_flight += staged;
+        self.stats.messages_sent += u64::from(staged);
+        self.stats.bytes_inline += taken as u64;
+        self.tx_queued_total += taken as u64;
+        self.tx_sent_total += taken as u64;
+        Ok(taken)
+    }
+
+    /// Nothing is queued to go before new data (see [`Session::send_into_slots`]), and the
+    /// session may send data (handshake done, first receives posted, not over).
+    fn sends_straight(&self) -> bool {
+        self.tx_buffer.is_empty()
+            && self.tx_held == 0
+            && self.tx_rndv.is_none()
+            && self.controls.is_empty()
+            && self.hello_sent
+            && self.initial_posts_pending == 0
+            && self.terminal.is_none()
     }
 
     /// Starts a zero-copy send: `prefix` goes inline in the first message, `rest` (already

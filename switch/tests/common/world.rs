@@ -8,7 +8,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use super::pattern;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use san_api::{Access, Capabilities, CompletionError, MemRange, SlotConfig};
+use san_api::{Access, AppSource, BadAddress, Capabilities, CompletionError, MemRange, SlotConfig};
 use san_sim::{EndpointId, FaultConfig, SimConnection, SimDomain, SimFabric};
 use switch::error::{Error, ProviderError, RecvError, SendError};
 use switch::mr_cache::{CacheConfig, MrCache, MrHandle, OwnerId};
@@ -120,6 +120,30 @@ pub struct Coverage {
     pub clean_downgrades: u64,
     /// Application bytes carried over the kernel TCP continuation after a downgrade.
     pub tcp_bytes: u64,
+    /// Sends that went straight into the slots (nothing of them in the send buffer).
+    pub sends_into_slots: u64,
+    /// Sends from a buffer that could not all be read.
+    pub unreadable_sends: u64,
+}
+
+/// An application buffer readable only before `bad_from`.
+struct Unreadable<'a> {
+    bytes: &'a [u8],
+    bad_from: usize,
+}
+
+impl AppSource for Unreadable<'_> {
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+        if offset + dst.len() > self.bad_from {
+            return Err(BadAddress);
+        }
+        dst.copy_from_slice(&self.bytes[offset..offset + dst.len()]);
+        Ok(())
+    }
 }
 
 macro_rules! ensure {
@@ -238,6 +262,7 @@ impl<R: RngCore> World<R> {
                 rendezvous_threshold: 64 * 1024,
                 credit_update_threshold: if self.rng.gen_bool(0.5) { 0 } else { 1 },
                 receive_in_slots: self.rng.gen_bool(0.5),
+                send_in_slots: self.rng.gen_bool(0.5),
             };
             let local = self.fabric.capabilities(self.endpoints[endpoint].ep);
             self.sides.push(Side {
@@ -397,11 +422,33 @@ impl<R: RngCore> World<R> {
         let len = self.rng.gen_range(0..=max.max(8192));
         let data = pattern(side as u64, s.sent, len);
         let urgent = self.rng.gen_bool(0.02);
-        match s.session.send(&data, SendFlags { urgent }) {
+        // Now and then the application's buffer cannot all be read: the send takes nothing.
+        let bad_from = (len > 0 && self.rng.gen_bool(0.03)).then(|| self.rng.gen_range(0..len));
+        let flags = SendFlags { urgent };
+        let sent = match bad_from {
+            Some(bad_from) => {
+                let source = Unreadable {
+                    bytes: &data,
+                    bad_from,
+                };
+                s.session.send_into_slots(&source, flags, &mut s.conn)
+            }
+            None => s.session.send_into_slots(&data[..], flags, &mut s.conn),
+        };
+        if bad_from.is_some() {
+            self.coverage.unreadable_sends += 1;
+        }
+        match sent {
             Ok(n) => {
                 ensure!(n <= len, "send accepted more than given");
                 ensure!(len > 0 || n == 0, "zero-length send");
+                if s.session.send_queue_len() == 0 && n > 0 {
+                    self.coverage.sends_into_slots += 1;
+                }
                 s.sent += n as u64;
+            }
+            Err(SendError::BadAddress) => {
+                ensure!(bad_from.is_some(), "a readable send answered BadAddress");
             }
             Err(SendError::Downgraded) => {
                 self.write_tcp(side, &data);
@@ -1058,6 +1105,8 @@ pub fn run_world<R: RngCore>(
     total.downgrades += c.downgrades;
     total.clean_downgrades += c.clean_downgrades;
     total.tcp_bytes += c.tcp_bytes;
+    total.sends_into_slots += c.sends_into_slots;
+    total.unreadable_sends += c.unreadable_sends;
     Ok(())
 }
 

@@ -184,10 +184,15 @@ pub struct MirrorWords {
     /// call in for a long time, so the peer, when it next transmits (its `Hello`, returned
     /// credits), nudges the owner's process to move them (`san::nudge`).
     progress_wanted: AtomicU32,
+    /// Threads of the owner inside a send or receive call on the socket. Such a call drives
+    /// the connection before it returns (asleep in it, the peer's next message wakes it), and
+    /// its end re-checks the inbound queue after leaving ([`MirrorWords::leave_call`]): while
+    /// one is under way, the peer need not nudge the owner's process for what it transmits.
+    in_call: AtomicU32,
 }
 
 // Both processes map these words: their layout is part of the segment format.
-const _: () = assert!(size_of::<MirrorWords>() == 16 && core::mem::align_of::<MirrorWords>() == 4);
+const _: () = assert!(size_of::<MirrorWords>() == 20 && core::mem::align_of::<MirrorWords>() == 4);
 
 /// Most tokens queued in the watched end at once in the edge-per-arrival mode. Far below what the raising end's send
 /// buffer holds (each one-byte token costs one skb), so a token write never meets `EAGAIN`;
@@ -202,7 +207,23 @@ impl MirrorWords {
             write_lowered: AtomicU32::new(0),
             edge_per_arrival: AtomicU32::new(0),
             progress_wanted: AtomicU32::new(0),
+            in_call: AtomicU32::new(0),
         }
+    }
+
+    /// The owner's side: one of its threads enters a send or receive call on the socket.
+    pub fn enter_call(&self) {
+        self.in_call.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The owner's side: a call counted by [`MirrorWords::enter_call`] ends. The caller then
+    /// asks for a nudge if it leaves bytes untransmitted ([`MirrorWords::set_progress_wanted`],
+    /// whose fence orders this before its re-check of the inbound queue).
+    pub fn leave_call(&self) {
+        // (Saturating: a count left wrong by a bug must not read as a call forever under way.)
+        let _ = self
+            .in_call
+            .fetch_update(Ordering::Release, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 
     /// The owner's side: whether it waits for the peer's help to transmit what it queued
@@ -222,11 +243,16 @@ impl MirrorWords {
     }
 
     /// The peer's side, after publishing what it transmitted: true (once) if the owner asked
-    /// for a nudge since the last call.
+    /// for a nudge since the last call and none of its threads is inside a call now. A call
+    /// under way sees what was published (it drives before it returns, and its end re-checks
+    /// the inbound queue after [`MirrorWords::leave_call`]), so the request stays for a later
+    /// transmission, when the owner may be idle.
     pub fn take_progress_wanted(&self) -> bool {
-        // Pairs with the fence in `set_progress_wanted`.
+        // Pairs with the fence in `set_progress_wanted`: either the owner's re-check after
+        // leaving its call sees what we published, or we see the call ended.
         fence(Ordering::SeqCst);
-        self.progress_wanted.load(Ordering::Relaxed) != 0
+        self.in_call.load(Ordering::Relaxed) == 0
+            && self.progress_wanted.load(Ordering::Relaxed) != 0
             && self.progress_wanted.swap(0, Ordering::AcqRel) != 0
     }
 

@@ -1,4 +1,5 @@
-//! Internal descriptors leave the low numbers to the application.
+//! Internal descriptors leave the low numbers to the application; the nudge request waits out
+//! a call under way.
 
 use super::*;
 
@@ -31,4 +32,25 @@ fn internal_descriptors_leave_the_low_numbers_to_the_application() {
     // A descriptor already above the floor stays.
     let number = moved.as_raw_fd();
     assert_eq!(relocate_internal_fd(moved).as_raw_fd(), number);
+}
+
+/// A nudge request is taken only while none of the owner's threads is inside a call (such a
+/// call drives the connection itself); it stays for a transmission after the last call ended,
+/// is taken once, and a stray end of a call never makes the count read as a call under way.
+#[test]
+fn a_nudge_request_waits_until_no_call_of_the_owner_is_under_way() {
+    let words = MirrorWords::new();
+    words.set_progress_wanted(true);
+    words.enter_call();
+    words.enter_call();
+    assert!(!words.take_progress_wanted(), "two calls under way");
+    words.leave_call();
+    assert!(!words.take_progress_wanted(), "one call under way");
+    words.leave_call();
+    assert!(words.take_progress_wanted(), "the request stayed");
+    assert!(!words.take_progress_wanted(), "taken once");
+
+    words.leave_call();
+    words.set_progress_wanted(true);
+    assert!(words.take_progress_wanted(), "an extra end counts nothing");
 }

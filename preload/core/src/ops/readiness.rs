@@ -84,7 +84,7 @@ unsafe fn poll_with_san(
         let look = !budget.is_zero() && swapped.raised && rc > 0;
         if !swapped.saved.is_empty() {
             let restored = guard::contained(|| {
-                crate::san::unpoll_fds(entries, &swapped.saved, look.then_some(&mut deferred))
+                crate::san::unpoll_fds(entries, &swapped, look.then_some(&mut deferred))
             });
             if restored.is_none() {
                 return rc;

@@ -9,8 +9,8 @@ use std::os::fd::RawFd;
 use std::time::Duration;
 
 use san_api::{
-    Capabilities, Completion, LocalSegment, PostError, RecvSlot, RemoteDescriptor, SanConnection,
-    SlotConfig, WrId,
+    AppSource, BadAddress, Capabilities, Completion, LocalSegment, PostError, RecvSlot,
+    RemoteDescriptor, SanConnection, SlotConfig, WrId,
 };
 use san_shm::{NamespacedPid, ShmConnection, WaitResult};
 
@@ -450,6 +450,39 @@ impl SanConnection for Link {
             Link::Verbs(link) => link.conn_mut()?.post_send_parts(wr_id, head, payload),
             #[cfg(test)]
             Link::Sim(link) => link.post_send(wr_id, &san_api::joined(head, payload)),
+        }
+    }
+
+    fn stage_send_from(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &dyn AppSource,
+    ) -> Result<bool, BadAddress> {
+        match self {
+            Link::Shm(conn) => conn.stage_send_from(wr_id, head, payload),
+            // Verbs sends leave from registered send slots of our own: nothing to save.
+            Link::Verbs(_) => Ok(false),
+            #[cfg(test)]
+            Link::Sim(link) => link.stage_send_from(wr_id, head, payload),
+        }
+    }
+
+    fn commit_staged(&mut self) {
+        match self {
+            Link::Shm(conn) => conn.commit_staged(),
+            Link::Verbs(_) => {}
+            #[cfg(test)]
+            Link::Sim(link) => link.commit_staged(),
+        }
+    }
+
+    fn discard_staged(&mut self) {
+        match self {
+            Link::Shm(conn) => conn.discard_staged(),
+            Link::Verbs(_) => {}
+            #[cfg(test)]
+            Link::Sim(link) => link.discard_staged(),
         }
     }
 

@@ -28,6 +28,10 @@ pub struct Swapped {
     /// under lazy lowering): the kernel wait returns at once, before it could sleep, so the
     /// wait may look for the next message (see [`look_for_news`]).
     pub raised: bool,
+    /// The positions of the entries watched for output whose sockets count this wait as a
+    /// call under way (`SanSocket::entering_call`): the peer raises their writability when
+    /// it transmits, and [`unpoll_fds`] drives them, so it need not nudge our process.
+    pub counted: Vec<usize>,
 }
 
 /// `poll()`/`ppoll()`/`select()` on a set containing SAN sockets: each switched SAN socket's
@@ -67,6 +71,9 @@ pub fn poll_fds(fds: &mut [libc::pollfd], may_look: bool) -> Swapped {
                 socket.set_watched();
                 // (The service thread must hear of arrivals while this thread sleeps.)
                 socket.settle_direct_wait();
+                if entry.events & libc::POLLOUT != 0 && socket.entering_call() {
+                    swapped.counted.push(position);
+                }
                 if entry.events & libc::POLLIN != 0 {
                     if let Some(record) = registry().get(index) {
                         socket.polled_for_input(record);
@@ -103,13 +110,14 @@ pub fn poll_fds(fds: &mut [libc::pollfd], may_look: bool) -> Swapped {
 /// ([`look_for_news`]) and lowers it only before it sleeps ([`lower_deferred`]).
 pub fn unpoll_fds(
     fds: &mut [libc::pollfd],
-    saved: &[(usize, c_int)],
+    swapped: &Swapped,
     mut deferred: Option<&mut Deferred>,
 ) {
-    for &(position, fd) in saved {
+    for &(position, fd) in &swapped.saved {
         if let Some(entry) = fds.get_mut(position) {
             entry.fd = fd;
-            correct_revents(entry, position, deferred.as_deref_mut());
+            let counted = swapped.counted.contains(&position);
+            correct_revents(entry, position, deferred.as_deref_mut(), counted);
         }
     }
 }
@@ -117,8 +125,14 @@ pub fn unpoll_fds(
 /// Makes a SAN entry's `revents` (as the mirror reported them) agree with the session: a
 /// spurious IN (a token for a handshake or a credit, no data, or a mirror left raised by lazy
 /// lowering) is dropped and the mirror lowered, or noted in `deferred`; ERR and RDHUP, which
-/// the mirror cannot show, are added from the session's state.
-fn correct_revents(entry: &mut libc::pollfd, position: usize, deferred: Option<&mut Deferred>) {
+/// the mirror cannot show, are added from the session's state. `counted`: the wait counted as
+/// a call on the socket, which ends here.
+fn correct_revents(
+    entry: &mut libc::pollfd,
+    position: usize,
+    deferred: Option<&mut Deferred>,
+    counted: bool,
+) {
     let Some(index) = san_index(crate::fdtable::table().lookup(entry.fd)) else {
         return;
     };
@@ -139,12 +153,18 @@ fn correct_revents(entry: &mut libc::pollfd, position: usize, deferred: Option<&
         return;
     };
     if socket.epoll_on_tcp {
+        if counted {
+            socket.leaving_call(true);
+        }
         return;
     }
     if entry.revents & libc::POLLHUP != 0 {
         socket.mirror_hung_up();
     }
     socket.service();
+    if counted {
+        socket.leaving_call(true);
+    }
     let readiness = socket.readiness();
     if entry.revents & libc::POLLIN != 0
         && !readiness.readable

@@ -35,8 +35,12 @@ use crate::registry::registry;
 /// `recv`/`read`/`readv`/`recvmsg` on a SAN socket: the count received (a partial count
 /// included, 0 at end of stream) or the errno. `None`: not (or no longer) a SAN socket.
 pub fn recv_iov(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> SanCall<isize> {
+    let entered = matches!(lock(index).as_ref(), Some(SanObject::Socket(s)) if s.entering_call());
     let result = recv_iov_inner(fd, index, bufs, recv_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
+        // (A receive leaves untransmitted what earlier sends queued as it found it, but a
+        // nudge the peer skipped while this call was under way is owed from here.)
+        socket.leaving_call(entered);
         socket.note_call(false, matches!(result, Some(Ok(n)) if n > 0));
     }
     if tracing::enabled!(tracing::Level::TRACE) {

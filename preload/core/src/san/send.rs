@@ -35,9 +35,10 @@ const FAULT_UNIT: usize = 64 << 10;
 /// included) or the errno. `None`: not (or no longer) a SAN socket — the caller makes the
 /// real call.
 pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> SanCall<isize> {
+    let entered = matches!(lock(index).as_ref(), Some(SanObject::Socket(s)) if s.entering_call());
     let sent = send_iov_inner(fd, index, bufs, send_flags);
     if let Some(SanObject::Socket(socket)) = lock(index).as_mut() {
-        socket.leaving_call();
+        socket.leaving_call(entered);
         socket.note_call(matches!(sent, Some(Ok(n)) if n > 0), false);
     }
     sent
@@ -45,9 +46,10 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Sa
 
 /// `sendfile` of `len` bytes of `file` from offset `at` into a SAN socket whose session takes
 /// them all at once (switched, established, with room, nothing else to do first): the bytes
-/// are read from the file straight into the session's send buffer. The count sent, or `None`
-/// when the general path must serve the call (no room, a downgrade, a rendezvous, a file
-/// that gave fewer bytes than asked: it then reads what there is and sends it).
+/// are read from the file straight into the session's send buffer, in one read (see
+/// `SanSocket::send_buffered`). The count sent, or `None` when the general path must serve
+/// the call (no room, a downgrade, a rendezvous, a file that gave fewer bytes
+/// than asked: it then reads what there is and sends it).
 pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Option<usize> {
     if len == 0 || orphaned(index) || record_flag(index, flags::STASHED) {
         return None;
@@ -60,10 +62,10 @@ pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Optio
         return None;
     }
     let source = FileRange { fd: file, at, len };
-    let sent = socket.send(&source, false).ok().filter(|&n| n > 0)?;
+    let sent = socket.send_buffered(&source).ok().filter(|&n| n > 0)?;
     socket.service();
     socket.journal_sent(&source);
-    socket.leaving_call();
+    socket.leaving_call(false);
     socket.note_call(true, false);
     Some(sent)
 }
@@ -87,6 +89,8 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
     let mut inline_only = false;
     // Since when this call waits with the peer's data unread (`absorb_if_stalled`).
     let mut stalled_since = None;
+    // Since when this call waits for credits rather than buffer (`waits_for_credits`).
+    let mut credit_wait_since = None;
     let claim = claim_of(index);
     loop {
         if !still_claimed(index, claim) {
@@ -180,6 +184,22 @@ fn send_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> 
                         continue;
                     }
                     Err(error) => return Some(send_failed(done, error.errno(), send_flags)),
+                }
+            }
+            if !nonblocking && !urgent && socket.waits_for_credits(total, &mut credit_wait_since) {
+                // Buffering now would cost a copy more per byte than waiting briefly for the
+                // reader's credits (the bytes then go straight into its slots).
+                match socket.prepare_wait(0) {
+                    Some(mut wait) => {
+                        wait.cap = Some(super::tunables::CREDIT_WAIT_BOUND);
+                        drop(slot);
+                        if let Err(code) = block(index, fd, Some(wait), deadline) {
+                            return Some(partial(done, code));
+                        }
+                        continue;
+                    }
+                    // News came: drive it, then send (into the slots if it brought credits).
+                    None => socket.service(),
                 }
             }
             match socket.send(&source, urgent) {

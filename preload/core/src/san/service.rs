@@ -408,7 +408,7 @@ fn service_every(wait: Wait) {
         if let Some(SanObject::Socket(socket)) = slot.as_mut() {
             if socket.phase == Phase::Switched {
                 socket.service();
-                socket.leaving_call();
+                socket.leaving_call(false);
             }
         }
     }

@@ -34,6 +34,13 @@ pub(super) const ABSORB_LIMIT: usize = 6 << 20;
 pub(super) const STALL_BEFORE_ABSORB: Duration = Duration::from_millis(10);
 /// How long before a rendezvous at the head is turned down to absorb what follows.
 pub(super) const STALL_BEFORE_REJECT: Duration = Duration::from_millis(50);
+/// The longest a blocking send waits for the reader's credits, its send buffer empty, before
+/// it buffers its bytes (see `SanSocket::waits_for_credits`): waiting, they go straight into
+/// the reader's slots, one copy less.
+pub(super) const CREDIT_WAIT_BOUND: Duration = Duration::from_millis(2);
+/// The smallest send that waits for credits that way: half a slot's payload (smaller sends
+/// share messages in the send buffer; 64-byte sends ran at half the rate waiting).
+pub(super) const CREDIT_WAIT_MIN_SEND: usize = (SLOTS.slot_size / 2) as usize;
 /// The longest sleep of a blocked sender while the peer's data waits unread.
 pub(super) const STALL_POLL: Duration = Duration::from_millis(5);
 

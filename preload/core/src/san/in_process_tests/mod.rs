@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use san_api::{
-    Capabilities, Completion, CompletionKind, LocalSegment, PostError, RecvSlot, RemoteDescriptor,
-    SanConnection, SlotConfig, WrId,
+    AppSource, BadAddress, Capabilities, Completion, CompletionKind, LocalSegment, PostError,
+    RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, WrId,
 };
 use san_shm::WaitResult;
 use san_sim::{FaultConfig, SimConnection, SimFabric};
@@ -134,6 +134,8 @@ pub(crate) struct SimLink {
     rendezvous: Option<(&'static SharedRegistrations, Scratch)>,
     /// RDMA requests on the application's memory, by the id of their stand-ins.
     rdma: HashMap<WrId, RealOp>,
+    /// Messages staged (copied out of the application's memory), posted at the commit.
+    staged: Vec<(WrId, Vec<u8>)>,
 }
 
 impl SimLink {
@@ -253,6 +255,37 @@ impl SimLink {
         world.outbox[side].push_back((wr_id, message.to_vec()));
         world.flush();
         Ok(())
+    }
+
+    /// As the shm connection stages: the copy out of the application's memory comes first,
+    /// and a fault there takes nothing.
+    pub(crate) fn stage_send_from(
+        &mut self,
+        wr_id: WrId,
+        head: &[u8],
+        payload: &dyn AppSource,
+    ) -> Result<bool, BadAddress> {
+        let len = head.len().saturating_add(payload.len());
+        if len > self.slots.slot_size as usize || !self.is_up() {
+            return Ok(false);
+        }
+        let mut message = vec![0u8; len];
+        message[..head.len()].copy_from_slice(head);
+        payload.copy_to(0, &mut message[head.len()..])?;
+        self.staged.push((wr_id, message));
+        Ok(true)
+    }
+
+    pub(crate) fn commit_staged(&mut self) {
+        for (wr_id, message) in core::mem::take(&mut self.staged) {
+            // (Length and state were checked when it was staged.)
+            let posted = self.post_send(wr_id, &message);
+            debug_assert!(posted.is_ok(), "a staged message could not be posted");
+        }
+    }
+
+    pub(crate) fn discard_staged(&mut self) {
+        self.staged.clear();
     }
 
     pub(crate) fn post_recv(&mut self, wr_id: WrId, slot: RecvSlot) -> Result<(), PostError> {
@@ -411,6 +444,7 @@ impl Pair {
             attached: attached.clone(),
             rendezvous: rendezvous.map(|(scratch, registrations)| (registrations, scratch[side])),
             rdma: HashMap::new(),
+            staged: Vec::new(),
         };
 
         let client = end(client.into_raw_fd(), local, peer);

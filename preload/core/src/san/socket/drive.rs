@@ -135,7 +135,9 @@ impl SanSocket {
                 self.peer.raise_writable();
             }
         }
-        let mut sent = progress.is_ok_and(|p| p.messages_sent > 0) || queued_before;
+        let mut sent = progress.is_ok_and(|p| p.messages_sent > 0)
+            || queued_before
+            || core::mem::take(&mut self.sent_outside_drive);
         if !self.early.is_empty() && self.flush_early() {
             sent |= self.drive_again();
         }
@@ -246,11 +248,28 @@ impl SanSocket {
         }
     }
 
-    /// Called as control returns to the application (and after a responder's servicing):
-    /// bytes we could not transmit would wait for its next call, which may never come
-    /// (a server that answered and went idle); the peer nudges us when it transmits
-    /// what unblocks them (see `MirrorWords`).
-    pub(crate) fn leaving_call(&mut self) {
+    /// A send or receive call of the application begins: counted in our mirror's words, so
+    /// that the peer does not nudge our process while the call is under way (it drives).
+    /// Whether it was counted (the `entered` of [`SanSocket::leaving_call`]).
+    pub(crate) fn entering_call(&self) -> bool {
+        let Some(mirror) = self.mirror.as_ref().filter(|_| self.is_intra_host()) else {
+            return false;
+        };
+        mirror.words().enter_call();
+        true
+    }
+
+    /// Called as control returns to the application (and after a responder's servicing;
+    /// `entered`: the call was counted by [`SanSocket::entering_call`]): bytes we could not
+    /// transmit would wait for its next call, which may never come (a server that answered
+    /// and went idle); the peer nudges us when it transmits what unblocks them (see
+    /// `MirrorWords`).
+    pub(crate) fn leaving_call(&mut self, entered: bool) {
+        if entered {
+            if let Some(mirror) = self.mirror.as_ref() {
+                mirror.words().leave_call();
+            }
+        }
         if !self.has_untransmitted() || !self.is_intra_host() {
             return;
         }

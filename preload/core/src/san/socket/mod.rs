@@ -80,6 +80,10 @@ fn session_config(rendezvous: bool) -> SessionConfig {
         // its mapping) lives, which is until the application closes the socket: reads copy
         // straight out of the peer-written slot.
         receive_in_slots: true,
+        // Sends staged in the peer's posted slots are published only once their copy
+        // succeeded: an inline send then copies each byte once, from the application to
+        // the peer's slot.
+        send_in_slots: true,
         ..defaults
     }
 }
@@ -276,6 +280,9 @@ pub(crate) struct SanSocket {
     /// Of those, the bytes the last inline send put in the session (journaled after the
     /// drive that follows it).
     just_accepted: usize,
+    /// An inline send posted messages itself (straight into the peer's slots, outside any
+    /// drive): the next drive announces them as it announces what it transmits.
+    sent_outside_drive: bool,
     /// Stream bytes of the peer's the application has read.
     stream_consumed: u64,
     /// The journal could not be allocated: the connection is moving to TCP.
@@ -359,6 +366,7 @@ impl SanSocket {
             restored: Vec::new(),
             stream_accepted: 0,
             just_accepted: 0,
+            sent_outside_drive: false,
             stream_consumed: 0,
             journal_lost: false,
             early_unjournaled: 0,
