@@ -180,55 +180,38 @@ fn echo_pair(
 }
 
 fn python_echo(preloaded: Preloaded) {
-    let _serial = exclusive();
-    let python = require_program("python3", "python3");
-    let sandbox = Sandbox::new(&format!("python-{preloaded:?}"));
-    let script = sandbox.path().join("echo.py");
-    std::fs::write(&script, ECHO_PY).expect("write echo.py");
-    let connections = 6;
-    let mut server = sandbox.command(&python, preloaded.server());
-    server
-        .arg(&script)
-        .args(["server", &connections.to_string()]);
-    let output = echo_pair(
-        &sandbox,
-        preloaded,
-        server,
-        |port| {
-            let mut client = sandbox.command(&python, preloaded.client());
-            client.arg(&script).args([
-                "client",
-                &port.to_string(),
-                &connections.to_string(),
-                &PYTHON_BYTES.to_string(),
-            ]);
-            client
-        },
-        connections,
-        PYTHON_BYTES,
-    );
-    assert!(
-        output.contains("holding: 6 connections, 3145728 bytes each, sha256 verified"),
-        "{output}"
-    );
-    assert!(output.contains("served 6"), "{output}");
+    python_echo_against(None, 6, preloaded);
 }
 
 /// A forking server (`mode` of `FORKING_PY`) against the asyncio client: the children that
 /// serve the connections hold them on the expected path.
 fn python_forking_echo(mode: &str, preloaded: Preloaded) {
+    python_echo_against(Some(mode), 4, preloaded);
+}
+
+/// The asyncio client's `connections` against the asyncio server (`forking`: `None`) or the
+/// forking server in that mode, every echo verified and every connection on the expected path.
+fn python_echo_against(forking: Option<&str>, connections: usize, preloaded: Preloaded) {
     let _serial = exclusive();
     let python = require_program("python3", "python3");
-    let sandbox = Sandbox::new(&format!("python-{mode}-{preloaded:?}"));
-    let (echo, forking) = (
-        sandbox.path().join("echo.py"),
-        sandbox.path().join("forking.py"),
-    );
+    let sandbox = Sandbox::new(&format!(
+        "python-{}-{preloaded:?}",
+        forking.unwrap_or("asyncio")
+    ));
+    let echo = sandbox.path().join("echo.py");
     std::fs::write(&echo, ECHO_PY).expect("write echo.py");
-    std::fs::write(&forking, FORKING_PY).expect("write forking.py");
-    let connections = 4;
+    let count = connections.to_string();
     let mut server = sandbox.command(&python, preloaded.server());
-    server.arg(&forking).args([mode, &connections.to_string()]);
+    match forking {
+        Some(mode) => {
+            let script = sandbox.path().join("forking.py");
+            std::fs::write(&script, FORKING_PY).expect("write forking.py");
+            server.arg(&script).args([mode, &count]);
+        }
+        None => {
+            server.arg(&echo).args(["server", &count]);
+        }
+    }
     let output = echo_pair(
         &sandbox,
         preloaded,
@@ -238,7 +221,7 @@ fn python_forking_echo(mode: &str, preloaded: Preloaded) {
             client.arg(&echo).args([
                 "client",
                 &port.to_string(),
-                &connections.to_string(),
+                &count,
                 &PYTHON_BYTES.to_string(),
             ]);
             client
@@ -247,10 +230,15 @@ fn python_forking_echo(mode: &str, preloaded: Preloaded) {
         PYTHON_BYTES,
     );
     assert!(
-        output.contains("holding: 4 connections, 3145728 bytes each, sha256 verified"),
+        output.contains(&format!(
+            "holding: {connections} connections, 3145728 bytes each, sha256 verified"
+        )),
         "{output}"
     );
-    assert!(output.contains("served 4"), "{output}");
+    assert!(
+        output.contains(&format!("served {connections}")),
+        "{output}"
+    );
 }
 
 fn rust_std_net_echo(preloaded: Preloaded) {

@@ -543,14 +543,18 @@ fn addresses_reachable_from_elsewhere(bound: SocketAddr, v6_only: bool) -> Vec<S
 }
 
 /// Whether some process holds the datagram socket bound to file `name` in `dir` (a connect
-/// succeeds; a file whose socket is closed refuses it).
+/// succeeds; a file whose socket is closed refuses it). When it cannot be asked: held.
 fn file_socket_is_held(dir: BorrowedFd<'_>, name: &str) -> bool {
-    let Some((sun, len)) = address_in_dir(dir, name) else {
-        return false;
-    };
-    let Ok(probe) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
-        return true;
-    };
+    file_socket_answer(dir, name) != Some(false)
+}
+
+/// A datagram `connect()` to the socket file `name` in `dir`: `Some(true)` when it succeeds,
+/// `Some(false)` when refused (the file's socket is closed, or it is not a socket), `None` when
+/// it could not be asked or failed otherwise (no such file counts as refused too, as nothing
+/// holds it).
+pub(crate) fn file_socket_answer(dir: BorrowedFd<'_>, name: &str) -> Option<bool> {
+    let (sun, len) = address_in_dir(dir, name)?;
+    let probe = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe").ok()?;
     // SAFETY: `sun` is a valid sockaddr_un of length `len`.
     let rc = unsafe {
         libc::connect(
@@ -559,7 +563,10 @@ fn file_socket_is_held(dir: BorrowedFd<'_>, name: &str) -> bool {
             len,
         )
     };
-    rc == 0 || errno::get() != libc::ECONNREFUSED
+    if rc == 0 {
+        return Some(true);
+    }
+    matches!(errno::get(), libc::ECONNREFUSED | libc::ENOENT).then_some(false)
 }
 
 impl ListenerMarker {
@@ -743,21 +750,7 @@ fn probe_listener_of(uid: u32, peer: SocketAddr) -> Option<bool> {
 /// exact address, see [`ListenerMarker::publish_in_dir`]).
 pub fn probe_listener_in_dir(dir: BorrowedFd<'_>, peer: SocketAddr) -> bool {
     let peer = canonical_addr(peer);
-    let Some((sun, len)) = address_in_dir(dir, marker_file_name(peer).as_str()) else {
-        return false;
-    };
-    let Ok(socket) = new_socket(libc::AF_UNIX, libc::SOCK_DGRAM, "marker probe") else {
-        return false;
-    };
-    // SAFETY: `sun` is a valid sockaddr_un of length `len`.
-    let rc = unsafe {
-        libc::connect(
-            socket.as_raw_fd(),
-            (&sun as *const libc::sockaddr_un).cast(),
-            len,
-        )
-    };
-    rc == 0
+    file_socket_answer(dir, marker_file_name(peer).as_str()) == Some(true)
 }
 
 /// When [`probe_listener`] said no: the user of the listener on `peer` if it is a preloaded

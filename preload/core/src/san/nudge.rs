@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use san_shm::NamespacedPid;
 
-use crate::discovery::{address_in_dir, effective_uid, nudge_address};
+use crate::discovery::{address_in_dir, effective_uid, file_socket_answer, nudge_address};
 use crate::real;
 
 /// How often a forking process repeats its nudge while a peer has not answered.
@@ -125,31 +125,12 @@ pub(super) fn sweep_stale_files(dir: &san_shm::ShmDir) {
     let Ok(entries) = std::fs::read_dir(format!("/proc/self/fd/{fd}")) else {
         return;
     };
-    // SAFETY: plain socket(2) through the real symbol.
-    let raw = unsafe { real::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if raw < 0 {
-        return;
-    }
-    // SAFETY: a fresh descriptor owned by nobody else.
-    let probe = unsafe { OwnedFd::from_raw_fd(raw) };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !(name.starts_with(".N-") || name.starts_with(".L-")) {
-            continue;
-        }
-        let Some((address, len)) = address_in_dir(std::os::fd::AsFd::as_fd(dir), name) else {
-            continue;
-        };
-        // SAFETY: connect(2) reads `len` bytes of `address`.
-        let rc = unsafe {
-            real::connect(
-                std::os::fd::AsRawFd::as_raw_fd(&probe),
-                (&address as *const libc::sockaddr_un).cast(),
-                len,
-            )
-        };
-        if rc != 0 && crate::errno::get() == libc::ECONNREFUSED {
+        if (name.starts_with(".N-") || name.starts_with(".L-"))
+            && file_socket_answer(std::os::fd::AsFd::as_fd(dir), name) == Some(false)
+        {
             let _ = dir.remove(name);
         }
     }

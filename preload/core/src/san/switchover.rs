@@ -81,22 +81,15 @@ pub(super) fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     } else {
         tracing::debug!(index, "pending SAN client: plain server, staying on TCP");
     }
-    if let Some(SanObject::Socket(socket)) = slot.take() {
-        drop(socket);
-        LIVE.fetch_sub(1, Ordering::Relaxed);
-        forget_name(index);
-    }
+    let reason = if declined {
+        Bypass::SanResources
+    } else if peer_declined {
+        Bypass::PeerResources
+    } else {
+        Bypass::PeerNotCapable
+    };
+    drop_pending(index, slot, reason);
     if let Some(record) = registry().get(index) {
-        record.set_flag(flags::SAN, false);
-        record.path.store(DataPath::Tcp as u32, Ordering::Release);
-        let reason = if declined {
-            Bypass::SanResources
-        } else if peer_declined {
-            Bypass::PeerResources
-        } else {
-            Bypass::PeerNotCapable
-        };
-        record.bypass.store(reason as u32, Ordering::Release);
         if let (false, (_, Some(peer))) = (declined || peer_declined, record.addresses()) {
             if let Some(provider) = provider() {
                 provider.negative.mark_plain(canonical_addr(peer));
@@ -119,6 +112,13 @@ pub(super) fn withdraw_pending(index: u32, slot: &mut Option<SanObject>) -> bool
         return false;
     }
     tracing::debug!(index, "pending SAN client withdrew: staying on TCP");
+    drop_pending(index, slot, Bypass::Downgraded);
+    true
+}
+
+/// Drops the SAN object of pending client `index` (its slot `slot`): the socket is plain TCP
+/// from now on, for `reason`.
+fn drop_pending(index: u32, slot: &mut Option<SanObject>, reason: Bypass) {
     if let Some(SanObject::Socket(socket)) = slot.take() {
         drop(socket);
         LIVE.fetch_sub(1, Ordering::Relaxed);
@@ -127,11 +127,8 @@ pub(super) fn withdraw_pending(index: u32, slot: &mut Option<SanObject>) -> bool
     if let Some(record) = registry().get(index) {
         record.set_flag(flags::SAN, false);
         record.path.store(DataPath::Tcp as u32, Ordering::Release);
-        record
-            .bypass
-            .store(Bypass::Downgraded as u32, Ordering::Release);
+        record.bypass.store(reason as u32, Ordering::Release);
     }
-    true
 }
 
 /// The switch failed after the acceptor committed to the SAN: the connection cannot go on.
