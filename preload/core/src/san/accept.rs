@@ -85,8 +85,15 @@ pub(super) fn on_accepted(
         && !no_pending_client
         && provider.dir.handle().contains(name.as_str())
     {
+        let Some(charge) = budget::charge_shm() else {
+            // Past the process's SAN memory budget: decline (the client stays on TCP,
+            // `peer-resources`).
+            stay_on_tcp(record, Bypass::SanResources);
+            decline(&name);
+            return;
+        };
         let _accepting = hold_accepting();
-        *lock(index) = Some(SanObject::Unclaimed(Box::new(Unclaimed::new(name))));
+        *lock(index) = Some(SanObject::Unclaimed(Box::new(Unclaimed::new(name, charge))));
         record.set_flag(flags::UNCLAIMED, true);
         LIVE.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(fd, %name, "accepted from a SAN client: attaches at first use");
@@ -134,7 +141,7 @@ pub(super) fn claim(index: u32, record: &'static SocketRecord) -> bool {
 
 fn claim_inner(index: u32, record: &'static SocketRecord) -> bool {
     let mut slot = lock(index);
-    let unclaimed = match slot.take() {
+    let mut unclaimed = match slot.take() {
         Some(SanObject::Unclaimed(unclaimed)) => unclaimed,
         // Another thread claimed it (or left it on TCP) while we waited for the lock.
         other => {
@@ -153,7 +160,8 @@ fn claim_inner(index: u32, record: &'static SocketRecord) -> bool {
         }
     }
     let fd = record.fd.load(Ordering::Acquire);
-    let attached = match budget::charge_shm() {
+    // Charged at accept (a fork copies the charge with the process's total).
+    let attached = match unclaimed.charge.take().or_else(budget::charge_shm) {
         Some(charge) => SanSocket::acceptor(
             record,
             provider.dir.handle(),

@@ -13,6 +13,7 @@ use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use super::budget::Charge;
 use crate::discovery::SegmentName;
 
 /// An accepted connection whose client made a segment, not attached yet.
@@ -23,13 +24,18 @@ pub(crate) struct Unclaimed {
     /// Shared with the other processes that hold the descriptor; made by the first `fork`
     /// that copies it (before it, this process is the only holder).
     pub(super) holders: Option<Holders>,
+    /// The process's SAN memory budget, charged at `accept` (so connections are admitted in
+    /// the order they were accepted, not the order their first calls happen to run in);
+    /// taken by the session when it attaches, given back if it never does.
+    pub(super) charge: Option<Charge>,
 }
 
 impl Unclaimed {
-    pub(super) fn new(name: SegmentName) -> Self {
+    pub(super) fn new(name: SegmentName, charge: Charge) -> Self {
         Self {
             name,
             holders: None,
+            charge: Some(charge),
         }
     }
 }
