@@ -53,7 +53,7 @@ use crate::domain::{self, DomainShared, ShmDomain};
 use crate::error::ShmError;
 use crate::layout::{
     ExposureEntry, Geometry, RingEntry, SideControl, ASLEEP, ENTRY_MESSAGE, ENTRY_WINDOW_WRITE,
-    MAGIC, RUNNING, WAKING,
+    MAGIC, PAYLOAD_ALIGN, RUNNING, WAKING,
 };
 use crate::segment::{ShmSegment, Side, READY_SLOTS};
 use crate::sys::{self, CmaDirection, FutexWait, GrantedRange};
@@ -177,7 +177,11 @@ fn bump(counter: &AtomicU64) {
 enum SlotState {
     Idle,
     Posted,
-    Holding(u32),
+    /// A message of `len` bytes, `offset` bytes into the slot.
+    Holding {
+        len: u32,
+        offset: u32,
+    },
 }
 
 /// A message staged in a posted slot of the peer, waiting for its publication.
@@ -186,13 +190,28 @@ struct Staged {
     wr_id: WrId,
     slot: u32,
     len: u32,
+    /// How far into the slot the message starts.
+    offset: u32,
+}
+
+/// How far into its slot a message of a `head_len`-byte header and a `payload_len`-byte
+/// payload goes: its payload then starts on a [`PAYLOAD_ALIGN`] boundary (a message without
+/// payload starts at the slot's start).
+fn message_offset(head_len: usize, payload_len: usize) -> usize {
+    if payload_len == 0 {
+        0
+    } else {
+        (PAYLOAD_ALIGN - head_len % PAYLOAD_ALIGN) % PAYLOAD_ALIGN
+    }
 }
 
 #[derive(Debug)]
 enum Outbound {
     Send {
         wr_id: WrId,
+        /// The message: its header's `head_len` bytes, then the payload.
         bytes: Vec<u8>,
+        head_len: usize,
     },
     Rdma {
         wr_id: WrId,
@@ -810,7 +829,8 @@ impl ShmConnection {
         if slot >= u32::from(self.geometry.slots.recv_slots) {
             return Err(Step::Down(CompletionError::Fatal));
         }
-        let at = self.geometry.slot(peer, slot as usize);
+        let offset = message_offset(header.len(), payload.len());
+        let at = self.geometry.slot(peer, slot as usize) + offset;
         self.segment.map().copy_in(at, header);
         if !payload.is_empty() {
             self.segment.map().copy_in(at + header.len(), payload);
@@ -821,8 +841,9 @@ impl ShmConnection {
             .post_tail
             .0
             .store(self.peer_post_tail, Ordering::Release);
-        // NOTE(cast): `len <= slot_size` (a u32) was checked when the send was posted.
-        self.push_entry(ENTRY_MESSAGE, slot, len as u32, 0, 0, 0);
+        // NOTE(cast): `len <= slot_size` (a u32) was checked when the send was posted, and
+        // `offset < PAYLOAD_ALIGN`.
+        self.push_entry(ENTRY_MESSAGE, slot, len as u32, offset as u32, 0, 0);
         Ok(())
     }
 
@@ -1083,7 +1104,9 @@ impl ShmConnection {
                 break;
             };
             let step = match &mut op {
-                Outbound::Send { bytes, .. } => match self.try_send(bytes, &[]) {
+                Outbound::Send {
+                    bytes, head_len, ..
+                } => match self.try_send(&bytes[..*head_len], &bytes[*head_len..]) {
                     Ok(()) => Step::Done(op.completion(Ok(()))),
                     Err(step) => step,
                 },
@@ -1201,7 +1224,7 @@ impl ShmConnection {
             let dest = entry.dest.load(Ordering::Relaxed);
             let window_pos = entry.window_pos.load(Ordering::Relaxed);
             let ok = match kind {
-                ENTRY_MESSAGE => self.deliver_message(slot, len),
+                ENTRY_MESSAGE => self.deliver_message(slot, len, rkey),
                 ENTRY_WINDOW_WRITE => {
                     window_freed = true;
                     self.apply_window_write(len, rkey, dest, window_pos)
@@ -1221,17 +1244,21 @@ impl ShmConnection {
         self.notify_peer_if_waiting_for_space();
     }
 
-    fn deliver_message(&mut self, slot: u32, len: u32) -> bool {
+    /// A message of `len` bytes in slot `slot`, `offset` bytes into it.
+    fn deliver_message(&mut self, slot: u32, len: u32, offset: u32) -> bool {
         // The peer must use our posted slots in the order we posted them.
         let Some(&(expected, wr_id)) = self.posted.front() else {
             return false;
         };
-        if slot != u32::from(expected) || len > self.geometry.slots.slot_size {
+        if slot != u32::from(expected)
+            || len > self.geometry.slots.slot_size
+            || offset as usize >= PAYLOAD_ALIGN
+        {
             return false;
         }
         self.posted.pop_front();
         self.grow_slots();
-        self.slot_state[usize::from(expected)] = SlotState::Holding(len);
+        self.slot_state[usize::from(expected)] = SlotState::Holding { len, offset };
         self.completions.push_back(Completion {
             wr_id,
             kind: CompletionKind::Recv {
@@ -1727,6 +1754,7 @@ impl SanConnection for ShmConnection {
                     self.outbound.push_back(Outbound::Send {
                         wr_id,
                         bytes: Vec::new(),
+                        head_len: 0,
                     });
                     self.go_down(error);
                     return Ok(());
@@ -1737,6 +1765,7 @@ impl SanConnection for ShmConnection {
         self.outbound.push_back(Outbound::Send {
             wr_id,
             bytes: san_api::joined(head, payload),
+            head_len: head.len(),
         });
         self.pump_outbound();
         Ok(())
@@ -1766,15 +1795,17 @@ impl SanConnection for ShmConnection {
         let Some(slot) = self.peer_slot_ahead(self.staged.len() as u64) else {
             return Ok(false);
         };
-        let at = self.geometry.slot(self.me.peer().index(), slot as usize);
+        let offset = message_offset(head.len(), payload.len());
+        let at = self.geometry.slot(self.me.peer().index(), slot as usize) + offset;
         let map = self.segment.map();
         map.copy_in(at, head);
         map.copy_in_from(at + head.len(), payload, 0, payload.len())?;
-        // NOTE(cast): `len <= slot_size`, a u32 (checked above).
+        // NOTE(cast): `len <= slot_size`, a u32 (checked above); `offset < PAYLOAD_ALIGN`.
         self.staged.push(Staged {
             wr_id,
             slot,
             len: len as u32,
+            offset: offset as u32,
         });
         Ok(true)
     }
@@ -1790,7 +1821,14 @@ impl SanConnection for ShmConnection {
                 .post_tail
                 .0
                 .store(self.peer_post_tail, Ordering::Release);
-            self.push_entry(ENTRY_MESSAGE, message.slot, message.len, 0, 0, 0);
+            self.push_entry(
+                ENTRY_MESSAGE,
+                message.slot,
+                message.len,
+                message.offset,
+                0,
+                0,
+            );
             self.sends_in_flight += 1;
             self.completions.push_back(Completion {
                 wr_id: message.wr_id,
@@ -1828,8 +1866,8 @@ impl SanConnection for ShmConnection {
 
     fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8] {
         match self.slot_state.get(usize::from(slot.0)) {
-            Some(SlotState::Holding(held)) if len <= *held => self.segment.map().bytes(
-                self.geometry.slot(self.me.index(), usize::from(slot.0)),
+            Some(SlotState::Holding { len: held, offset }) if len <= *held => self.segment.map().bytes(
+                self.geometry.slot(self.me.index(), usize::from(slot.0)) + *offset as usize,
                 len as usize,
             ),
             _ => &[],

@@ -1,4 +1,4 @@
-//! The shared segment layout (layout version 4): `#[repr(C)]`, offsets only, no pointers.
+//! The shared segment layout (layout version 5): `#[repr(C)]`, offsets only, no pointers.
 //!
 //! ```text
 //! 0        SegmentHeader (one 4 KiB page: magic, version, sizes, side offsets, state;
@@ -11,7 +11,9 @@
 //!   post FIFO       recv_slots × u32   slot ids S posted, oldest first (S produces, peer consumes)
 //!   inbound ring    ring_entries × RingEntry  messages and window writes for S (peer produces)
 //!   exposure table  EXPOSURE_ENTRIES × ExposureEntry  S's exposed registrations (S writes only)
-//!   receive slots   recv_slots × slot_stride bytes  (peer copies messages straight in)
+//!   receive slots   recv_slots × slot_stride bytes  (peer copies messages straight in, each
+//!                   at the offset its ring entry names, so that its payload starts on a
+//!                   PAYLOAD_ALIGN boundary: a stride holds slot_size + PAYLOAD_ALIGN - 1)
 //!   write window    window_size bytes  bounded byte ring for writes when CMA is not permitted
 //! journal[0]  outbound journal of the creator  ─┐ each journal_size bytes, page aligned, at the
 //! journal[1]  outbound journal of the attacher ─┘ end of the file and allocated only when used
@@ -35,7 +37,15 @@ use san_api::SlotConfig;
 /// `b"SANSHM01"` little-endian: identifies a segment file.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"SANSHM01");
 /// The layout described in this module.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
+/// A message's payload (what follows the header its sender names) starts on this boundary of
+/// its receive slot: the message goes that far into the slot (its ring entry says where).
+/// Copies into and out of the slot then keep the alignment of their other end: a file read
+/// straight into a slot comes from the page cache at a page boundary (a 64 KiB body at
+/// offset 0), and a copy whose destination lies 8 bytes past its source's alignment (a
+/// payload right after an 8-byte header) ran several times slower (`rep movsb` and `memcpy`
+/// alike: the stores alias the loads that follow them).
+pub const PAYLOAD_ALIGN: usize = 64;
 /// Bytes reserved for the header (one page, so the side areas are page aligned).
 pub const HEADER_SIZE: usize = 4096;
 /// Entries in each side's exposure table; an rkey's low [`RKEY_INDEX_BITS`] bits index it.
@@ -290,7 +300,8 @@ pub struct RingEntry {
     pub slot: AtomicU32,
     /// Message length, or window chunk length.
     pub len: AtomicU32,
-    /// Window write: the rkey the writer presented.
+    /// Window write: the rkey the writer presented. Message: how far into the slot it starts
+    /// (below [`PAYLOAD_ALIGN`]).
     pub rkey: AtomicU32,
     /// Window write: destination address in the receiver's process.
     pub dest: AtomicU64,
@@ -429,7 +440,8 @@ pub struct Geometry {
     pub window_size: u32,
     /// Outbound-journal bytes per side.
     pub journal_size: u32,
-    /// Distance between two receive slots.
+    /// Distance between two receive slots, and the bytes one holds: a message of up to
+    /// `slots.slot_size` bytes at any offset below [`PAYLOAD_ALIGN`].
     pub slot_stride: usize,
     /// Size of one side area.
     pub side_size: usize,
@@ -468,8 +480,8 @@ impl Geometry {
             return Err(CorruptSegment::SizeOutOfRange);
         }
         let recv = usize::from(slots.recv_slots);
-        let slot_stride =
-            round_up(slots.slot_size as usize, CACHE_LINE).ok_or(CorruptSegment::SizeOutOfRange)?;
+        let slot_stride = round_up(slots.slot_size as usize + PAYLOAD_ALIGN - 1, CACHE_LINE)
+            .ok_or(CorruptSegment::SizeOutOfRange)?;
         let fifo_off = size_of::<SideControl>();
         let ring_off =
             round_up(fifo_off + recv * 4, CACHE_LINE).ok_or(CorruptSegment::SizeOutOfRange)?;
@@ -639,6 +651,7 @@ mod tests {
         assert!(g.journal(0, 8191) < g.journal(1, 0));
         assert_eq!(g.journal(1, 8192), g.total_size);
         assert_eq!(g.slot_stride % 64, 0);
+        assert!(g.slot_stride >= 1000 + PAYLOAD_ALIGN - 1);
     }
 
     #[test]
