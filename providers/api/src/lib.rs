@@ -121,6 +121,19 @@ pub trait AppSource {
 
     /// Copies the `dst.len()` bytes at `offset` (`offset + dst.len() <= len()`) into `dst`.
     fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress>;
+
+    /// Copies the bytes from `offset` on into each of `dsts` in turn, filling each before
+    /// the next: as [`AppSource::copy_to`] of every destination at the offset where the one
+    /// before it ended. A source whose every copy costs a system call of its own (a file)
+    /// fills them all with one; the default copies them one by one.
+    fn copy_to_each(&self, offset: usize, dsts: &mut [&mut [u8]]) -> Result<(), BadAddress> {
+        let mut at = offset;
+        for dst in dsts.iter_mut() {
+            self.copy_to(at, dst)?;
+            at += dst.len();
+        }
+        Ok(())
+    }
 }
 
 /// Memory an application call handed over to be filled (the buffers of a `recv`), written
@@ -164,6 +177,10 @@ impl<S: AppSource + ?Sized> AppSource for SourcePart<'_, S> {
     fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
         self.source.copy_to(self.start + offset, dst)
     }
+
+    fn copy_to_each(&self, offset: usize, dsts: &mut [&mut [u8]]) -> Result<(), BadAddress> {
+        self.source.copy_to_each(self.start + offset, dsts)
+    }
 }
 
 impl AppSource for [u8] {
@@ -186,6 +203,37 @@ impl AppSink for [u8] {
         self[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }
+}
+
+/// [`SanConnection::stage_sends_from`] as one [`SanConnection::stage_send_from`] per message,
+/// each with its own copy: for providers (and wrappers of several) that stage messages
+/// singly.
+pub fn stage_each<C: SanConnection + ?Sized>(
+    conn: &mut C,
+    messages: &[StagedSend<'_>],
+    payload: &dyn AppSource,
+) -> Result<usize, BadAddress> {
+    let mut at = 0usize;
+    for (staged, message) in messages.iter().enumerate() {
+        let part = SourcePart::new(payload, at, message.payload_len);
+        if !conn.stage_send_from(message.wr_id, message.head, &part)? {
+            return Ok(staged);
+        }
+        at += message.payload_len;
+    }
+    Ok(messages.len())
+}
+
+/// One message of [`SanConnection::stage_sends_from`]: its header, and how many bytes of
+/// the payload source follow it.
+#[derive(Clone, Copy, Debug)]
+pub struct StagedSend<'a> {
+    /// The work request the message completes as.
+    pub wr_id: WrId,
+    /// The bytes that go before the payload (the switch's message header).
+    pub head: &'a [u8],
+    /// How many payload bytes the message carries.
+    pub payload_len: usize,
 }
 
 /// Access rights of a registration. A small bit set; combine with `|`.
@@ -544,6 +592,25 @@ pub trait SanConnection {
     ) -> Result<bool, BadAddress> {
         let _ = (wr_id, head, payload);
         Ok(false)
+    }
+
+    /// Stages several messages as [`SanConnection::stage_send_from`] stages each, in order:
+    /// message `i` is `messages[i].head` followed by the next `messages[i].payload_len` bytes
+    /// of `payload` (the first message's from its start). The provider fills every staged
+    /// message's payload with one [`AppSource::copy_to_each`], so a source read by system
+    /// call (a file) costs one call for all of them.
+    ///
+    /// `Ok(n)`: the first `n` messages were staged (`n < messages.len()`: no room for the
+    /// next; 0 as `Ok(false)` of [`SanConnection::stage_send_from`]). `Err(BadAddress)`:
+    /// `payload` could not be read, and which of these messages stayed staged is not said:
+    /// the caller discards every staged message ([`SanConnection::discard_staged`]) before
+    /// any other call. The default stages them one by one ([`stage_each`]).
+    fn stage_sends_from(
+        &mut self,
+        messages: &[StagedSend<'_>],
+        payload: &dyn AppSource,
+    ) -> Result<usize, BadAddress> {
+        stage_each(self, messages, payload)
     }
 
     /// Posts every staged message, in the order staged, as [`SanConnection::post_send`]

@@ -46,7 +46,8 @@ use std::time::{Duration, Instant};
 
 use san_api::{
     Access, AppSource, BadAddress, Capabilities, Completion, CompletionError, CompletionKind,
-    LocalSegment, MemRange, PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, WrId,
+    LocalSegment, MemRange, PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, StagedSend,
+    WrId,
 };
 
 use crate::domain::{self, DomainShared, ShmDomain};
@@ -1808,6 +1809,73 @@ impl SanConnection for ShmConnection {
             offset: offset as u32,
         });
         Ok(true)
+    }
+
+    /// As `stage_send_from` of each message, every payload filled with one copy per
+    /// `sys::COPY_AREAS` messages (a file read straight into the peer's slots with one
+    /// system call).
+    fn stage_sends_from(
+        &mut self,
+        messages: &[StagedSend<'_>],
+        payload: &dyn AppSource,
+    ) -> Result<usize, BadAddress> {
+        if !self.up || !self.outbound.is_empty() {
+            return Ok(0);
+        }
+        self.learn_peer();
+        if self.peer.is_none() {
+            return Ok(0);
+        }
+        let first = self.staged.len();
+        let mut areas = [(0usize, 0usize); sys::COPY_AREAS];
+        let mut staged = 0usize;
+        let mut payload_at = 0usize;
+        'chunks: for chunk in messages.chunks(sys::COPY_AREAS) {
+            let mut filled = 0usize;
+            let mut bytes = 0usize;
+            for message in chunk {
+                let len = message.head.len().saturating_add(message.payload_len);
+                if len > self.geometry.slots.slot_size as usize
+                    || self.sends_in_flight + self.staged.len()
+                        >= usize::from(self.geometry.slots.send_slots)
+                {
+                    break;
+                }
+                let Some(slot) = self.peer_slot_ahead(self.staged.len() as u64) else {
+                    break;
+                };
+                let offset = message_offset(message.head.len(), message.payload_len);
+                let at = self.geometry.slot(self.me.peer().index(), slot as usize) + offset;
+                self.segment.map().copy_in(at, message.head);
+                areas[filled] = (at + message.head.len(), message.payload_len);
+                // NOTE(cast): `len <= slot_size`, a u32 (checked above); `offset <
+                // PAYLOAD_ALIGN`.
+                self.staged.push(Staged {
+                    wr_id: message.wr_id,
+                    slot,
+                    len: len as u32,
+                    offset: offset as u32,
+                });
+                filled += 1;
+                bytes += message.payload_len;
+            }
+            if filled > 0 {
+                if let Err(BadAddress) =
+                    self.segment
+                        .map()
+                        .copy_in_each(&areas[..filled], payload, payload_at)
+                {
+                    self.staged.truncate(first);
+                    return Err(BadAddress);
+                }
+            }
+            staged += filled;
+            payload_at += bytes;
+            if filled < chunk.len() {
+                break 'chunks;
+            }
+        }
+        Ok(staged)
     }
 
     fn commit_staged(&mut self) {

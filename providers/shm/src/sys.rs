@@ -64,6 +64,10 @@ shm_safe!(
     crate::layout::SetupWords,
 );
 
+/// Most areas [`Mapping::copy_in_each`] fills with one copy (a 64 KiB file send in 16 KiB
+/// slots takes four).
+pub(crate) const COPY_AREAS: usize = 8;
+
 /// A `MAP_SHARED` read-write mapping of a whole segment file.
 pub(crate) struct Mapping {
     base: NonNull<u8>,
@@ -163,6 +167,50 @@ impl Mapping {
         let target =
             unsafe { core::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) };
         source.copy_to(start, target)
+    }
+
+    /// Copies consecutive bytes of `source`, from `start` on, into the segment's `areas`
+    /// (offset, length) in turn, as [`Mapping::copy_in_from`] of each would, under the same
+    /// rule (parts only this process accesses until it publishes them), with one
+    /// [`AppSource::copy_to_each`] per [`COPY_AREAS`] areas: a file source reads them all
+    /// with one system call. Areas that overlap (only a peer that posted one slot twice makes
+    /// them) are copied one at a time. What landed when the copy fails is unspecified.
+    pub(crate) fn copy_in_each<S: AppSource + ?Sized>(
+        &self,
+        areas: &[(usize, usize)],
+        source: &S,
+        start: usize,
+    ) -> Result<(), BadAddress> {
+        for &(offset, len) in areas {
+            self.check(offset, len, 1);
+        }
+        let disjoint = areas.iter().enumerate().all(|(i, &(offset, len))| {
+            areas[..i]
+                .iter()
+                .all(|&(other, other_len)| offset + len <= other || other + other_len <= offset)
+        });
+        let mut at = start;
+        if !disjoint {
+            for &(offset, len) in areas {
+                self.copy_in_from(offset, source, at, len)?;
+                at += len;
+            }
+            return Ok(());
+        }
+        for chunk in areas.chunks(COPY_AREAS) {
+            let mut targets: [&mut [u8]; COPY_AREAS] = Default::default();
+            for (target, &(offset, len)) in targets.iter_mut().zip(chunk) {
+                // SAFETY: in bounds (checked above) and pairwise disjoint (checked above), so
+                // these exclusive views alias neither each other nor, as in `copy_in_from`,
+                // any other view of this process (parts of the segment nobody else reads or
+                // writes until we publish them); `u8` accepts every bit pattern.
+                *target =
+                    unsafe { core::slice::from_raw_parts_mut(self.base.as_ptr().add(offset), len) };
+            }
+            source.copy_to_each(at, &mut targets[..chunk.len()])?;
+            at += chunk.iter().map(|&(_, len)| len).sum::<usize>();
+        }
+        Ok(())
     }
 
     /// A read-only view of `len` bytes at `offset`.

@@ -625,7 +625,7 @@ unsafe fn san_sendfile(
         let want = (count - total).min(CHUNK);
         if let Some(at) = position {
             // The common case (nginx passes an offset): straight from the file into the
-            // session, one copy fewer.
+            // peer's slots (or the send buffer), with no buffer of ours in between.
             if let Some(sent) = crate::san::send_file_in_place(index, in_fd, at, want) {
                 let at = at + sent as i64;
                 position = Some(at);
@@ -633,10 +633,9 @@ unsafe fn san_sendfile(
                 if unsafe { fault::write_app(offset, at) }.is_err() {
                     return Outcome::Failed(Errno(libc::EFAULT));
                 }
+                // (Fewer than asked: the rest was not taken in place, and the next round
+                // sends it or finds that there is no room.)
                 total += sent;
-                if sent < want {
-                    break;
-                }
                 continue;
             }
         }

@@ -128,10 +128,11 @@ impl AppSource for AppBufs<'_> {
     }
 }
 
-/// `len` bytes of a file from offset `at`, as a source a send copies out of with `pread`:
-/// `sendfile` fills the session's send buffer straight from the page cache, with no buffer
-/// of ours in between. A read that comes up short (the file shrank meanwhile) or fails is a
-/// failed copy, and a failed copy queues nothing.
+/// `len` bytes of a file from offset `at`, as a source a send copies out of with `pread`
+/// (`preadv` for several destinations): `sendfile` fills the peer's receive slots, or the
+/// session's send buffer, straight from the page cache, with no buffer of ours in between. A
+/// read that comes up short (the file shrank meanwhile) or fails is a failed copy, and a
+/// failed copy queues nothing.
 pub(crate) struct FileRange {
     pub fd: c_int,
     pub at: i64,
@@ -162,6 +163,64 @@ impl AppSource for FileRange {
             } else {
                 return Err(BadAddress);
             }
+        }
+        Ok(())
+    }
+
+    /// One `preadv` for all of `dsts` (the peer's slots of a file sent straight into them):
+    /// one system call and one copy, page cache to slot (a read per slot cost more system
+    /// calls than the copy it saved).
+    fn copy_to_each(&self, offset: usize, dsts: &mut [&mut [u8]]) -> Result<(), BadAddress> {
+        const MOST_AT_ONCE: usize = 16;
+        let mut at = offset;
+        for group in dsts.chunks_mut(MOST_AT_ONCE) {
+            let mut iovecs = [libc::iovec {
+                iov_base: core::ptr::null_mut(),
+                iov_len: 0,
+            }; MOST_AT_ONCE];
+            for (iovec, dst) in iovecs.iter_mut().zip(group.iter_mut()) {
+                iovec.iov_base = dst.as_mut_ptr().cast();
+                iovec.iov_len = dst.len();
+            }
+            let iovecs = &mut iovecs[..group.len()];
+            let wanted: usize = iovecs.iter().map(|v| v.iov_len).sum();
+            // The vector's unread rest: a short read (a signal, a file that grew less than
+            // fast) goes on from where it stopped.
+            let mut first = 0usize;
+            let mut done = 0usize;
+            while done < wanted {
+                let Some(position) = i64::try_from(at + done)
+                    .ok()
+                    .and_then(|o| self.at.checked_add(o))
+                else {
+                    return Err(BadAddress);
+                };
+                let rest = &iovecs[first..];
+                // SAFETY: every iovec names our own writable slice (`dsts`), borrowed
+                // exclusively for this call; the kernel writes at most their lengths.
+                let read =
+                    unsafe { libc::preadv64(self.fd, rest.as_ptr(), rest.len() as c_int, position) };
+                if read > 0 {
+                    let mut read = read as usize;
+                    done += read;
+                    while read > 0 {
+                        let iovec = &mut iovecs[first];
+                        if read < iovec.iov_len {
+                            iovec.iov_base = iovec.iov_base.cast::<u8>().wrapping_add(read).cast();
+                            iovec.iov_len -= read;
+                            read = 0;
+                        } else {
+                            read -= iovec.iov_len;
+                            first += 1;
+                        }
+                    }
+                } else if read < 0 && Errno::last().0 == libc::EINTR {
+                    continue;
+                } else {
+                    return Err(BadAddress);
+                }
+            }
+            at += wanted;
         }
         Ok(())
     }

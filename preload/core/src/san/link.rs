@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use san_api::{
     AppSource, BadAddress, Capabilities, Completion, LocalSegment, PostError, RecvSlot,
-    RemoteDescriptor, SanConnection, SlotConfig, WrId,
+    RemoteDescriptor, SanConnection, SlotConfig, StagedSend, WrId,
 };
 use san_shm::{NamespacedPid, ShmConnection, WaitResult};
 
@@ -465,6 +465,19 @@ impl SanConnection for Link {
             Link::Verbs(_) => Ok(false),
             #[cfg(test)]
             Link::Sim(link) => link.stage_send_from(wr_id, head, payload),
+        }
+    }
+
+    fn stage_sends_from(
+        &mut self,
+        messages: &[StagedSend<'_>],
+        payload: &dyn AppSource,
+    ) -> Result<usize, BadAddress> {
+        match self {
+            Link::Shm(conn) => conn.stage_sends_from(messages, payload),
+            Link::Verbs(_) => Ok(0),
+            #[cfg(test)]
+            Link::Sim(_) => san_api::stage_each(self, messages, payload),
         }
     }
 

@@ -73,7 +73,9 @@
 //!   here). `execl*` exec through glibc's internal `execve`: a SAN socket they pass on
 //!   without `FD_CLOEXEC` is not downgraded (the new program sees a TCP socket that carries
 //!   nothing after the switch point).
-//! * `sendfile`/`splice`/`*mmsg` on SAN sockets are emulated through a buffer.
+//! * `sendfile` into a SAN socket with an offset reads the file straight into the peer's
+//!   receive slots (or the session's send buffer); without one, and `splice` and the
+//!   `*mmsg` calls, are emulated through a buffer.
 //!
 //! # Rendezvous (large zero-copy sends)
 //! A *blocking* send of at least the negotiated threshold (4 MiB, the send buffer: smaller

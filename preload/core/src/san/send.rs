@@ -46,10 +46,12 @@ pub fn send_iov(fd: c_int, index: u32, bufs: &[RawBuf], send_flags: c_int) -> Sa
 
 /// `sendfile` of `len` bytes of `file` from offset `at` into a SAN socket whose session takes
 /// them all at once (switched, established, with room, nothing else to do first): the bytes
-/// are read from the file straight into the session's send buffer, in one read (see
-/// `SanSocket::send_buffered`). The count sent, or `None` when the general path must serve
-/// the call (no room, a downgrade, a rendezvous, a file that gave fewer bytes
-/// than asked: it then reads what there is and sends it).
+/// are read from the file straight into the peer's receive slots as far as credits go, one
+/// `preadv` per batch of slots (`FileRange::copy_to_each`), and the rest into the session's
+/// send buffer. The count sent (fewer than `len` only when a read failed after some were
+/// sent), or `None` when the general path must serve the call (no room, a downgrade, a
+/// rendezvous, a file that gave fewer bytes than asked: it then reads what there is and
+/// sends it).
 pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Option<usize> {
     if len == 0 || orphaned(index) || record_flag(index, flags::STASHED) {
         return None;
@@ -61,10 +63,29 @@ pub fn send_file_in_place(index: u32, file: c_int, at: i64, len: usize) -> Optio
     if !socket.queues_without_drive(len) {
         return None;
     }
-    let source = FileRange { fd: file, at, len };
-    let sent = socket.send_buffered(&source).ok().filter(|&n| n > 0)?;
-    socket.service();
-    socket.journal_sent(&source);
+    // Straight into the peer's slots as far as credits and slots go, the rest into the send
+    // buffer, which has room for all of it (checked above). Read straight into the slots, a
+    // 64 KiB body is one system call and one copy (page cache to slot), where the buffer
+    // cost a read into it and a copy out of it.
+    let mut sent = 0usize;
+    while sent < len {
+        let source = FileRange {
+            fd: file,
+            at: at + sent as i64,
+            len: len - sent,
+        };
+        match socket.send(&source, false) {
+            Ok(n) if n > 0 => {
+                socket.service();
+                socket.journal_sent(&source);
+                sent += n;
+            }
+            _ => break,
+        }
+    }
+    if sent == 0 {
+        return None;
+    }
     socket.leaving_call(false);
     socket.note_call(true, false);
     Some(sent)

@@ -143,27 +143,6 @@ impl SanSocket {
         data: &S,
         urgent: bool,
     ) -> Result<usize, SanError> {
-        self.send_with(data, urgent, true)
-    }
-
-    /// [`SanSocket::send`] through the session's send buffer, never straight into the peer's
-    /// slots: for a file, whose bytes each copy into a slot reads with a system call of its
-    /// own (a 64 KiB body in 16 KiB slots cost four reads where the buffer takes one, and
-    /// more CPU per response than the copy it saves).
-    pub(crate) fn send_buffered<S: AppSource + ?Sized>(
-        &mut self,
-        data: &S,
-    ) -> Result<usize, SanError> {
-        self.send_with(data, false, false)
-    }
-
-    /// `straight`: the bytes may go straight into the peer's slots.
-    fn send_with<S: AppSource + ?Sized>(
-        &mut self,
-        data: &S,
-        urgent: bool,
-        straight: bool,
-    ) -> Result<usize, SanError> {
         if self.write_shut {
             return Err(SanError::Errno(libc::EPIPE));
         }
@@ -185,7 +164,7 @@ impl SanSocket {
         if let Some(buffered) = self.send_early(data, handshaking) {
             return buffered;
         }
-        self.send_inline(data, urgent, straight)
+        self.send_inline(data, urgent)
     }
 
     /// Queues stream bytes in the session (after the early bytes).
@@ -193,7 +172,6 @@ impl SanSocket {
         &mut self,
         data: &S,
         urgent: bool,
-        straight: bool,
     ) -> Result<usize, SanError> {
         let Some(session) = self.session.as_mut() else {
             return Err(SanError::Errno(libc::ENOTCONN));
@@ -201,8 +179,8 @@ impl SanSocket {
         let flags = SendFlags { urgent };
         let messages = session.stats().messages_sent;
         let sent = match self.conn.as_mut() {
-            Some(conn) if straight => session.send_into_slots(data, flags, conn),
-            _ => session.send_from(data, flags),
+            Some(conn) => session.send_into_slots(data, flags, conn),
+            None => session.send_from(data, flags),
         };
         self.sent_outside_drive |= session.stats().messages_sent != messages;
         match sent {
