@@ -864,6 +864,16 @@ mod tests {
     }
 
     #[test]
+    fn copying_into_each_fills_the_destinations_in_turn() {
+        let source: &[u8] = b"abcdefghij";
+        let part = SourcePart::new(source, 2, 7);
+        let (mut one, mut two, mut three) = ([0u8; 2], [0u8; 0], [0u8; 3]);
+        let mut dsts: [&mut [u8]; 3] = [&mut one, &mut two, &mut three];
+        assert_eq!(part.copy_to_each(1, &mut dsts), Ok(()));
+        assert_eq!((&one, &three), (b"de", b"fgh"));
+    }
+
+    #[test]
     fn tcp_fallback_is_forbidden_only_where_tcp_would_fail_too() {
         let forbidden = [
             SetupError::Refused,

@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 
 use san_api::{
     Access, AppSource, BadAddress, Capabilities, Completion, CompletionError, CompletionKind,
-    LocalSegment, MemRange, PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig, StagedSend,
-    WrId,
+    LocalSegment, MemRange, PostError, RecvSlot, RemoteDescriptor, SanConnection, SlotConfig,
+    StagedSend, WrId,
 };
 
 use crate::domain::{self, DomainShared, ShmDomain};
@@ -1934,10 +1934,12 @@ impl SanConnection for ShmConnection {
 
     fn recv_slot(&self, slot: RecvSlot, len: u32) -> &[u8] {
         match self.slot_state.get(usize::from(slot.0)) {
-            Some(SlotState::Holding { len: held, offset }) if len <= *held => self.segment.map().bytes(
-                self.geometry.slot(self.me.index(), usize::from(slot.0)) + *offset as usize,
-                len as usize,
-            ),
+            Some(SlotState::Holding { len: held, offset }) if len <= *held => {
+                self.segment.map().bytes(
+                    self.geometry.slot(self.me.index(), usize::from(slot.0)) + *offset as usize,
+                    len as usize,
+                )
+            }
             _ => &[],
         }
     }
@@ -2160,6 +2162,138 @@ mod tests {
         assert_eq!(receive_and_repost(&mut p.attacher), [&b"seven"[..]]);
     }
 
+    /// A source that counts its copies (one `copy_to_each` is one read of a file).
+    struct CountingSource {
+        bytes: Vec<u8>,
+        copies: core::cell::Cell<usize>,
+        bad_from: usize,
+    }
+
+    impl AppSource for CountingSource {
+        fn len(&self) -> usize {
+            self.bytes.len()
+        }
+
+        fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
+            self.copies.set(self.copies.get() + 1);
+            if offset + dst.len() > self.bad_from {
+                return Err(BadAddress);
+            }
+            dst.copy_from_slice(&self.bytes[offset..offset + dst.len()]);
+            Ok(())
+        }
+
+        fn copy_to_each(&self, offset: usize, dsts: &mut [&mut [u8]]) -> Result<(), BadAddress> {
+            self.copies.set(self.copies.get() + 1);
+            let mut at = offset;
+            for dst in dsts.iter_mut() {
+                if at + dst.len() > self.bad_from {
+                    return Err(BadAddress);
+                }
+                dst.copy_from_slice(&self.bytes[at..at + dst.len()]);
+                at += dst.len();
+            }
+            Ok(())
+        }
+    }
+
+    /// Messages staged together take their payloads from one copy of the source, in order,
+    /// as many as the peer posted receives for; a source that faults stages none of them.
+    #[test]
+    fn several_messages_are_staged_with_one_copy_of_their_payloads() {
+        let mut p = pair("stage-many");
+        for slot in 0..3u16 {
+            p.attacher
+                .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                .unwrap();
+        }
+        poll(&mut p.creator);
+        let bytes: Vec<u8> = (0..400u32).map(|i| (i * 7 % 251) as u8).collect();
+        let faulty = CountingSource {
+            bytes: bytes.clone(),
+            copies: core::cell::Cell::new(0),
+            bad_from: 150,
+        };
+        let messages: Vec<StagedSend<'_>> = (0..4u64)
+            .map(|i| StagedSend {
+                wr_id: WrId(20 + i),
+                head: b"headhead",
+                payload_len: 100,
+            })
+            .collect();
+        assert_eq!(
+            p.creator.stage_sends_from(&messages, &faulty),
+            Err(BadAddress)
+        );
+        p.creator.discard_staged();
+        assert!(receive_and_repost(&mut p.attacher).is_empty(), "none seen");
+        assert!(poll(&mut p.creator).is_empty(), "none completed");
+
+        let source = CountingSource {
+            bytes: bytes.clone(),
+            copies: core::cell::Cell::new(0),
+            bad_from: usize::MAX,
+        };
+        assert_eq!(
+            p.creator.stage_sends_from(&messages, &source),
+            Ok(3),
+            "the peer posted three receives"
+        );
+        assert_eq!(source.copies.get(), 1, "one copy for the three payloads");
+        p.creator.commit_staged();
+        let sent: Vec<WrId> = poll(&mut p.creator).iter().map(|c| c.wr_id).collect();
+        assert_eq!(sent, [WrId(20), WrId(21), WrId(22)]);
+        let got = receive_and_repost(&mut p.attacher);
+        let expected: Vec<Vec<u8>> = (0..3)
+            .map(|i| [&b"headhead"[..], &bytes[i * 100..(i + 1) * 100]].concat())
+            .collect();
+        assert_eq!(got, expected, "every payload intact, in order");
+    }
+
+    /// A message's payload starts on a `PAYLOAD_ALIGN` boundary of its slot, whichever way
+    /// it was sent, and a message of the whole slot size still fits.
+    #[test]
+    fn payloads_start_on_the_alignment_boundary_of_their_slot() {
+        let mut p = pair("align");
+        for slot in 0..4u16 {
+            p.attacher
+                .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                .unwrap();
+        }
+        poll(&mut p.creator);
+        let full: Vec<u8> = (0..128 - 8).map(|i| i as u8).collect();
+        p.creator
+            .post_send_parts(WrId(1), b"12345678", &full)
+            .unwrap();
+        assert_eq!(
+            p.creator.stage_send_from(
+                WrId(2),
+                b"abc",
+                &Unreadable {
+                    bytes: full[..50].to_vec(),
+                    bad_from: usize::MAX,
+                }
+            ),
+            Ok(true)
+        );
+        p.creator.commit_staged();
+        p.creator.post_send(WrId(3), b"control").unwrap();
+        let mut seen = Vec::new();
+        for completion in poll(&mut p.attacher) {
+            let CompletionKind::Recv { slot, len } = completion.kind else {
+                continue;
+            };
+            let bytes = p.attacher.recv_slot(slot, len);
+            seen.push((bytes.as_ptr() as usize, bytes.to_vec()));
+        }
+        assert_eq!(seen.len(), 3);
+        assert_eq!(seen[0].1, [&b"12345678"[..], &full].concat());
+        assert_eq!((seen[0].0 + 8) % PAYLOAD_ALIGN, 0, "payload after 8 bytes");
+        assert_eq!(seen[1].1, [&b"abc"[..], &full[..50]].concat());
+        assert_eq!((seen[1].0 + 3) % PAYLOAD_ALIGN, 0, "payload after 3 bytes");
+        assert_eq!(seen[2].1, b"control");
+    }
+
     #[test]
     fn receive_slots_are_allocated_as_the_sender_needs_them() {
         let slots = SlotConfig {
@@ -2317,16 +2451,18 @@ mod tests {
 
     #[test]
     fn oversized_messages_unknown_kinds_and_bad_window_positions_are_fatal() {
-        let forgeries: [(u32, u32, u32, u64); 4] = [
-            (ENTRY_MESSAGE, 0, 129, 0),        // longer than a slot
-            (99, 0, 1, 0),                     // unknown kind
-            (ENTRY_WINDOW_WRITE, 0, 64, 4096), // not at the window tail
-            (ENTRY_WINDOW_WRITE, 0, 64, 0),    // window head never advanced
+        let forgeries: [(u32, u32, u32, u32, u64); 5] = [
+            (ENTRY_MESSAGE, 0, 129, 0, 0), // longer than a slot
+            // starting past the room a slot keeps for aligning its payload
+            (ENTRY_MESSAGE, 0, 10, PAYLOAD_ALIGN as u32, 0),
+            (99, 0, 1, 0, 0),                     // unknown kind
+            (ENTRY_WINDOW_WRITE, 0, 64, 0, 4096), // not at the window tail
+            (ENTRY_WINDOW_WRITE, 0, 64, 0, 0),    // window head never advanced
         ];
-        for (i, (kind, slot, len, pos)) in forgeries.into_iter().enumerate() {
+        for (i, (kind, slot, len, offset, pos)) in forgeries.into_iter().enumerate() {
             let mut p = pair(&format!("forge{i}"));
             p.attacher.post_recv(WrId(1), RecvSlot(0)).unwrap();
-            p.creator.push_entry(kind, slot, len, 0, 0, pos);
+            p.creator.push_entry(kind, slot, len, offset, 0, pos);
             let got = poll(&mut p.attacher);
             assert_eq!(
                 got.first().map(|c| c.status),

@@ -198,8 +198,9 @@ impl AppSource for FileRange {
                 let rest = &iovecs[first..];
                 // SAFETY: every iovec names our own writable slice (`dsts`), borrowed
                 // exclusively for this call; the kernel writes at most their lengths.
-                let read =
-                    unsafe { libc::preadv64(self.fd, rest.as_ptr(), rest.len() as c_int, position) };
+                let read = unsafe {
+                    libc::preadv64(self.fd, rest.as_ptr(), rest.len() as c_int, position)
+                };
                 if read > 0 {
                     let mut read = read as usize;
                     done += read;
@@ -559,5 +560,65 @@ pub(super) fn partial(done: usize, code: c_int) -> Result<isize, Errno> {
         Ok(done as isize)
     } else {
         Err(fail(code))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+
+    fn file_of(bytes: &[u8], name: &str) -> std::fs::File {
+        let path = std::env::temp_dir().join(format!(
+            "sandirect-file-range-{name}-{}",
+            std::process::id()
+        ));
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        file
+    }
+
+    /// Several destinations are filled in order from the file's bytes at the range's offset
+    /// plus the copy's, across page boundaries and however the destinations are cut.
+    #[test]
+    fn a_file_range_fills_several_destinations_in_order() {
+        let bytes: Vec<u8> = (0..70_000u32).map(|i| (i * 131 % 251) as u8).collect();
+        let file = file_of(&bytes, "fill");
+        let range = FileRange {
+            fd: file.as_raw_fd(),
+            at: 1000,
+            len: 60_000,
+        };
+        let mut first = vec![0u8; 16_384];
+        let mut second = vec![0u8; 1];
+        let mut third = vec![0u8; 20_000];
+        let mut dsts: [&mut [u8]; 3] = [&mut first, &mut second, &mut third];
+        assert_eq!(range.copy_to_each(500, &mut dsts), Ok(()));
+        let start = 1000 + 500;
+        assert_eq!(first, bytes[start..start + 16_384]);
+        assert_eq!(second, bytes[start + 16_384..start + 16_385]);
+        assert_eq!(third, bytes[start + 16_385..start + 36_385]);
+        // A single destination reads the same bytes as the vectored read.
+        let mut one = vec![0u8; 36_385];
+        assert_eq!(range.copy_to(500, &mut one), Ok(()));
+        assert_eq!(one, bytes[start..start + 36_385]);
+    }
+
+    /// A file that ends before the destinations do (it shrank meanwhile) is a failed copy.
+    #[test]
+    fn a_file_range_past_the_end_of_its_file_fails() {
+        let file = file_of(&[7u8; 5000], "short");
+        let range = FileRange {
+            fd: file.as_raw_fd(),
+            at: 0,
+            len: 8192,
+        };
+        let mut first = vec![0u8; 4096];
+        let mut second = vec![0u8; 4096];
+        let mut dsts: [&mut [u8]; 2] = [&mut first, &mut second];
+        assert_eq!(range.copy_to_each(0, &mut dsts), Err(BadAddress));
     }
 }
