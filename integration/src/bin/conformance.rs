@@ -1888,6 +1888,85 @@ fn sendfile_with_offset() -> CaseResult {
     ))
 }
 
+/// A nonblocking `sendfile` with an offset into a socket nobody reads: the counts are as large
+/// as the socket takes (megabytes, in several calls: over the SAN partly straight into the
+/// reader's slots, partly into the send buffer), then `EAGAIN`;
+/// the offset moves by exactly what was sent and the file position stays; once the peer
+/// reads, the rest follows after each wait for writability, and the peer gets the file intact.
+fn sendfile_nonblocking_until_full() -> CaseResult {
+    use std::os::fd::AsRawFd;
+    const LEN: usize = 24 << 20;
+    const COUNT: usize = 1 << 20;
+    let (client, server) = pair()?;
+    let path =
+        std::env::temp_dir().join(format!("sandirect-conformance-full-{}", std::process::id()));
+    let body: Vec<u8> = (0..LEN).map(|i| (i * 131 % 251) as u8).collect();
+    std::fs::write(&path, &body).map_err(|e| e.to_string())?;
+    let file = std::fs::File::open(&path).map_err(|e| e.to_string())?;
+    std::fs::remove_file(&path).map_err(|e| e.to_string())?;
+    // SAFETY: setting O_NONBLOCK on our socket.
+    unsafe {
+        let flags = libc::fcntl(client.raw(), libc::F_GETFL);
+        libc::fcntl(client.raw(), libc::F_SETFL, flags | libc::O_NONBLOCK);
+    }
+    let mut offset: libc::off_t = 0;
+    let mut sent_before_full = 0usize;
+    let mut calls_before_full = 0usize;
+    let mut full = false;
+    while !full && (offset as usize) < LEN {
+        // SAFETY: valid fds and offset pointer.
+        let sent = unsafe { libc::sendfile(client.raw(), file.as_raw_fd(), &mut offset, COUNT) };
+        if sent > 0 {
+            sent_before_full += sent as usize;
+            calls_before_full += 1;
+        } else if sent < 0 && errno() == libc::EAGAIN {
+            full = true;
+        } else {
+            return Err(format!(
+                "sendfile into a socket nobody reads: {}",
+                outcome(sent)
+            ));
+        }
+    }
+    let exact_before_full = offset as usize == sent_before_full;
+    let mut sent_total = sent_before_full;
+    let mut got = Vec::with_capacity(LEN);
+    let mut waits = 0;
+    while got.len() < LEN && waits < 2000 {
+        if (offset as usize) < LEN && poll_one(client.raw(), libc::POLLOUT, 0)? & libc::POLLOUT != 0
+        {
+            // SAFETY: valid fds and offset pointer.
+            let sent =
+                unsafe { libc::sendfile(client.raw(), file.as_raw_fd(), &mut offset, COUNT) };
+            if sent > 0 {
+                sent_total += sent as usize;
+            } else if !(sent < 0 && errno() == libc::EAGAIN) {
+                return Err(format!("sendfile once writable: {}", outcome(sent)));
+            }
+        }
+        if poll_one(server.raw(), libc::POLLIN, 10)? == 0 {
+            waits += 1;
+            continue;
+        }
+        let (n, bytes) = read_some(server.raw(), 1 << 20);
+        if n <= 0 {
+            break;
+        }
+        got.extend_from_slice(&bytes);
+    }
+    // SAFETY: plain lseek on our file.
+    let position = unsafe { libc::lseek(file.as_raw_fd(), 0, libc::SEEK_CUR) };
+    Ok(format!(
+        "EAGAIN once full: {full}, after at least 1 MiB: {}, in several calls: {}; \
+         offset moved exactly: {}, file position {position}; peer read {} bytes, intact={}",
+        sent_before_full >= 1 << 20,
+        calls_before_full > 1,
+        exact_before_full && offset as usize == sent_total,
+        got.len(),
+        got == body
+    ))
+}
+
 /// Reads of nothing: `recv` of 0 bytes answers `EAGAIN` when nonblocking with nothing
 /// queued, else 0; `read` and `readv` of nothing answer 0 whatever the socket holds.
 fn zero_length_reads() -> CaseResult {
@@ -3273,6 +3352,10 @@ const CASES: &[Case] = &[
     ("sendfile-and-splice", sendfile_and_splice),
     ("sendfile-from-file-position", sendfile_from_file_position),
     ("sendfile-with-offset", sendfile_with_offset),
+    (
+        "sendfile-nonblocking-until-full",
+        sendfile_nonblocking_until_full,
+    ),
     ("zero-length-reads", zero_length_reads),
     ("mmsg", mmsg),
     ("fork-and-close-range", fork_and_close_range),
