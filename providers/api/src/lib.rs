@@ -596,9 +596,9 @@ pub trait SanConnection {
 
     /// Stages several messages as [`SanConnection::stage_send_from`] stages each, in order:
     /// message `i` is `messages[i].head` followed by the next `messages[i].payload_len` bytes
-    /// of `payload` (the first message's from its start). The provider fills every staged
-    /// message's payload with one [`AppSource::copy_to_each`], so a source read by system
-    /// call (a file) costs one call for all of them.
+    /// of `payload` (the first message's from its start). A provider that stages into the
+    /// peer's memory fills the payloads with one [`AppSource::copy_to_each`], so a source read
+    /// by system call (a file) costs one call for all of them.
     ///
     /// `Ok(n)`: the first `n` messages were staged (`n < messages.len()`: no room for the
     /// next; 0 as `Ok(false)` of [`SanConnection::stage_send_from`]). `Err(BadAddress)`:
