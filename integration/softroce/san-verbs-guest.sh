@@ -343,14 +343,15 @@ iperf3_case
 # before the SYN), both preloaded. Values: app_kv (the application tests' verifying client)
 # writes 4 × 8 values (1 B to 256 KiB: each size once) and reads each back on another connection, comparing
 # bytes, while `sandirect stat` must show its connections and the server's on SAN-verbs with
-# the values' bytes counted. Rate: redis-benchmark SET/GET with one client (bounded by -n),
+# the values' bytes counted. Rate: redis-benchmark SET/GET with one client (bounded by -n,
+# large enough that a `sandirect stat` sample, itself slow under emulation, finds it running),
 # its connection on SAN-verbs while it runs, and a median latency under 60 ms: a wake-up
 # missed and delivered only by the 239 ms wait slices or redis' 100 ms timer made it
 # 140-250 ms (~13 req/s); fixed it is ~5-15 ms in the debug build under emulation, where one
 # completion-channel wake-up of soft-RoCE alone costs ~2.3 ms (ib_send_lat -e). The same
 # benchmark over plain TCP in the same guest is the reference (reported only).
 redis_case() {
-  local name=redis srv rc n=${SANDIRECT_SAN_VERBS_REDIS_N:-200}
+  local name=redis srv rc n=${SANDIRECT_SAN_VERBS_REDIS_N:-600}
   selected "$name" || return 0
   command -v redis-server >/dev/null && command -v redis-benchmark >/dev/null ||
     { echo "san-verbs: $name skipped (no redis)"; return; }
@@ -376,8 +377,8 @@ redis_case() {
     >"$LOGS/$name.bench.out" 2>"$LOGS/$name.bench.err" &
   local cli=$!
   # Sample `sandirect stat` until the benchmark's connections show SAN bytes moving.
-  for _ in $(seq 60); do
-    sleep 0.5
+  for _ in $(seq 150); do
+    sleep 0.2
     "$T/sandirect" stat >"$LOGS/$name.stat" 2>&1
     (( $(awk '$7 == "SAN-verbs" && $10 > 0' "$LOGS/$name.stat" | wc -l) >= 2 )) && break
     kill -0 "$cli" 2>/dev/null || break
