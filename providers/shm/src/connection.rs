@@ -1773,45 +1773,23 @@ impl SanConnection for ShmConnection {
     }
 
     /// Straight into the peer's next posted slot (after those staged before), published at
-    /// the commit: the payload is copied once, from the application to the peer.
+    /// the commit: the payload is copied once, from the application to the peer (one
+    /// message of `stage_sends_from`).
     fn stage_send_from(
         &mut self,
         wr_id: WrId,
         head: &[u8],
         payload: &dyn AppSource,
     ) -> Result<bool, BadAddress> {
-        let len = head.len().saturating_add(payload.len());
-        if !self.up
-            || !self.outbound.is_empty()
-            || len > self.geometry.slots.slot_size as usize
-            || self.sends_in_flight + self.staged.len()
-                >= usize::from(self.geometry.slots.send_slots)
-        {
-            return Ok(false);
-        }
-        self.learn_peer();
-        if self.peer.is_none() {
-            return Ok(false);
-        }
-        let Some(slot) = self.peer_slot_ahead(self.staged.len() as u64) else {
-            return Ok(false);
-        };
-        let offset = message_offset(head.len(), payload.len());
-        let at = self.geometry.slot(self.me.peer().index(), slot as usize) + offset;
-        let map = self.segment.map();
-        map.copy_in(at, head);
-        map.copy_in_from(at + head.len(), payload, 0, payload.len())?;
-        // NOTE(cast): `len <= slot_size`, a u32 (checked above); `offset < PAYLOAD_ALIGN`.
-        self.staged.push(Staged {
+        let message = StagedSend {
             wr_id,
-            slot,
-            len: len as u32,
-            offset: offset as u32,
-        });
-        Ok(true)
+            head,
+            payload_len: payload.len(),
+        };
+        Ok(self.stage_sends_from(&[message], payload)? == 1)
     }
 
-    /// As `stage_send_from` of each message, every payload filled with one copy per
+    /// Each message into the peer's next posted slot, every payload filled with one copy per
     /// `sys::COPY_AREAS` messages (a file read straight into the peer's slots with one
     /// system call).
     fn stage_sends_from(

@@ -141,7 +141,7 @@ pub(super) fn claim(index: u32, record: &'static SocketRecord) -> bool {
 
 fn claim_inner(index: u32, record: &'static SocketRecord) -> bool {
     let mut slot = lock(index);
-    let mut unclaimed = match slot.take() {
+    let unclaimed = match slot.take() {
         Some(SanObject::Unclaimed(unclaimed)) => unclaimed,
         // Another thread claimed it (or left it on TCP) while we waited for the lock.
         other => {
@@ -161,25 +161,21 @@ fn claim_inner(index: u32, record: &'static SocketRecord) -> bool {
     }
     let fd = record.fd.load(Ordering::Acquire);
     // Charged at accept (a fork copies the charge with the process's total).
-    let attached = match unclaimed.charge.take().or_else(budget::charge_shm) {
-        Some(charge) => SanSocket::acceptor(
-            record,
-            provider.dir.handle(),
-            &unclaimed.name,
-            &provider.registrations,
-            charge,
-        ),
-        // Past the process's SAN memory budget: decline (the client stays on TCP,
-        // `peer-resources`).
-        None => Err(SocketSetupError::Resource),
-    };
+    let Unclaimed { name, charge, .. } = *unclaimed;
+    let attached = SanSocket::acceptor(
+        record,
+        provider.dir.handle(),
+        &name,
+        &provider.registrations,
+        charge,
+    );
     match attached {
         Ok(mut socket) => {
             // The marker goes out now, before the call goes on: the application watches the
             // mirror from now on, and a pending client's TCP bytes only become visible there
             // once the client switched, which the marker makes it do at its next call.
             socket.wake_pending_client(fd);
-            tracing::debug!(fd, name = %unclaimed.name, "accepted over the SAN");
+            tracing::debug!(fd, %name, "accepted over the SAN");
             COUNTERS.switched.fetch_add(1, Ordering::Relaxed);
             let intra_host = socket.is_intra_host();
             insert_claimed(&mut slot, index, record, socket);
@@ -196,7 +192,7 @@ fn claim_inner(index: u32, record: &'static SocketRecord) -> bool {
             record.set_flag(flags::UNCLAIMED, false);
             stay_on_tcp(record, bypass);
             if bypass != Bypass::PeerNotCapable {
-                decline(&unclaimed.name);
+                decline(&name);
             }
             false
         }

@@ -27,7 +27,7 @@ pub(crate) struct Unclaimed {
     /// The process's SAN memory budget, charged at `accept` (so connections are admitted in
     /// the order they were accepted, not the order their first calls happen to run in);
     /// taken by the session when it attaches, given back if it never does.
-    pub(super) charge: Option<Charge>,
+    pub(super) charge: Charge,
 }
 
 impl Unclaimed {
@@ -35,7 +35,7 @@ impl Unclaimed {
         Self {
             name,
             holders: None,
-            charge: Some(charge),
+            charge,
         }
     }
 }
