@@ -23,10 +23,12 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use san_api::SlotConfig;
-use sandirect_verbs::{ConnectParams, VerbsConnection, VerbsDomain};
+use sandirect_verbs::{ConnectParams, VerbsConnection, VerbsDomain, VerbsSetupError};
 
 /// How long the client's connection is looked for.
 const FIND_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often one request is tried when its ephemeral port was taken.
+const PORT_ATTEMPTS: usize = 4;
 /// How long the accepted connections are held at most (the test closes stdin before).
 const HOLD_LIMIT: Duration = Duration::from_secs(120);
 
@@ -135,7 +137,16 @@ fn main() {
         params.private_data = &request;
         params.timeout = Duration::from_secs(30);
         params.local = Some(SocketAddr::new(from, 0));
-        match VerbsConnection::connect(&domain, target, &params) {
+        // iWARP (siw): the ephemeral port rdma_cm picks may be taken among the kernel's TCP
+        // ports (EADDRINUSE); a determined hijacker simply tries another.
+        let mut attempt = VerbsConnection::connect(&domain, target, &params);
+        for _ in 1..PORT_ATTEMPTS {
+            if !matches!(attempt, Err(VerbsSetupError::Os(libc::EADDRINUSE))) {
+                break;
+            }
+            attempt = VerbsConnection::connect(&domain, target, &params);
+        }
+        match attempt {
             Ok((conn, reply)) => {
                 println!("hijack {n} accepted reply={}", reply.len());
                 held.push(conn);

@@ -85,6 +85,9 @@ pub(crate) enum AcceptorError {
     Resource,
 }
 
+/// How often the acceptor's CM connect is tried when its ephemeral port was taken.
+const EPHEMERAL_PORT_ATTEMPTS: usize = 3;
+
 /// Inside `accept()`: connects to the client's CM listener at its TCP address and port (the
 /// service thread, `start`, must run: it will watch the connection). The link holds the
 /// token of the client's reply, which the caller writes on TCP before anything else.
@@ -101,7 +104,16 @@ pub(crate) fn acceptor(
     started_watcher(start).ok_or(AcceptorError::Resource)?;
     let blob = setup_request(local, peer);
     let started = Instant::now();
-    let connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
+    // iWARP: rdma_cm picks the connection's ephemeral port in its own port space, and the
+    // provider's kernel TCP socket may find that port taken (EADDRINUSE). That says nothing
+    // about the peer: another attempt gets another port.
+    let mut connected = Err(VerbsSetupError::Os(libc::EADDRINUSE));
+    for _ in 0..EPHEMERAL_PORT_ATTEMPTS {
+        connected = domain.with(|d| d.connect(peer, &params(&blob, Some(local.ip()))));
+        if connected.as_ref().err() != Some(&VerbsSetupError::Os(libc::EADDRINUSE)) {
+            break;
+        }
+    }
     match connected {
         Ok((conn, reply)) => {
             let Some(token) = token_of_reply(&reply) else {
@@ -125,7 +137,7 @@ pub(crate) fn acceptor(
             tracing::debug!(%peer, ?error, took = ?started.elapsed(), "CM connect to the client failed");
             // Our own want of resources (the QP and slots are set up before the request goes
             // out) says nothing about the peer.
-            if !local_shortage(error) {
+            if !local_shortage(error) && error != VerbsSetupError::Os(libc::EADDRINUSE) {
                 mark_negative(
                     peer.ip(),
                     matches!(
