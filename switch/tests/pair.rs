@@ -412,6 +412,68 @@ fn data_left_in_its_receive_slots_reads_intact_and_frees_the_slots_as_it_is_read
     assert_eq!(pair.b.session.recv_queue_len(), 0);
 }
 
+#[test]
+fn a_reader_that_defers_its_drives_reads_intact_and_returns_the_slots_when_it_drives() {
+    // The preload's receive path reads what the session holds inline without driving it,
+    // and leaves freed slots un-re-posted until a batch gathers or the session runs dry.
+    let mut pair = Pair::established(PairConfig {
+        session: SessionConfig {
+            send_buffer: 4096,
+            receive_in_slots: true,
+            ..SessionConfig::default()
+        },
+        ..PairConfig::default()
+    });
+    let total = 12 * INLINE_PAYLOAD + 101;
+    let data = pattern(11, 0, total);
+    let mut accepted = 0;
+    let mut got = Vec::new();
+    let chunk = INLINE_PAYLOAD / 2 + 3;
+    let mut buf = vec![0u8; chunk];
+    let mut drives = 0;
+    let mut most_deferred = 0;
+    while got.len() < total {
+        if accepted < total {
+            match pair.a.session.send(&data[accepted..], SendFlags::default()) {
+                Ok(n) => accepted += n,
+                Err(SendError::WouldBlock) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        pair.run();
+        drives += 1;
+        assert!(drives < 10_000, "the stream stalled");
+        let held = pair.b.session.recv_queue_len();
+        assert!(pair.b.session.holds_inline(held));
+        assert!(!pair.b.session.holds_inline(held + 1));
+        // Read on without a drive while the session holds a whole chunk; stop once four
+        // slots wait to be re-posted.
+        while pair.b.session.holds_inline(chunk) && pair.b.session.ops_waiting() < 4 {
+            let n = pair
+                .b
+                .session
+                .recv_from_slots(&mut buf[..], RecvFlags::default(), &pair.b.conn)
+                .unwrap();
+            assert_eq!(n, chunk, "a read the session held inline is whole");
+            got.extend_from_slice(&buf[..n]);
+            most_deferred = most_deferred.max(pair.b.session.ops_waiting());
+        }
+        if !pair.b.session.holds_inline(chunk) {
+            got.extend(pair.recv_up_to(Which::B, chunk, 1 << 20).unwrap());
+        }
+    }
+    assert_eq!(got, data);
+    assert!(most_deferred >= 2, "reads freed slots without a drive");
+    pair.run();
+    assert_eq!(
+        pair.b.session.ops_waiting(),
+        0,
+        "a drive re-posts every freed slot"
+    );
+    assert!(pair.a.session.send_credits().get() > CREDIT_RESERVE);
+    assert!(pair.a.errors.is_empty() && pair.b.errors.is_empty());
+}
+
 /// A pair whose sessions send into the slots and read out of them (with a send buffer
 /// smaller than what the slots take at once).
 fn slots_both_ways() -> Pair {

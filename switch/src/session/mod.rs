@@ -750,6 +750,28 @@ impl Session {
         self.tx_buffer.len()
     }
 
+    /// True when the next `want` bytes of the stream were received inline already: a read of
+    /// that many is answered from them whatever the peer sends next, so it needs no input.
+    pub fn holds_inline(&self, want: usize) -> bool {
+        let mut held = 0;
+        for segment in &self.rx_queue {
+            let Segment::Inline(seg) = segment else {
+                return false;
+            };
+            held += seg.len - seg.read;
+            if held >= want {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Work requests (receives to re-post, sends, RDMA operations) waiting for the driver: a
+    /// read that freed a slot leaves one, which returns the peer's credit.
+    pub fn ops_waiting(&self) -> usize {
+        self.ops.len()
+    }
+
     /// Inline bytes received and not yet read by the application.
     pub fn recv_queue_len(&self) -> usize {
         self.rx_bytes.len() + self.rx_in_slots()

@@ -561,7 +561,11 @@ pub fn readable_bytes(fd: c_int, index: u32) -> Option<c_int> {
     if socket.phase != Phase::Switched {
         return None;
     }
-    socket.service();
+    // Bytes the session holds already are an answer (FIONREAD counts what is queued now;
+    // what is still arriving may follow): no drive for a program that asks after every read.
+    if !socket.reads_without_drive(1) {
+        socket.service();
+    }
     // The kernel is asked only while the stream's bytes may still be on TCP: once they were
     // all read, the answer is the session's alone (a program that asks after every read,
     // as wrk does, would otherwise pay a system call per read).

@@ -170,7 +170,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                 return None;
             }
         } else {
-            socket.service();
+            if !socket.reads_without_drive(total) {
+                socket.service();
+            }
             if total == 0 {
                 return Some(Ok(0));
             }
@@ -259,7 +261,9 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                             tracing::debug!(fd, done, "SAN end of stream");
                         }
                         if n > 0 {
-                            socket.service();
+                            if socket.drives_after_read() {
+                                socket.service();
+                            }
                             if !peek {
                                 socket.settle_readable();
                             }

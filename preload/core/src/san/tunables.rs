@@ -16,6 +16,10 @@ pub(super) const SLOTS: san_api::SlotConfig = san_api::SlotConfig {
     slot_size: 16 << 10,
 };
 
+/// Most receive slots a reader that still holds unread bytes leaves un-re-posted before it
+/// drives (a quarter of [`SLOTS`]: the peer keeps three quarters of its credits meanwhile).
+pub(super) const REPOST_BATCH: usize = SLOTS.recv_slots as usize / 4;
+
 /// Inline slots of verbs connections: fewer and larger than shm's. Every message costs a
 /// work request, a doorbell system call and, at the receiver, a completion (and often a
 /// wake-up); a 64 KiB write then goes as one message, not four (rsocket buffers 128 KiB each

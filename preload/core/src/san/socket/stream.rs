@@ -13,6 +13,7 @@ use crate::record::Counter;
 use crate::san::link::Link;
 use crate::san::outcome::SanError;
 use crate::san::registrations::SharedRegistrations;
+use crate::san::tunables::REPOST_BATCH;
 
 /// A registration was refused (the reason is logged where it happens).
 struct RegisterRefused;
@@ -134,6 +135,48 @@ impl SanSocket {
             && self.session.as_ref().is_some_and(|session| {
                 session.state() == SessionState::Established && session.send_space() >= len
             })
+    }
+
+    /// Whether a read of `want` (> 0) bytes may be answered without driving the session
+    /// first: shm, switched, nothing of ours waiting to go out or to be announced, every
+    /// byte of the stream so far came over the SAN, and the session holds the next `want`
+    /// bytes inline already (whatever arrived meanwhile comes after them). A drive before
+    /// every read cost a completion poll per call: wrk reads each 64 KiB response 8 KiB at a
+    /// time and asks FIONREAD after each read.
+    pub(crate) fn reads_without_drive(&self, want: usize) -> bool {
+        want > 0
+            && self.quiet_for_reads()
+            && self.session.as_ref().is_some_and(|s| s.holds_inline(want))
+    }
+
+    /// After a read that returned bytes: whether a drive is due now. It is while the socket
+    /// has other business, once the read emptied the session (the application reads on
+    /// until it gets `EAGAIN` or goes to wait: the slots it freed go back to the peer before
+    /// either), and once [`REPOST_BATCH`] slots wait to be re-posted (the peer's credits run
+    /// low no further than that while the application works through what it received, as a
+    /// receive window opens in steps). A drive after every read re-posted one slot per two
+    /// of wrk's 8 KiB reads, a completion poll each time.
+    pub(crate) fn drives_after_read(&self) -> bool {
+        !self.quiet_for_reads()
+            || self.session.as_ref().is_none_or(|s| {
+                !s.holds_inline(1)
+                    || s.ops_waiting() >= REPOST_BATCH
+                    || s.credits_owed() >= REPOST_BATCH as u64
+            })
+    }
+
+    /// Nothing but the peer's data is moving: see [`Self::reads_without_drive`].
+    fn quiet_for_reads(&self) -> bool {
+        self.phase == Phase::Switched
+            && self.is_intra_host()
+            && self.restored.is_empty()
+            && self.early.is_empty()
+            && self.deferred_shutdown.is_none()
+            && !self.downgrade_wanted
+            && !self.sent_outside_drive
+            && !self.data_to_announce
+            && !self.has_untransmitted()
+            && self.tcp_backlog() == Some(0)
     }
 
     /// Queues stream bytes for sending: a short count when the send buffer fills; `EFAULT`,
