@@ -556,6 +556,94 @@ fn accept4_flags() -> CaseResult {
     ))
 }
 
+/// `accept4` with the address buffers applications pass: room for any address, room for
+/// half of one (the kernel truncates and says the full length), none, and a length the
+/// process may not read (`EFAULT`); on a loopback and on a wildcard listener. Each accepted
+/// connection carries an exchange both ways, and its peer is the client's own address.
+fn accept_address_buffers() -> CaseResult {
+    let mut report = Vec::new();
+    // A page the process may not touch, for the unreadable length.
+    // SAFETY: an anonymous private mapping, unmapped below.
+    let page = unsafe {
+        libc::mmap(
+            null_mut(),
+            4096,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if page == libc::MAP_FAILED {
+        return Err("mmap".into());
+    }
+    for (any, label) in [(false, "loopback"), (true, "wildcard")] {
+        let (listener, port) = listener_on(Family::V4, any)?;
+        for variant in ["whole", "half", "none", "unreadable-length"] {
+            let (client, rc) = connect_to(Family::V4, port, libc::SOCK_CLOEXEC)?;
+            check(rc, "connect")?;
+            wait_for(listener.raw(), libc::POLLIN, 5000)?;
+            // SAFETY: zeroed storage is valid.
+            let mut storage: libc::sockaddr_storage = unsafe { zeroed() };
+            let mut len: libc::socklen_t = match variant {
+                "whole" => size_of::<libc::sockaddr_storage>() as libc::socklen_t,
+                "half" => 8,
+                _ => 0,
+            };
+            let (addr, len_ptr): (*mut libc::sockaddr, *mut libc::socklen_t) = match variant {
+                "none" => (null_mut(), null_mut()),
+                "unreadable-length" => (&mut storage as *mut _ as *mut _, page.cast()),
+                _ => (&mut storage as *mut _ as *mut _, &mut len),
+            };
+            // SAFETY: the buffers are ours (or deliberately unreadable: the kernel says EFAULT).
+            let fd = unsafe { libc::accept4(listener.raw(), addr, len_ptr, libc::SOCK_CLOEXEC) };
+            if fd < 0 {
+                report.push(format!("{label}/{variant}: {}", outcome(-1)));
+                continue;
+            }
+            let server = Fd(fd);
+            let client_port = local_port(client.raw())?;
+            // SAFETY: sockaddr_in keeps the port at this offset; zeroed where not written.
+            let seen_port = u16::from_be(unsafe {
+                (*(&storage as *const _ as *const libc::sockaddr_in)).sin_port
+            });
+            let exchange = echo_once(&client, &server, variant.as_bytes())?;
+            report.push(format!(
+                "{label}/{variant}: len={len} family={} peer-port-matches={} exchange={exchange}",
+                storage.ss_family,
+                seen_port == client_port,
+            ));
+        }
+    }
+    // SAFETY: the mapping made above.
+    unsafe { libc::munmap(page, 4096) };
+    Ok(report.join("; "))
+}
+
+/// `message` from client to server and back; "ok" when both arrive intact.
+fn echo_once(client: &Fd, server: &Fd, message: &[u8]) -> Result<&'static str, String> {
+    for (from, to) in [(client, server), (server, client)] {
+        // SAFETY: a valid buffer of its length.
+        let sent = unsafe { libc::send(from.raw(), message.as_ptr().cast(), message.len(), 0) };
+        check(sent, "send")?;
+        let mut got = vec![0u8; message.len()];
+        // SAFETY: a valid buffer of its length.
+        let n = unsafe {
+            libc::recv(
+                to.raw(),
+                got.as_mut_ptr().cast(),
+                got.len(),
+                libc::MSG_WAITALL,
+            )
+        };
+        check(n, "recv")?;
+        if got[..n as usize] != *message {
+            return Ok("corrupted");
+        }
+    }
+    Ok("ok")
+}
+
 fn dup_and_close_order() -> CaseResult {
     let (client, server) = pair()?;
     // SAFETY: dup of a valid fd.
@@ -3327,6 +3415,7 @@ const CASES: &[Case] = &[
     ("so-error-and-type", so_error_and_type),
     ("fionread-siocoutq", fionread_siocoutq),
     ("accept4-flags", accept4_flags),
+    ("accept-address-buffers", accept_address_buffers),
     ("dup-and-close-order", dup_and_close_order),
     ("dup2-over-tracked", dup2_over_tracked),
     ("epoll-edge-triggered", epoll_edge_triggered),

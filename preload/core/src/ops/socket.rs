@@ -2,6 +2,7 @@
 
 use core::ffi::{c_int, c_void};
 use core::sync::atomic::Ordering;
+use std::net::SocketAddr;
 
 use libc::{sockaddr, socklen_t};
 
@@ -86,7 +87,13 @@ pub unsafe fn listen(fd: c_int, backlog: c_int) -> c_int {
     rc
 }
 
-fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
+/// `peer`: the address `accept` wrote into the application's buffer, when it had room.
+fn on_accepted(
+    listener: Option<FdEntry>,
+    fd: c_int,
+    accept_flags: c_int,
+    peer: Option<SocketAddr>,
+) {
     let Some(listener) = listener else { return };
     bookkeeping(|| {
         let Some((listener_index, listening)) = record_of(listener) else {
@@ -110,12 +117,67 @@ fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
             inet6 | nonblock | timeouts | flags::SERVER,
             cloexec,
         ) {
-            mark_connected(record, Role::Server, local_address(fd), peer_address(fd));
+            // A listener bound to one address accepts on that address: only a wildcard
+            // listener's connections need `getsockname` (and only an application that gave
+            // `accept` no buffer needs `getpeername`): two system calls less per connection
+            // for a plain client, whose acceptor must cost next to nothing.
+            let local = listening
+                .addresses()
+                .0
+                .filter(|address| !address.ip().is_unspecified())
+                .or_else(|| local_address(fd));
+            let peer = peer.or_else(|| peer_address(fd));
+            mark_connected(record, Role::Server, local, peer);
             if let Some(index) = table().lookup(fd).socket_index() {
                 crate::san::on_accepted(listener_index, fd, index, record);
             }
         }
     });
+}
+
+/// The room the application gives `accept` for the peer's address (0: none, not known, or
+/// `len` not readable: the call then fails with `EFAULT` and the answer is not used). Read before the
+/// call, which overwrites `*len` with the address's full length.
+fn address_room(addr: *mut sockaddr, len: *mut socklen_t) -> socklen_t {
+    // Unguarded reads could crash where the kernel answers EFAULT: only once the fault
+    // handler is armed (a listener with a SAN marker arms it).
+    if addr.is_null() || len.is_null() || !crate::fault::installed() {
+        return 0;
+    }
+    // SAFETY: `socklen_t` is plain data; a guarded read of the application's memory.
+    unsafe { crate::fault::read_app(len.cast_const()) }.unwrap_or(0)
+}
+
+/// The peer address a successful `accept` wrote, when it fit in the application's `room`
+/// (a truncated one is not used). Both reads are guarded: another thread of the
+/// application may have unmapped the buffers meanwhile.
+fn accepted_address(
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+    room: socklen_t,
+) -> Option<SocketAddr> {
+    if room == 0 {
+        return None;
+    }
+    // SAFETY: `socklen_t` is plain data; a guarded read of the application's memory.
+    let written = unsafe { crate::fault::read_app(len.cast_const()) }?;
+    let size = core::mem::size_of::<libc::sockaddr_storage>();
+    if written > room || written as usize > size {
+        return None;
+    }
+    let mut storage = core::mem::MaybeUninit::<libc::sockaddr_storage>::zeroed();
+    // SAFETY: `written` ≤ the storage's size; the source is the application's buffer, read
+    // guarded; the two do not overlap (the storage is ours).
+    unsafe {
+        crate::fault::copy(
+            storage.as_mut_ptr().cast(),
+            addr.cast_const().cast(),
+            written as usize,
+        )
+    }
+    .ok()?;
+    // SAFETY: `written` bytes of the storage hold the address.
+    unsafe { decode_sockaddr(storage.as_ptr().cast(), written) }
 }
 
 /// `accept(2)`.
@@ -125,10 +187,12 @@ fn on_accepted(listener: Option<FdEntry>, fd: c_int, accept_flags: c_int) {
 #[inline(always)]
 pub unsafe fn accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int {
     let listener = tracked(fd);
+    let room = listener.map_or(0, |_| address_room(addr, len));
     // SAFETY: forwarded.
     let new_fd = unsafe { real::accept(fd, addr, len) };
     if new_fd >= 0 {
-        on_accepted(listener, new_fd, 0);
+        let peer = accepted_address(addr, len, room);
+        on_accepted(listener, new_fd, 0, peer);
     }
     new_fd
 }
@@ -145,10 +209,12 @@ pub unsafe fn accept4(
     accept_flags: c_int,
 ) -> c_int {
     let listener = tracked(fd);
+    let room = listener.map_or(0, |_| address_room(addr, len));
     // SAFETY: forwarded.
     let new_fd = unsafe { real::accept4(fd, addr, len, accept_flags) };
     if new_fd >= 0 {
-        on_accepted(listener, new_fd, accept_flags);
+        let peer = accepted_address(addr, len, room);
+        on_accepted(listener, new_fd, accept_flags, peer);
     }
     new_fd
 }

@@ -260,7 +260,12 @@ pub fn on_listen(fd: c_int, index: u32) {
     // SAFETY: `fd` is the listening socket the application just passed to listen().
     let listener = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
     match ListenerMarker::publish_for_listener(listener, Some(&provider.dir)) {
-        Ok(marker) => *slot = Some(SanObject::Marker(marker)),
+        Ok(marker) => {
+            *slot = Some(SanObject::Marker(marker));
+            // Accepting reads the peer's address out of the application's buffer (one
+            // `getpeername` less per connection): guarded, as every read of its memory.
+            crate::fault::arm();
+        }
         Err(error) => tracing::debug!(fd, %error, "listener marker not published"),
     }
 }
