@@ -43,7 +43,8 @@ enum Command {
         command: Vec<OsString>,
     },
     /// List live connections of this user's preloaded processes (run as root with the default
-    /// directory: every user's, as `ss -p` does).
+    /// directory: every user's, containers' included, with the pids this host knows them by,
+    /// as `ss -p` does).
     Stat {
         /// Also list listeners and not-yet-connected sockets.
         #[arg(short, long)]
@@ -219,6 +220,12 @@ fn stat(all: bool, remove_stale: bool) -> ExitCode {
             }
         }
     }
+    // Processes of other mount namespaces (containers), read through their roots. One that
+    // also publishes where the reader looked already (a directory shared with the host) is
+    // listed once.
+    connections.extend(stats::other_mount_namespaces());
+    connections.sort_by_key(|c| (c.pid, c.fd));
+    connections.dedup_by_key(|c| (c.pid, c.fd));
     println!(
         "{:>7} {:>5} {:<9} {:<6} {:<24} {:<24} {:<9} {:>10} {:>10} {:>10} {:>10} REASON",
         "PID",

@@ -5,18 +5,25 @@
 //!   into a clean container of the base image and `sandirect run` finds the installed
 //!   library there;
 //! * the image (scripts/container/Dockerfile) lists the interposed symbols, and a preloaded
-//!   echo server and client in one container use the intra-host SAN.
+//!   echo server and client in one container use the intra-host SAN;
+//! * servers and clients in separate containers on one bridge network: an echo pair, redis
+//!   with redis-cli and redis-benchmark, iperf3, on SAN-shm with a shared segment volume
+//!   (every byte or value checked) and on TCP without it (`peer-not-capable`), as `sandirect
+//!   stat` run on the host shows them (the host's pids; as root, else `docker exec`);
+//! * the compose example (docs/compose), run as users run it.
 //!
-//! Both are ignored by default: the first run builds the base image, installs the builder's
+//! All are ignored by default: the first run builds the base image, installs the builder's
 //! toolchain and cargo-deb and builds the workspace in release (about 10 minutes on 2 cores);
 //! a changed source rebuilds from the workspace build on (a few minutes), unchanged sources
 //! reuse every cached layer (seconds). Run them with
 //! `cargo test -p integration --test containers -- --ignored` or `scripts/test-all.sh
 //! --containers`. They skip, saying so, where no Docker engine answers.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use preload_core::inventory;
 
@@ -435,4 +442,517 @@ fn two_containers_sharing_a_segment_volume_use_the_san() {
         }
         eprintln!("two containers, shared directory {shared}, {protocol}: {path}");
     }
+}
+
+/// The image with the applications the tests run between containers (Debian's redis and
+/// iperf3), built once on the test image.
+const APPS_IMAGE: &str = "sandirect-apps:containers-test";
+
+fn apps_image() -> &'static str {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        images();
+        let dockerfile = format!(
+            "FROM {IMAGE}\n\
+             RUN apt-get update -qq \\\n \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+             redis-server redis-tools iperf3 >/dev/null \\\n \
+             && rm -rf /var/lib/apt/lists/*\n"
+        );
+        let mut build = Command::new("docker")
+            .args(["build", "-t", APPS_IMAGE, "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("docker build");
+        build
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(dockerfile.as_bytes())
+            .unwrap();
+        let output = build.wait_with_output().unwrap();
+        assert!(
+            output.status.success(),
+            "building {APPS_IMAGE}:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    });
+    APPS_IMAGE
+}
+
+/// A row of `sandirect stat`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StatRow {
+    pid: u32,
+    fd: i32,
+    state: String,
+    role: String,
+    local: String,
+    peer: String,
+    path: String,
+    /// TCP-TX, TCP-RX, INLINE, RENDEZVOUS.
+    bytes: [u64; 4],
+    reason: String,
+}
+
+impl StatRow {
+    /// Whether the connection is to or from `port`.
+    fn port_is(&self, port: u16) -> bool {
+        let suffix = format!(":{port}");
+        self.local.ends_with(&suffix) || self.peer.ends_with(&suffix)
+    }
+}
+
+fn stat_rows(text: &str) -> Vec<StatRow> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            // PID FD STATE ROLE LOCAL PEER PATH TCP-TX TCP-RX INLINE RENDEZVOUS REASON
+            let columns: Vec<&str> = line.split_whitespace().collect();
+            let number = |i: usize| columns.get(i)?.parse::<u64>().ok();
+            Some(StatRow {
+                pid: columns.first()?.parse().ok()?,
+                fd: columns.get(1)?.parse().ok()?,
+                state: columns.get(2)?.to_string(),
+                role: columns.get(3)?.to_string(),
+                local: columns.get(4)?.to_string(),
+                peer: columns.get(5)?.to_string(),
+                path: columns.get(6)?.to_string(),
+                bytes: [number(7)?, number(8)?, number(9)?, number(10)?],
+                reason: columns.get(11)?.to_string(),
+            })
+        })
+        .collect()
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The host's pids of `container`'s processes.
+fn host_pids(container: &str) -> Vec<u32> {
+    let mut top = Command::new("docker");
+    top.args(["top", container, "-eo", "pid"]);
+    stdout(&checked(top, "docker top"))
+        .lines()
+        .filter_map(|line| line.trim().parse().ok())
+        .collect()
+}
+
+/// What `sandirect stat` shows of `container`'s connections. As root: the workspace's
+/// `sandirect stat`, run on the host with its defaults (what an operator runs), keeping the
+/// rows of the container's processes by their host pids. Otherwise, where the host's command
+/// cannot look into containers: `sandirect stat` inside the container.
+fn stat_of(container: &str) -> Vec<StatRow> {
+    if is_root() {
+        let output = Command::new(&integration::apps::products().cli)
+            .arg("stat")
+            .env_remove("SANDIRECT_STAT_DIR")
+            .output()
+            .expect("sandirect stat on the host");
+        assert!(output.status.success(), "sandirect stat: {output:?}");
+        let pids = host_pids(container);
+        stat_rows(&stdout(&output))
+            .into_iter()
+            .filter(|row| pids.contains(&row.pid))
+            .collect()
+    } else {
+        let mut exec = Command::new("docker");
+        exec.args(["exec", container, "sandirect", "stat"]);
+        stat_rows(&stdout(&checked(exec, "sandirect stat in the container")))
+    }
+}
+
+/// The connections `sandirect stat` showed, each by its container, pid, fd and addresses,
+/// with the last row seen of it.
+type Seen = std::collections::BTreeMap<(String, u32, i32, String, String), StatRow>;
+
+/// Samples `sandirect stat` (every 0.2 s, for at most 30 s) until every container of
+/// `containers` has shown `least` connections to or from `port`; adds the connections of that
+/// port to `seen`.
+fn watch_connections(seen: &mut Seen, containers: &[&str], port: u16, least: usize) {
+    for _ in 0..150 {
+        for container in containers {
+            for row in stat_of(container).into_iter().filter(|r| r.port_is(port)) {
+                let id = (
+                    container.to_string(),
+                    row.pid,
+                    row.fd,
+                    row.local.clone(),
+                    row.peer.clone(),
+                );
+                seen.insert(id, row);
+            }
+        }
+        let count = |c: &&str| seen.keys().filter(|id| id.0 == *c).count();
+        if containers.iter().all(|c| count(c) >= least) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Checks the connections `watch_connections` saw: every container of `containers` had one,
+/// and each that moved bytes was, as last seen, connected on `path` (with `reason` for TCP). A
+/// connection that moved no byte took no path yet (seen while it was being set up).
+fn assert_paths(seen: &Seen, containers: &[&str], path: &str, reason: &str) {
+    for container in containers {
+        assert!(
+            seen.keys().any(|id| id.0 == *container),
+            "sandirect stat never showed a connection of {container}: {seen:#?}"
+        );
+    }
+    for ((container, ..), row) in seen {
+        if row.bytes == [0; 4] {
+            continue;
+        }
+        assert!(
+            row.path == path && row.reason == reason && row.state == "connected",
+            "{container}: expected connected on {path} ({reason}): {row:?}"
+        );
+    }
+}
+
+/// A network, a segment volume and the containers the test starts on them, removed when
+/// dropped.
+fn topology(name: &str) -> (String, DockerObjects) {
+    let tag = format!("sandirect-test-{}-{name}", std::process::id());
+    let objects = DockerObjects {
+        containers: Vec::new(),
+        network: tag.clone(),
+        volume: tag.clone(),
+    };
+    let mut network = Command::new("docker");
+    network.args(["network", "create", &tag]);
+    checked(network, "docker network create");
+    let mut volume = Command::new("docker");
+    volume.args(["volume", "create", &tag]);
+    checked(volume, "docker volume create");
+    (tag, objects)
+}
+
+/// Starts a detached container `name` of the apps image on the topology's network running
+/// `command` (preloaded by the entrypoint); with `shared`, the segment volume is its segment
+/// directory.
+fn start(objects: &mut DockerObjects, name: &str, shared: bool, command: &[&str]) -> String {
+    let name = format!("{}-{name}", objects.network);
+    objects.containers.push(name.clone());
+    let segments = format!("{}:/san", objects.volume);
+    let mut run = Command::new("docker");
+    run.args(["run", "-d", "--name", &name, "--network", &objects.network]);
+    run.args(["--network-alias", name.rsplit('-').next().unwrap()]);
+    if shared {
+        run.args(["-v", &segments, "-e", "SANDIRECT_SHM_DIR=/san/segments"]);
+    }
+    run.arg(apps_image()).args(command);
+    checked(run, &format!("docker run {name}"));
+    name
+}
+
+/// Waits (at most two minutes) for `container` to exit; its exit status and output.
+fn finish(container: &str) -> (String, String) {
+    let mut wait = Command::new("timeout");
+    wait.args(["120", "docker", "wait", container]);
+    let status = stdout(&checked(wait, "docker wait")).trim().to_owned();
+    let mut logs = Command::new("docker");
+    logs.args(["logs", container]);
+    let logs = checked(logs, "docker logs");
+    let text = format!("{}{}", stdout(&logs), String::from_utf8_lossy(&logs.stderr));
+    (status, text)
+}
+
+/// The host's pid of `container`'s first process (its entrypoint's command).
+fn main_pid(container: &str) -> u32 {
+    let mut inspect = Command::new("docker");
+    inspect.args(["inspect", "-f", "{{.State.Pid}}", container]);
+    stdout(&checked(inspect, "docker inspect"))
+        .trim()
+        .parse()
+        .expect("a pid")
+}
+
+/// redis-server and its clients in two containers on one bridge network: with a shared
+/// segment volume, redis-cli's connection is on SAN-shm at both ends as `sandirect stat` on
+/// the host shows it (redis-server's row carrying its host pid), values of known contents
+/// (up to 1 MB) come back intact and redis-benchmark completes; without the volume, the same
+/// on TCP (`peer-not-capable`).
+#[test]
+#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+fn redis_between_two_containers() {
+    if !docker_available("redis_between_two_containers") {
+        return;
+    }
+    for shared in [true, false] {
+        let (_, mut objects) = topology(if shared {
+            "redis-shared"
+        } else {
+            "redis-apart"
+        });
+        let server = start(
+            &mut objects,
+            "redis",
+            shared,
+            &["redis-server", "--protected-mode", "no", "--save", ""],
+        );
+        // Values of known sizes (inline and rendezvous sizes), each read back and compared;
+        // then a connection held open for a few seconds (INCR ten times a second) while the
+        // host watches it, then redis-benchmark.
+        let script = r#"set -e
+for i in $(seq 100); do redis-cli -h redis ping >/dev/null 2>&1 && break; sleep 0.2; done
+for size in 100 65536 1000000; do
+  head -c "$size" /dev/urandom | base64 -w0 | head -c "$size" >/tmp/value
+  redis-cli -h redis -x SET "key$size" </tmp/value >/dev/null
+  redis-cli -h redis --raw GET "key$size" | head -c "$size" >/tmp/back
+  cmp /tmp/value /tmp/back && echo "value $size intact"
+done
+redis-cli -h redis -r 50 -i 0.1 INCR counter >/dev/null
+echo "counter $(redis-cli -h redis GET counter)"
+redis-benchmark -h redis -q -c 2 -n 2000 -t set,get -d 100
+"#;
+        let client = start(&mut objects, "client", shared, &["sh", "-c", script]);
+        let mut seen = Seen::new();
+        watch_connections(&mut seen, &[&server, &client], 6379, 1);
+        let (status, out) = finish(&client);
+        assert_eq!(status, "0", "the client failed (shared {shared}):\n{out}");
+        for size in [100, 65536, 1000000] {
+            assert!(
+                out.contains(&format!("value {size} intact")),
+                "value of {size} bytes (shared {shared}):\n{out}"
+            );
+        }
+        assert!(
+            out.contains("counter 50\n"),
+            "INCR (shared {shared}):\n{out}"
+        );
+        // Quiet mode still draws progress, each update after a carriage return.
+        for test in ["SET: ", "GET: "] {
+            assert!(
+                out.lines()
+                    .filter_map(|line| line.rsplit('\r').next())
+                    .any(|line| {
+                        let line = line.trim_start();
+                        line.starts_with(test) && line.contains("requests per second")
+                    }),
+                "redis-benchmark's {test}(shared {shared}):\n{out}"
+            );
+        }
+        let (path, reason) = if shared {
+            ("SAN-shm", "-")
+        } else {
+            ("TCP", "peer-not-capable")
+        };
+        assert_paths(&seen, &[&server, &client], path, reason);
+        if is_root() {
+            // The server's connections carry redis-server's pid as the host knows it.
+            let redis = main_pid(&server);
+            assert!(
+                seen.iter()
+                    .any(|(id, row)| id.0 == server && row.pid == redis && row.role == "server"),
+                "no row of redis-server (host pid {redis}): {seen:#?}"
+            );
+        }
+        eprintln!(
+            "redis between two containers, shared directory {shared}: {path}, {} connection rows",
+            seen.len()
+        );
+    }
+}
+
+/// iperf3 between two containers on one bridge network: with a shared segment volume its
+/// control and data connections are on SAN-shm at both ends (`sandirect stat` on the host), the
+/// client sent a fixed byte count and the server received it (iperf3 -J, both ends' reports);
+/// without the volume, TCP (`peer-not-capable`).
+#[test]
+#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+fn iperf3_between_two_containers() {
+    if !docker_available("iperf3_between_two_containers") {
+        return;
+    }
+    const BYTES: u64 = 48 << 20;
+    for shared in [true, false] {
+        let (_, mut objects) = topology(if shared {
+            "iperf-shared"
+        } else {
+            "iperf-apart"
+        });
+        let server = start(&mut objects, "iperf", shared, &["iperf3", "-s", "-1", "-J"]);
+        // Paced (96 Mbit/s: about four seconds) so the host sees the connections and the
+        // machine's cores stay free.
+        let script = format!(
+            "for i in $(seq 100); do iperf3 -c iperf -n {BYTES} -b 96M -J >/tmp/out.json && \
+             exec cat /tmp/out.json; sleep 0.2; done; exit 1"
+        );
+        let client = start(&mut objects, "client", shared, &["sh", "-c", &script]);
+        let mut seen = Seen::new();
+        watch_connections(&mut seen, &[&server, &client], 5201, 2);
+        let (status, client_out) = finish(&client);
+        assert_eq!(
+            status, "0",
+            "iperf3 client (shared {shared}):\n{client_out}"
+        );
+        let (status, server_out) = finish(&server);
+        assert_eq!(
+            status, "0",
+            "iperf3 server (shared {shared}):\n{server_out}"
+        );
+        let report = |json: &str, sum: &str| -> u64 {
+            let report: serde_json::Value = serde_json::from_str(json)
+                .unwrap_or_else(|e| panic!("iperf3 -J output ({e}):\n{json}"));
+            report["end"][sum]["bytes"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no end.{sum}.bytes:\n{json}"))
+        };
+        assert_eq!(
+            report(&client_out, "sum_sent"),
+            BYTES,
+            "the client sent (shared {shared})"
+        );
+        // The server stops counting when the client says the test is over: a write of
+        // iperf3's default length (128 KiB) may still be on its way then, over TCP as well.
+        let received = report(&server_out, "sum_received");
+        assert!(
+            (BYTES - (128 << 10)..=BYTES).contains(&received),
+            "the server received {received} of {BYTES} bytes (shared {shared})"
+        );
+        assert_eq!(
+            report(&client_out, "sum_received"),
+            received,
+            "the server's count as the client got it (shared {shared})"
+        );
+        let (path, reason) = if shared {
+            ("SAN-shm", "-")
+        } else {
+            ("TCP", "peer-not-capable")
+        };
+        assert_paths(&seen, &[&server, &client], path, reason);
+        let data = seen
+            .iter()
+            .filter(|(id, row)| id.0 == client && row.role == "client")
+            .count();
+        assert!(
+            data >= 2,
+            "the client's control and data connections: {seen:#?}"
+        );
+        eprintln!(
+            "iperf3 between two containers, shared directory {shared}: {received} of {BYTES} bytes on {path}"
+        );
+    }
+}
+
+/// The command that runs compose files here: the compose plugin, else docker-compose.
+fn compose_command() -> Option<Vec<&'static str>> {
+    let works = |args: &[&str]| {
+        Command::new(args[0])
+            .args(&args[1..])
+            .arg("version")
+            .output()
+            .is_ok_and(|output| output.status.success())
+    };
+    [&["docker", "compose"][..], &["docker-compose"][..]]
+        .into_iter()
+        .find(|args| works(args))
+        .map(<[&str]>::to_vec)
+}
+
+/// Takes a compose project down (containers, volume, the images it built) when dropped.
+struct ComposeProject {
+    command: Vec<&'static str>,
+    file: PathBuf,
+    name: String,
+}
+
+impl ComposeProject {
+    fn run(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(self.command[0]);
+        command.args(&self.command[1..]);
+        command.arg("-f").arg(&self.file).args(["-p", &self.name]);
+        command.args(args);
+        command
+    }
+
+    /// The container of `service`.
+    fn container(&self, service: &str) -> String {
+        let id = stdout(&checked(self.run(&["ps", "-q", service]), "compose ps"));
+        id.trim().to_owned()
+    }
+}
+
+impl Drop for ComposeProject {
+    fn drop(&mut self) {
+        let _ = self
+            .run(&["down", "-v", "--rmi", "local", "--timeout", "5"])
+            .output();
+    }
+}
+
+/// The compose example users copy (docs/compose/compose.yml), run with the compose command
+/// this machine has, on the test image: redis with redis-cli and nginx with curl, four
+/// containers sharing the segment volume. `sandirect stat` on the host lists both servers' and
+/// both clients' connections on SAN-shm, with the host's pids; the clients get every value and
+/// every page back.
+#[test]
+#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+fn the_compose_example_runs_over_the_san() {
+    if !docker_available("the_compose_example_runs_over_the_san") {
+        return;
+    }
+    let Some(command) = compose_command() else {
+        eprintln!(
+            "skipping the_compose_example_runs_over_the_san: neither `docker compose` nor \
+             `docker-compose` runs here"
+        );
+        return;
+    };
+    images();
+    let project = ComposeProject {
+        command,
+        file: workspace().join("docs/compose/compose.yml"),
+        name: format!("sandirect-compose-{}", std::process::id()),
+    };
+    // 150 requests per client: about 15 seconds each.
+    let mut up = project.run(&["up", "-d", "--build"]);
+    up.env("SANDIRECT_IMAGE", IMAGE).env("REQUESTS", "150");
+    checked(up, "compose up");
+    let services = ["redis", "redis-client", "nginx", "web-client"];
+    let containers: Vec<String> = services.iter().map(|s| project.container(s)).collect();
+    let names: Vec<&str> = containers.iter().map(String::as_str).collect();
+    let mut seen = Seen::new();
+    watch_connections(&mut seen, &names[..2], 6379, 1);
+    watch_connections(&mut seen, &names[2..], 80, 1);
+    assert_paths(&seen, &names, "SAN-shm", "-");
+    let roles = |container: &str| -> Vec<&str> {
+        seen.iter()
+            .filter(|(id, _)| id.0 == container)
+            .map(|(_, row)| row.role.as_str())
+            .collect()
+    };
+    for (server, client) in [(names[0], names[1]), (names[2], names[3])] {
+        assert!(roles(server).contains(&"server"), "{server}: {seen:#?}");
+        assert!(roles(client).contains(&"client"), "{client}: {seen:#?}");
+    }
+    let (status, out) = finish(names[1]);
+    assert_eq!(status, "0", "redis-client:\n{out}");
+    assert!(out.contains("visits: 150\n"), "redis-client:\n{out}");
+    let (status, out) = finish(names[3]);
+    assert_eq!(status, "0", "web-client:\n{out}");
+    let line = out
+        .lines()
+        .find(|line| line.starts_with("150 pages, "))
+        .unwrap_or_else(|| panic!("web-client:\n{out}"));
+    // "150 pages, N bytes (expected N)"
+    let numbers: Vec<&str> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|n| !n.is_empty())
+        .collect();
+    assert!(
+        numbers.len() == 3 && numbers[1] == numbers[2] && numbers[1] != "0",
+        "web-client: {line}"
+    );
+    eprintln!(
+        "the compose example: {} connection rows on SAN-shm; {line}",
+        seen.len()
+    );
 }

@@ -4,7 +4,8 @@
 //! peer recorded in the segment, which means nothing (or another process) across namespaces.
 //! A preloaded `san_echo` pair, one end run under `unshare --pid --fork --mount-proc`, streams
 //! both ways for about two seconds (many periodic liveness checks) over the SAN: every byte
-//! intact, no reset. Skipped where pid namespaces cannot be made.
+//! intact, no reset; meanwhile `sandirect stat` shows both ends with the pids this namespace
+//! knows them by. Skipped where pid namespaces cannot be made.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -116,12 +117,23 @@ fn paced_echo(name: &str, server_in_namespace: bool) -> Option<(String, String)>
     )
     .spawn()
     .unwrap();
+    let (inside, outside) = if server_in_namespace {
+        (server.id(), client.id())
+    } else {
+        (client.id(), server.id())
+    };
+    let stat = watch_stat(&dirs, &port, inside, outside);
     let client_result = integration::wait_child(client, "client", Duration::from_secs(60));
     server.stdout = Some(reader.into_inner());
     let server_wait = Duration::from_secs(if client_result.is_ok() { 60 } else { 10 });
     let server_result = integration::wait_child(server, "server", server_wait);
     match (server_result, client_result) {
-        (Ok(server), Ok(client)) => Some((server, client)),
+        (Ok(server), Ok(client)) => {
+            if let Err(failure) = stat {
+                panic!("sandirect stat while the pair streamed: {failure}");
+            }
+            Some((server, client))
+        }
         (server, client) => {
             let shown = |result: Result<String, String>| result.unwrap_or_else(|failure| failure);
             panic!(
@@ -131,6 +143,56 @@ fn paced_echo(name: &str, server_in_namespace: bool) -> Option<(String, String)>
             );
         }
     }
+}
+
+/// While the pair streams: `sandirect stat`, reading the stats directory both ends publish
+/// into, shows both ends' connections on SAN-shm, each with the pid this (the parent) namespace
+/// knows it by: `outside`'s own, and that of the program `unshare` (pid `inside`) started in the
+/// child namespace, which calls itself by another pid there and names its stats file by it.
+/// Twice in a row: the first reading must not have taken that file for a dead process's and
+/// removed it. Samples every 0.1 s for at most 10 s.
+fn watch_stat(dirs: &Dirs, port: &str, inside: u32, outside: u32) -> Result<(), String> {
+    let suffix = format!(":{port}");
+    let mut last = String::new();
+    let mut in_a_row = 0;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(100));
+        let children = format!("/proc/{inside}/task/{inside}/children");
+        let Some(program) = std::fs::read_to_string(children)
+            .ok()
+            .and_then(|pids| pids.split_whitespace().next()?.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let output = Command::new(&integration::apps::products().cli)
+            .arg("stat")
+            .env("SANDIRECT_STAT_DIR", dirs.base.join("stat"))
+            .output()
+            .map_err(|e| format!("sandirect stat: {e}"))?;
+        last = String::from_utf8_lossy(&output.stdout).into_owned();
+        // PID FD STATE ROLE LOCAL PEER PATH …
+        let on_the_san = |pid: u32| {
+            last.lines().skip(1).any(|line| {
+                let columns: Vec<&str> = line.split_whitespace().collect();
+                columns.len() > 6
+                    && columns[0] == pid.to_string()
+                    && (columns[4].ends_with(&suffix) || columns[5].ends_with(&suffix))
+                    && columns[6] == "SAN-shm"
+            })
+        };
+        if on_the_san(program) && on_the_san(outside) {
+            in_a_row += 1;
+            if in_a_row == 2 {
+                return Ok(());
+            }
+        } else {
+            in_a_row = 0;
+        }
+    }
+    Err(format!(
+        "never both ends on SAN-shm with this namespace's pids (outside {outside}, inside a \
+         child of {inside}) twice in a row; last:\n{last}"
+    ))
 }
 
 /// The report line of `side` says every byte came through intact over the SAN.

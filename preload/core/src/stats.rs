@@ -82,6 +82,20 @@ pub fn parse_file(
     bytes: &[u8],
     start_time_of: impl Fn(u32) -> Option<u64>,
 ) -> Result<Vec<ConnectionInfo>, Skipped> {
+    parse_file_resolving(bytes, |pid, start_time| match start_time_of(pid) {
+        Some(live) if start_time == 0 || live == start_time => Some(pid),
+        _ => None,
+    })
+}
+
+/// Parses a stats file snapshot whose publisher may live in another pid namespace:
+/// `resolve(pid, start_time)` maps the pid and start time the header records (as the publisher
+/// saw them) to the live process's pid as the reader sees it, or `None` when no live process
+/// matches. The connections carry the reader's pid.
+fn parse_file_resolving(
+    bytes: &[u8],
+    resolve: impl Fn(u32, u64) -> Option<u32>,
+) -> Result<Vec<ConnectionInfo>, Skipped> {
     if bytes.len() < HEADER_BYTES {
         return Err(Skipped::NotAStatsFile);
     }
@@ -108,10 +122,9 @@ pub fn parse_file(
     {
         return Err(Skipped::NotAStatsFile);
     }
-    match start_time_of(pid) {
-        Some(live) if start_time == 0 || live == start_time => {}
-        _ => return Err(Skipped::Stale),
-    }
+    let Some(pid) = resolve(pid, start_time) else {
+        return Err(Skipped::Stale);
+    };
     let mut connections = Vec::new();
     let records = &bytes[HEADER_BYTES..];
     let whole_chunks = records.len() / CHUNK_BYTES;
@@ -189,9 +202,7 @@ pub fn directories_to_list() -> Vec<(PathBuf, bool)> {
         return Vec::new();
     };
     let mut dirs = vec![(own.clone(), true)];
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root || crate::settings::var_os(crate::settings::STAT_DIR).is_some() {
+    if !lists_every_user() {
         return dirs;
     }
     let Ok(entries) = std::fs::read_dir("/dev/shm") else {
@@ -218,26 +229,51 @@ pub fn directories_to_list() -> Vec<(PathBuf, bool)> {
     dirs
 }
 
+/// Whether `sandirect stat` lists every user's connections and those of processes in other
+/// mount namespaces: run as root, with the default directory.
+pub fn lists_every_user() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    root && crate::settings::var_os(crate::settings::STAT_DIR).is_none()
+}
+
 /// Every live connection published in `dir`, sorted by pid then fd. Stale files are removed
 /// when `remove_stale` (they belong to this user's dead processes; see the module's doc for
 /// what counts). A missing directory publishes nothing; a symbolic link is refused.
+///
+/// A file published by a process of another pid namespace that shares the directory (a
+/// container given it as a volume, `unshare --pid`) is named by, and records, the pid that
+/// process has in its own namespace: it is matched to the live process by that pid and its
+/// start time, shown with the pid the reader knows it by, and never taken for stale.
 pub fn read_dir(dir: &Path, remove_stale: bool) -> io::Result<Vec<ConnectionInfo>> {
-    let mut all = Vec::new();
     let directory = match open_directory(dir) {
         Ok(directory) => directory,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(all),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(error) => return Err(error),
     };
-    for name in entry_names(&directory)? {
+    read_open_dir(&directory, remove_stale, &Processes::default(), None)
+}
+
+/// [`read_dir`] of an open directory, whose publishers are looked up in `processes`, first in
+/// the pid namespace `pid_namespace` when given (see [`Processes::resolve`]).
+fn read_open_dir(
+    directory: &File,
+    remove_stale: bool,
+    processes: &Processes,
+    pid_namespace: Option<u64>,
+) -> io::Result<Vec<ConnectionInfo>> {
+    let resolve = |pid, start_time| processes.resolve(pid, start_time, pid_namespace);
+    let mut all = Vec::new();
+    for name in entry_names(directory)? {
         let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
         // Vanished between listing and reading (its process exited), or not a regular file:
         // nothing to show.
-        let Ok(Some(bytes)) = read_entry(&directory, &name) else {
+        let Ok(Some(bytes)) = read_entry(directory, &name) else {
             continue;
         };
-        let stale = match parse_file(&bytes, process_start_time) {
+        let stale = match parse_file_resolving(&bytes, resolve) {
             Ok(connections) => {
                 all.extend(connections);
                 false
@@ -248,14 +284,275 @@ pub fn read_dir(dir: &Path, remove_stale: bool) -> io::Result<Vec<ConnectionInfo
                 bytes.len() <= HEADER_BYTES
                     && bytes.iter().all(|&b| b == 0)
                     && process_start_time(pid).is_none()
+                    && !processes.any_calls_itself(pid)
             }
         };
         if stale && remove_stale {
-            remove_entry(&directory, &name);
+            remove_entry(directory, &name);
         }
     }
     all.sort_by_key(|c| (c.pid, c.fd));
     Ok(all)
+}
+
+/// A live process as the reader's `/proc` shows it.
+#[derive(Clone, Debug)]
+struct Process {
+    /// Its pid as the reader knows it.
+    pid: u32,
+    /// Its pid in its own pid namespace (the last of `NSpid`): what it calls itself, names
+    /// its stats file by and records in its header.
+    own_pid: u32,
+    /// Clock ticks since boot.
+    start_time: u64,
+    /// Its pid and mount namespaces (inode numbers), where the reader may look (its own
+    /// processes, or every process as root).
+    pid_namespace: Option<u64>,
+    mount_namespace: Option<u64>,
+}
+
+/// The live processes, listed from `/proc` once, on first need (a directory whose files all
+/// name the reader's own processes never needs it).
+#[derive(Default)]
+struct Processes {
+    list: std::sync::OnceLock<Vec<Process>>,
+}
+
+impl Processes {
+    fn list(&self) -> &[Process] {
+        self.list.get_or_init(|| {
+            let Ok(entries) = std::fs::read_dir("/proc") else {
+                return Vec::new();
+            };
+            let mut list: Vec<Process> = entries
+                .flatten()
+                .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+                .filter_map(|pid| {
+                    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                    let own_pid = status
+                        .lines()
+                        .find_map(|line| line.strip_prefix("NSpid:"))
+                        .and_then(|pids| pids.split_whitespace().last()?.parse().ok())
+                        .unwrap_or(pid);
+                    Some(Process {
+                        pid,
+                        own_pid,
+                        start_time: process_start_time(pid)?,
+                        pid_namespace: namespace_of(pid, "pid"),
+                        mount_namespace: namespace_of(pid, "mnt"),
+                    })
+                })
+                .collect();
+            list.sort_by_key(|p| p.pid);
+            list
+        })
+    }
+
+    /// The pid the reader knows the live process by that calls itself `pid` and started at
+    /// `start_time` (0: unknown to its publisher, which then matches any start): first one of
+    /// the pid namespace `preferred`, then the reader's process of that pid, then one of any
+    /// other pid namespace. `None` when no live process matches (a stale file).
+    fn resolve(&self, pid: u32, start_time: u64, preferred: Option<u64>) -> Option<u32> {
+        let starts = |live: u64| start_time == 0 || live == start_time;
+        if let Some(namespace) = preferred {
+            let found = self.list().iter().find(|p| {
+                p.pid_namespace == Some(namespace) && p.own_pid == pid && starts(p.start_time)
+            });
+            if let Some(process) = found {
+                return Some(process.pid);
+            }
+        }
+        if process_start_time(pid).is_some_and(starts) {
+            return Some(pid);
+        }
+        // Only by an exact start time across namespaces: small pids repeat in every one.
+        self.list()
+            .iter()
+            .find(|p| p.own_pid != p.pid && p.own_pid == pid && p.start_time == start_time)
+            .map(|p| p.pid)
+    }
+
+    /// Whether a live process of another pid namespace calls itself `pid` (its stats file
+    /// may be one it has just created).
+    fn any_calls_itself(&self, pid: u32) -> bool {
+        self.list()
+            .iter()
+            .any(|p| p.own_pid != p.pid && p.own_pid == pid)
+    }
+}
+
+/// The inode of process `pid`'s namespace of `kind` (`pid`, `mnt`), where the reader may look.
+fn namespace_of(pid: impl std::fmt::Display, kind: &str) -> Option<u64> {
+    let link = std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).ok()?;
+    // "mnt:[4026531841]"
+    link.to_str()?
+        .strip_prefix(kind)?
+        .strip_prefix(":[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
+/// Run as root with the default directory ([`lists_every_user`]): the live connections of
+/// processes in other mount namespaces (containers), which publish into their own `/dev/shm`
+/// or into a `SANDIRECT_STAT_DIR` of their file system, out of the reader's sight. Each mount
+/// namespace is read through one of its processes' root (`/proc/PID/root`), paths resolved
+/// inside that root: every user's default directory in its `/dev/shm`, and the
+/// `SANDIRECT_STAT_DIR` each of its processes was started with. Pids are the reader's (the
+/// host's, from the host), as `ss -p` shows them. Nothing is removed there: those files are
+/// their own processes' to clean up. Sorted by pid then fd.
+pub fn other_mount_namespaces() -> Vec<ConnectionInfo> {
+    let mut all = Vec::new();
+    if !lists_every_user() {
+        return all;
+    }
+    let Some(own) = namespace_of("self", "mnt") else {
+        return all;
+    };
+    let processes = Processes::default();
+    let mut namespaces_read = std::collections::HashSet::new();
+    let mut directories_read = std::collections::HashSet::new();
+    let foreign = processes
+        .list()
+        .iter()
+        .filter(|p| p.mount_namespace.is_some_and(|namespace| namespace != own));
+    for process in foreign {
+        let Ok(root) = open_root(process.pid) else {
+            continue;
+        };
+        let mut directories = Vec::new();
+        if namespaces_read.insert(process.mount_namespace) {
+            directories.extend(default_directories_in(&root, process.pid));
+        }
+        if let Some(dir) = stat_dir_setting(process.pid) {
+            directories.extend(open_in_root(&root, &dir).ok());
+        }
+        for directory in directories {
+            let Ok(meta) = directory.metadata() else {
+                continue;
+            };
+            use std::os::unix::fs::MetadataExt as _;
+            if !directories_read.insert((meta.dev(), meta.ino())) {
+                continue;
+            }
+            if let Ok(found) = read_open_dir(&directory, false, &processes, process.pid_namespace) {
+                all.extend(found);
+            }
+        }
+    }
+    all.sort_by_key(|c| (c.pid, c.fd));
+    all
+}
+
+/// Process `pid`'s root directory, as a handle to resolve paths under.
+fn open_root(pid: u32) -> io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(format!("/proc/{pid}/root"))
+}
+
+/// The `SANDIRECT_STAT_DIR` process `pid` was started with, unless it turns publication off.
+fn stat_dir_setting(pid: u32) -> Option<PathBuf> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{}=", crate::settings::STAT_DIR);
+    let value = environ
+        .split(|&b| b == 0)
+        .find_map(|entry| entry.strip_prefix(prefix.as_bytes()))?;
+    (!value.is_empty() && value != b"off").then(|| PathBuf::from(OsStr::from_bytes(value)))
+}
+
+/// Every user's default stats directory in the `/dev/shm` under `root` (process `pid`'s):
+/// `sandirect-<uid>`, owned by that uid as `pid`'s user namespace maps it (a name another user
+/// made proves nothing).
+fn default_directories_in(root: &File, pid: u32) -> Vec<File> {
+    let Ok(shm) = open_in_root(root, Path::new("/dev/shm")) else {
+        return Vec::new();
+    };
+    let uid_map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).unwrap_or_default();
+    let Ok(names) = entry_names(&shm) else {
+        return Vec::new();
+    };
+    names
+        .iter()
+        .filter_map(|name| {
+            let uid: u32 = name.to_str()?.strip_prefix("sandirect-")?.parse().ok()?;
+            let name = c_name(name).ok()?;
+            // SAFETY: a NUL-terminated name relative to a directory descriptor we hold.
+            let fd = unsafe {
+                libc::openat(
+                    shm.as_raw_fd(),
+                    name.as_ptr(),
+                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                )
+            };
+            if fd < 0 {
+                return None;
+            }
+            // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+            let directory = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            let owner = std::os::unix::fs::MetadataExt::uid(&directory.metadata().ok()?);
+            (Some(owner) == map_uid(&uid_map, uid)).then_some(directory)
+        })
+        .collect()
+}
+
+/// `uid` of a user namespace whose `uid_map` is `map`, as the reader's namespace knows it (an
+/// empty map: the reader's own namespace).
+fn map_uid(map: &str, uid: u32) -> Option<u32> {
+    if map.trim().is_empty() {
+        return Some(uid);
+    }
+    map.lines().find_map(|line| {
+        let mut fields = line.split_whitespace().map(|f| f.parse::<u32>().ok());
+        let (inside, outside, count) = (fields.next()??, fields.next()??, fields.next()??);
+        let offset = uid.checked_sub(inside).filter(|&o| o < count)?;
+        outside.checked_add(offset)
+    })
+}
+
+/// openat2's number, the same on every architecture with the unified syscall table (x86-64,
+/// arm64, …); glibc wraps it only since 2.39.
+const SYS_OPENAT2: libc::c_long = 437;
+
+/// `struct open_how` (linux/openat2.h): the libc crate's cannot be built outside it.
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// The directory `path` (absolute, as the process sees it) under `root`, resolved inside that
+/// root (`RESOLVE_IN_ROOT`: a container's symbolic links cannot lead the reader out to the
+/// host's files), not through a symbolic link at its end (publishers never publish through
+/// one).
+fn open_in_root(root: &File, path: &Path) -> io::Result<File> {
+    let relative = path.strip_prefix("/").unwrap_or(path);
+    let name = c_name(relative.as_os_str())?;
+    let how = OpenHow {
+        flags: (libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: a NUL-terminated path relative to a directory descriptor we hold, and an
+    // open_how of the size passed, both alive for the call.
+    let fd = unsafe {
+        libc::syscall(
+            SYS_OPENAT2,
+            root.as_raw_fd(),
+            name.as_ptr(),
+            &how as *const OpenHow,
+            core::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    Ok(File::from(unsafe {
+        OwnedFd::from_raw_fd(fd as libc::c_int)
+    }))
 }
 
 /// `dir`, opened as a directory and not through a symbolic link.
@@ -424,6 +721,35 @@ mod tests {
             Err(Skipped::NotAStatsFile)
         );
         assert_eq!(parse_file(&bytes, |_| Some(1000)), Ok(vec![]));
+    }
+
+    #[test]
+    fn user_namespace_maps_translate_uids() {
+        assert_eq!(map_uid("", 1000), Some(1000), "the reader's own namespace");
+        let map = "         0     100000      65536\n";
+        assert_eq!(map_uid(map, 0), Some(100_000));
+        assert_eq!(map_uid(map, 1000), Some(101_000));
+        assert_eq!(map_uid(map, 65_536), None, "outside the map");
+        let identity = "         0          0 4294967295\n";
+        assert_eq!(map_uid(identity, 1000), Some(1000));
+    }
+
+    #[test]
+    fn the_reader_resolves_its_own_processes() {
+        let processes = Processes::default();
+        let me = std::process::id();
+        let start = process_start_time(me).unwrap();
+        assert_eq!(processes.resolve(me, start, None), Some(me));
+        assert_eq!(
+            processes.resolve(me, 0, None),
+            Some(me),
+            "start time unknown"
+        );
+        assert_eq!(processes.resolve(me, start + 1, None), None, "pid reused");
+        assert!(processes
+            .list()
+            .iter()
+            .any(|p| p.pid == me && p.own_pid == me));
     }
 
     #[test]

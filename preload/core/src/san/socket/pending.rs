@@ -118,6 +118,10 @@ impl SanSocket {
             self.record
                 .path
                 .store(path as u32, core::sync::atomic::Ordering::Release);
+            // The switch follows the TCP handshake: a non-blocking connect has completed even
+            // when the program learned it by polling alone (redis-cli never asks SO_ERROR), and
+            // no kernel byte may ever move to say so.
+            self.record.set_flag(flags::CONNECTING, false);
         }
     }
 
