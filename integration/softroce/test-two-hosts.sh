@@ -10,7 +10,8 @@
 #
 # Each guest gets one vCPU (SANDIRECT_VM_SMP, default 1) and 1 GiB (SANDIRECT_VM_MEM): the two
 # run side by side. SANDIRECT_TWO_HOSTS_REDIS_N sets redis-benchmark's -n (300);
-# SANDIRECT_TWO_HOSTS_KEEP_LOGS=DIR (in the checkout) keeps every program's output.
+# SANDIRECT_TWO_HOSTS_KEEP_LOGS=DIR (in the checkout) keeps every program's output, in
+# DIR/FABRIC/hostN.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -58,6 +59,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+keep=${SANDIRECT_TWO_HOSTS_KEEP_LOGS:-}; unset SANDIRECT_TWO_HOSTS_KEEP_LOGS
 total_pass=0; total_fail=0; rc=0
 for fabric in "${fabrics[@]}"; do
   flag=(); [[ $fabric == siw ]] && flag=(--siw)
@@ -69,7 +71,8 @@ for fabric in "${fabrics[@]}"; do
   PIDS=()
   for host in 1 2; do
     link="$p1:$p2"; [[ $host == 2 ]] && link="$p2:$p1"
-    "$HERE/run-in-vm.sh" "${flag[@]}" --mode link --host "$host" --link "$link" -- \
+    SANDIRECT_TWO_HOSTS_KEEP_LOGS=${keep:+$keep/$fabric} \
+      "$HERE/run-in-vm.sh" "${flag[@]}" --mode link --host "$host" --link "$link" -- \
       bash "$HERE/two-hosts-guest.sh" "$profile" "$RUN" >"$RUN/host$host.log" 2>&1 &
     PIDS+=($!)
   done
