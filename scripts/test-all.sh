@@ -81,6 +81,9 @@ fi
 # The verbs provider's device tests need an RDMA device: they run inside a nested QEMU guest
 # with soft-RoCE (rxe) and then soft-iWARP (siw), which the harness sets up by itself.
 stage "verbs over rxe and siw (nested VM)" bash integration/softroce/test-verbs.sh rxe siw
+# Two guests, two kernels, one RDMA device each, joined by a virtual link: with no provider
+# setting, preloaded redis and iperf3 across them must go over verbs by themselves.
+stage "two hosts over rxe and siw, no settings (nested VMs)" bash integration/softroce/test-two-hosts.sh rxe siw
 # Descriptor numbers above 65536 need a hard RLIMIT_NOFILE that CI's container cannot raise
 # (no CAP_SYS_RESOURCE); root in the same guest can.
 stage "descriptors above 65536 (nested VM)" bash integration/softroce/test-high-fds.sh

@@ -4,12 +4,19 @@
 # the command's status.
 #
 #   usage: run-in-vm.sh [--siw] [--mode wire|single] [--setup] [--] CMD [ARGS...]
+#          run-in-vm.sh [--siw] --mode link --host 1|2 --link LOCAL:REMOTE [--] CMD [ARGS...]
 #
 #   --siw          use soft-iWARP (siw0/siw1) instead of soft-RoCE (rxe0/rxe1)
 #   --mode wire    (default) "two hosts": DEV0 on veth0 192.0.2.1 and DEV1 on
 #                  veth1 192.0.2.2, with policy routing so that traffic between
 #                  the two addresses really crosses the veth pair
 #   --mode single  one device on veth0 192.0.2.1 (the driver's loopback path)
+#   --mode link    one guest of two: one virtio NIC, eth0, 192.0.2.N/24 and
+#                  2001:db8::N/64 for --host N, with DEV0 on it; the NIC is
+#                  joined to the other guest's by a QEMU datagram link between
+#                  UDP ports LOCAL and REMOTE of 127.0.0.1 (--link LOCAL:REMOTE,
+#                  the other guest started with REMOTE:LOCAL). Two kernels, two
+#                  RDMA stacks: what a real pair of hosts is to the preload.
 #   --setup        only install packages, fetch the kernel, build the initramfs
 #                  (and siw.ko with --siw); do not boot
 #
@@ -19,14 +26,16 @@
 # host) under TCG.  The guest reuses the host userland: /usr and /etc are
 # shared read-only over virtio-9p, the project directory read-write at the
 # same path, so host-built binaries (glibc, libibverbs, librdmacm) run as they
-# are.  The guest has no NIC: nothing it does can reach any network.
+# are.  The guest has no NIC (--mode link: one, whose only peer is the other
+# guest, through 127.0.0.1): nothing it does can reach any network.
 #
 # Inside, the command runs as root with cwd = the host cwd and sees
 #   SANDIRECT_VM=1 SANDIRECT_VM_FABRIC=rxe|siw SANDIRECT_VM_MODE=wire|single
 #   SANDIRECT_TEST_DEVICE=<dev0> SANDIRECT_TEST_SERVER_IP=192.0.2.1
 #   SANDIRECT_TEST_CLIENT_IP=192.0.2.2 (wire) or 192.0.2.1 (single)
 #   and in wire mode the same two hosts over IPv6: SANDIRECT_TEST_SERVER_IP6=2001:db8::1
-#   SANDIRECT_TEST_CLIENT_IP6=2001:db8::2
+#   SANDIRECT_TEST_CLIENT_IP6=2001:db8::2; in link mode the same addresses (host 1
+#   is the server's, host 2 the client's) and SANDIRECT_VM_HOST=N
 #
 # Exit status: the command's; 124 when the guest timed out; 125 when the
 # harness or the guest failed before the command reported a status.
@@ -45,19 +54,25 @@ set -euo pipefail
 die() { echo "run-in-vm: $*" >&2; exit 125; }
 say() { [[ "${SANDIRECT_VM_VERBOSE:-0}" == 1 ]] && echo "run-in-vm: $*" >&2 || true; }
 
-FABRIC=rxe; MODE=wire; SETUP_ONLY=0
+FABRIC=rxe; MODE=wire; SETUP_ONLY=0; HOST=""; LINK=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --siw) FABRIC=siw; shift ;;
     --rxe) FABRIC=rxe; shift ;;
     --mode) [[ $# -ge 2 ]] || die "--mode needs wire|single"; MODE=$2; shift 2 ;;
     --setup) SETUP_ONLY=1; shift ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    --host) [[ $# -ge 2 ]] || die "--host needs 1 or 2"; HOST=$2; shift 2 ;;
+    --link) [[ $# -ge 2 ]] || die "--link needs LOCAL:REMOTE"; LINK=$2; shift 2 ;;
+    -h|--help) sed -n '2,51p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
 done
-[[ $MODE == wire || $MODE == single ]] || die "--mode must be wire or single"
+[[ $MODE == wire || $MODE == single || $MODE == link ]] || die "--mode must be wire, single or link"
+if [[ $MODE == link ]]; then
+  [[ $HOST == 1 || $HOST == 2 ]] || die "--mode link needs --host 1 or 2"
+  [[ $LINK =~ ^[0-9]+:[0-9]+$ ]] || die "--mode link needs --link LOCAL_PORT:REMOTE_PORT"
+fi
 [[ $SETUP_ONLY == 1 || $# -gt 0 ]] || die "usage: $0 [--siw] [--mode wire|single] [--setup] [--] CMD [ARGS...]"
 
 CACHE=${SANDIRECT_VM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sandirect-softroce}
@@ -248,7 +263,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-echo "veth ib_uverbs rdma_ucm $([[ $FABRIC == rxe ]] && echo rdma_rxe || echo siw)" > "$JOB/modules"
+NIC_MODULE=veth; [[ $MODE == link ]] && NIC_MODULE=virtio_net
+echo "$NIC_MODULE ib_uverbs rdma_ucm $([[ $FABRIC == rxe ]] && echo rdma_rxe || echo siw)" > "$JOB/modules"
 
 DEV0=${FABRIC}0; DEV1=${FABRIC}1
 {
@@ -303,6 +319,19 @@ IP
 NET
     echo "rdma link add $DEV0 type $FABRIC netdev veth0"
     echo "rdma link add $DEV1 type $FABRIC netdev veth1"
+  elif [[ $MODE == link ]]; then
+    # One NIC (no udev in the guest: the kernel's name, eth0), on a subnet whose only other
+    # host is the other guest. Neighbour discovery runs over the link as between machines.
+    cat <<NET
+for _ in \$(seq 100); do [ -e /sys/class/net/eth0 ] && break; sleep 0.1; done
+ip -batch - <<'IP'
+link set lo up
+addr add 192.0.2.$HOST/24 dev eth0
+addr add 2001:db8::$HOST/64 dev eth0 nodad
+link set eth0 up
+IP
+NET
+    echo "rdma link add $DEV0 type $FABRIC netdev eth0"
   else
     cat <<'NET'
 ip -batch - <<'IP'
@@ -318,6 +347,13 @@ NET
 } > "$JOB/fabric.sh"
 
 CLIENT_IP=192.0.2.2; [[ $MODE == single ]] && CLIENT_IP=192.0.2.1
+NET_ARGS=(-nic none)
+if [[ $MODE == link ]]; then
+  # A point-to-point datagram link between the two QEMU processes: each sends its frames to
+  # the other's UDP port on 127.0.0.1 and receives on its own. Nothing leaves the machine.
+  NET_ARGS=(-netdev "dgram,id=link,local.type=inet,local.host=127.0.0.1,local.port=${LINK%%:*},remote.type=inet,remote.host=127.0.0.1,remote.port=${LINK##*:}"
+            -device "virtio-net-pci,netdev=link,mac=52:54:00:00:02:0$HOST")
+fi
 {
   names="PATH HOME USER LOGNAME LANG LC_ALL TERM ${SANDIRECT_VM_PASSENV:-}"
   for v in $(compgen -e); do
@@ -326,7 +362,8 @@ CLIENT_IP=192.0.2.2; [[ $MODE == single ]] && CLIENT_IP=192.0.2.1
   for v in $names; do [[ -n "${!v+x}" ]] && printf 'export %s=%q\n' "$v" "${!v}"; done
   printf 'export SANDIRECT_VM=1 SANDIRECT_VM_FABRIC=%q SANDIRECT_VM_MODE=%q\n' "$FABRIC" "$MODE"
   printf 'export SANDIRECT_TEST_DEVICE=%q SANDIRECT_TEST_SERVER_IP=192.0.2.1 SANDIRECT_TEST_CLIENT_IP=%q\n' "$DEV0" "$CLIENT_IP"
-  [[ $MODE == wire ]] && echo 'export SANDIRECT_TEST_SERVER_IP6=2001:db8::1 SANDIRECT_TEST_CLIENT_IP6=2001:db8::2'
+  [[ $MODE == wire || $MODE == link ]] && echo 'export SANDIRECT_TEST_SERVER_IP6=2001:db8::1 SANDIRECT_TEST_CLIENT_IP6=2001:db8::2'
+  [[ $MODE == link ]] && printf 'export SANDIRECT_VM_HOST=%q\n' "$HOST"
   # Registration pins pages; the job gets no limit unless a test sets one.
   echo 'ulimit -l unlimited 2>/dev/null || true'
   printf 'cd %q || exit 125\n' "$PWD"
@@ -357,7 +394,7 @@ touch "$JOB/stdout" "$JOB/stderr"
 t0=$(date +%s.%N)
 timeout --kill-after=5 "${SANDIRECT_VM_TIMEOUT:-600}" \
   qemu-system-x86_64 -accel tcg,thread=multi -cpu max -m "${SANDIRECT_VM_MEM:-2048}" -smp "${SANDIRECT_VM_SMP:-2}" \
-    -machine q35 -nodefaults -no-user-config -display none -monitor none -nic none -no-reboot \
+    -machine q35 -nodefaults -no-user-config -display none -monitor none "${NET_ARGS[@]}" -no-reboot \
     -serial "file:$JOB/console.log" -kernel "$KERNEL" -initrd "$INITRD" \
     -append "console=ttyS0 quiet loglevel=4 panic=-1 mitigations=off rdinit=/init" \
     "${SHARES[@]}" > "$JOB/qemu.log" 2>&1 &
@@ -368,7 +405,7 @@ set +e; wait "$QEMU_PID"; qemu_rc=$?; set -e
 QEMU_PID=""
 for p in "${TAIL_PIDS[@]}"; do wait "$p" 2>/dev/null; done; TAIL_PIDS=()
 t1=$(date +%s.%N)
-say "$FABRIC/$MODE: qemu exit $qemu_rc after $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s; $(grep -a 'guest-init:' "$JOB/console.log" | tr '\n' ' ')"
+say "$FABRIC/$MODE${HOST:+ $HOST}: qemu exit $qemu_rc after $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s; $(grep -a 'guest-init:' "$JOB/console.log" | tr '\n' ' ')"
 if [[ -s "$JOB/rc" ]]; then
   rc=$(cat "$JOB/rc")
 elif [[ $qemu_rc == 124 || $qemu_rc == 137 ]]; then

@@ -83,7 +83,8 @@ pub enum Bypass {
     PeerOtherUser = 11,
     /// Only verbs could carry the connection (`SANDIRECT_SAN_PROVIDER=verbs`, or `auto` to
     /// a peer that is not a preloaded server of this host), and no RDMA provider library
-    /// could be loaded.
+    /// could be loaded: under `verbs` for any reason, under `auto` only on a host that has
+    /// RDMA devices (without any, nothing is missing: the peer is `PeerNotCapable`).
     NoVerbsLibrary = 12,
     /// The peer is a preloaded process of this host that could not set its side of the SAN
     /// connection up (its descriptors, or its SAN memory budget): it declined before it

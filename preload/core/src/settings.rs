@@ -116,9 +116,9 @@ pub const KNOBS: &[Knob] = &[
     },
     Knob {
         name: SAN_PROVIDER,
-        values: "shm, auto, verbs",
-        default: "shm",
-        effect: "which SAN providers may be used: shm intra-host only; auto adds RDMA verbs across hosts; verbs only; not read when privileged",
+        values: "auto, shm, verbs",
+        default: "auto",
+        effect: "which SAN providers may be used: auto shared memory for same-host peers and RDMA verbs for peers reached through an RDMA device; shm intra-host only; verbs only; not read when privileged",
         privileged: false,
     },
     Knob {
@@ -479,9 +479,10 @@ fn program_name(argv0: Option<&CStr>) -> String {
 /// Which SAN providers `SANDIRECT_SAN_PROVIDER` allows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProviderChoice {
-    /// Shared memory for same-host peers, verbs otherwise.
+    /// Shared memory for same-host peers, verbs for peers reached through an RDMA device (the
+    /// default: on a host without RDMA devices it costs what `Shm` does, see `san::verbs`).
     Auto,
-    /// Shared memory only (the default: verbs across hosts is opt-in).
+    /// Shared memory only.
     Shm,
     /// Verbs only (the VM tests: their two "hosts" are one guest).
     Verbs,
@@ -490,15 +491,19 @@ pub enum ProviderChoice {
 /// `SANDIRECT_SAN_PROVIDER` (read once).
 pub fn provider_choice() -> ProviderChoice {
     static CHOICE: OnceLock<ProviderChoice> = OnceLock::new();
-    *CHOICE.get_or_init(|| match var(SAN_PROVIDER).as_deref() {
-        Some("auto") => ProviderChoice::Auto,
+    *CHOICE.get_or_init(|| provider_choice_setting(var(SAN_PROVIDER).as_deref()))
+}
+
+fn provider_choice_setting(value: Option<&str>) -> ProviderChoice {
+    match value {
+        Some("auto") | None => ProviderChoice::Auto,
         Some("verbs") => ProviderChoice::Verbs,
-        Some("shm") | None => ProviderChoice::Shm,
+        Some("shm") => ProviderChoice::Shm,
         Some(other) => {
-            eprintln!("sandirect: {SAN_PROVIDER}={other:?} is not shm, auto or verbs; using shm");
-            ProviderChoice::Shm
+            eprintln!("sandirect: {SAN_PROVIDER}={other:?} is not auto, shm or verbs; using auto");
+            ProviderChoice::Auto
         }
-    })
+    }
 }
 
 /// `SANDIRECT_SHM_DIR`: the segment directory, `None` for the default.
@@ -742,6 +747,21 @@ mod tests {
                 knob.name
             );
         }
+    }
+
+    /// Unset, the providers are chosen per peer (`auto`); `shm` and `verbs` stay choices.
+    #[test]
+    fn the_provider_is_chosen_per_peer_unless_set() {
+        assert_eq!(provider_choice_setting(None), ProviderChoice::Auto);
+        assert_eq!(provider_choice_setting(Some("auto")), ProviderChoice::Auto);
+        assert_eq!(provider_choice_setting(Some("shm")), ProviderChoice::Shm);
+        assert_eq!(
+            provider_choice_setting(Some("verbs")),
+            ProviderChoice::Verbs
+        );
+        assert_eq!(provider_choice_setting(Some("rdma")), ProviderChoice::Auto);
+        let knob = KNOBS.iter().find(|k| k.name == SAN_PROVIDER).unwrap();
+        assert_eq!(knob.default, "auto");
     }
 
     /// README's settings table lists exactly the variables of [`KNOBS`].

@@ -105,7 +105,13 @@ pub(super) fn on_accepted(
             .store(Bypass::PeerNotCapable as u32, Ordering::Release);
         return;
     }
-    // Not a same-host client: a cross-host one, if a device serves this address.
+    // Not a same-host client: a cross-host one, if a device serves this address. Asked
+    // before the budget is charged: on a host without RDMA devices (or an address no device
+    // serves) this is a cached answer, and the client is plain whatever the budget says.
+    if verbs::domain_for(local.ip()).is_none() {
+        stay_on_tcp(record, Bypass::PeerNotCapable);
+        return;
+    }
     let accepted = match budget::charge_verbs() {
         Some(charge) => match verbs::connect::acceptor(local, peer, service::start) {
             Ok(link) => SanSocket::verbs_acceptor(record, &name, link, charge),

@@ -332,8 +332,11 @@ pub fn before_connect(
     } else {
         kind
     };
+    // The library's state first: on a host without RDMA devices it is known after the first
+    // connection, and the route lookup (four system calls) is not made.
     let via_verbs = kind != PeerKind::Preloaded
         && mode != ProviderChoice::Shm
+        && verbs::library_loaded()
         && route_source(peer).and_then(verbs::domain_for).is_some();
     if kind == PeerKind::Unknown {
         COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
@@ -347,7 +350,12 @@ pub fn before_connect(
         if kind == PeerKind::OtherUser {
             return ClientPlan::PeerOtherUser;
         }
-        if mode != ProviderChoice::Shm && !verbs::library_loaded() {
+        // Verbs could have carried it and its library is missing; on a host without RDMA
+        // devices under `auto` nothing is missing: the peer is plain.
+        if mode != ProviderChoice::Shm
+            && !verbs::library_loaded()
+            && (mode == ProviderChoice::Verbs || !verbs::host_has_no_devices())
+        {
             return ClientPlan::NoVerbsLibrary;
         }
         return ClientPlan::PeerPlain;

@@ -32,14 +32,15 @@ pub(crate) mod connect;
 pub(crate) mod link;
 pub(crate) mod watcher;
 
+use core::sync::atomic::{AtomicBool, Ordering};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use san_api::{Capabilities, SanDomain};
 use san_verbs_loader::{
-    ConnectParams, LoadError, LoadedConnection, LoadedDomain, LoadedListener, VerbsLibrary,
-    VerbsSetupError,
+    ConnectParams, LoadError, LoadedConnection, LoadedDomain, LoadedListener, NoProviderReason,
+    VerbsLibrary, VerbsSetupError,
 };
 
 use super::registrations::SharedRegistrations;
@@ -96,6 +97,10 @@ struct Verbs {
 
 static VERBS: OnceLock<Option<Verbs>> = OnceLock::new();
 
+/// Set when the library was not loaded because the host lists no RDMA device (rather than
+/// the library being missing or unusable).
+static NO_DEVICES: AtomicBool = AtomicBool::new(false);
+
 /// Held while [`VERBS`] is being made (the provider library loads), and across `fork()`: a
 /// child must not inherit a load in progress. The load takes no other lock of ours.
 static VERBS_INIT: Mutex<()> = Mutex::new(());
@@ -134,6 +139,9 @@ fn verbs() -> Option<&'static Verbs> {
             }),
             Err(LoadError::NoProvider(reason)) => {
                 tracing::debug!(?reason, "no RDMA provider: cross-host SAN off");
+                if reason == NoProviderReason::NoDevices {
+                    NO_DEVICES.store(true, Ordering::Relaxed);
+                }
                 None
             }
             Err(error) => {
@@ -145,9 +153,17 @@ fn verbs() -> Option<&'static Verbs> {
     (verbs.pid == std::process::id()).then_some(verbs)
 }
 
-/// Whether an RDMA provider library is loaded (loads it on first use).
+/// Whether an RDMA provider library is loaded (loads it on first use). Once the load was
+/// tried this is an atomic load: on a host without RDMA devices (or with verbs off) the
+/// verbs paths cost nothing more per connection.
 pub(crate) fn library_loaded() -> bool {
     verbs().is_some()
+}
+
+/// Whether the library was not loaded only because the host has no RDMA device (so no
+/// connection could have used it: nothing is missing).
+pub(crate) fn host_has_no_devices() -> bool {
+    !library_loaded() && NO_DEVICES.load(Ordering::Relaxed)
 }
 
 /// Locks `mutex` (a poisoned lock is taken over).
