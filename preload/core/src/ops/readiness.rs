@@ -432,9 +432,9 @@ fn look_budget_within(
 }
 
 /// Records how a look went (`looked`: it had a budget; `found`: it paid off; `preempted`:
-/// it lost its CPU to another thread, which stops the thread's looks at once, down to the
-/// occasional probe, whatever it found: another thread wants this CPU, and looking takes it
-/// from that thread).
+/// it lost its CPU to another thread, which halves the thread's budget whatever it found,
+/// and stops its looks, down to the occasional probe, when it happens again before a look
+/// paid off: another thread wants this CPU, and looking takes it from that thread).
 fn note_look(looked: bool, found: bool, preempted: bool) {
     if !looked {
         return;
@@ -442,7 +442,15 @@ fn note_look(looked: bool, found: bool, preempted: bool) {
     LOOK.with(|look| {
         let mut policy = look.get();
         policy.budget_us = if preempted {
-            0
+            // Halved at the first switch, stopped at the second in a row: one switch (a
+            // kernel thread's turn) says little, while a CPU shared for good preempts every
+            // look (and the probes after that find it shared again).
+            let most = crate::settings::poll_us();
+            match policy.budget_us {
+                u32::MAX => most / 2,
+                budget if budget >= most => budget / 2,
+                _ => 0,
+            }
         } else if found {
             crate::settings::poll_us()
         } else if policy.budget_us == u32::MAX {
@@ -765,4 +773,50 @@ pub unsafe fn epoll_ctl(epfd: c_int, op: c_int, fd: c_int, event: *mut libc::epo
         });
     }
     rc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget_us() -> u32 {
+        LOOK.with(|look| look.get().budget_us)
+    }
+
+    fn start_fresh() {
+        LOOK.with(|look| {
+            look.set(LookPolicy {
+                budget_us: u32::MAX,
+                skipped: 0,
+            })
+        });
+    }
+
+    /// One switch to another thread halves the look; a look that pays off restores it; a
+    /// second switch before that stops the looks (a CPU shared for good).
+    #[test]
+    fn a_single_preemption_halves_the_look_and_a_second_in_a_row_stops_it() {
+        let most = crate::settings::poll_us();
+        start_fresh();
+        note_look(true, true, true);
+        assert_eq!(budget_us(), most / 2, "the first switch halves");
+        note_look(true, true, false);
+        assert_eq!(
+            budget_us(),
+            most,
+            "a look that paid off restores the budget"
+        );
+        note_look(true, false, true);
+        assert_eq!(budget_us(), most / 2);
+        note_look(true, false, true);
+        assert_eq!(budget_us(), 0, "a second switch in a row stops the looks");
+        note_look(true, true, false);
+        assert_eq!(budget_us(), most, "a probe that pays off starts them again");
+        note_look(false, false, true);
+        assert_eq!(
+            budget_us(),
+            most,
+            "a wait that did not look changes nothing"
+        );
+    }
 }
