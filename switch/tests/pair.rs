@@ -327,16 +327,21 @@ fn credits_run_out_and_recover_without_receiver_not_ready() {
 /// application reads it: peeks and reads of any size across slots give the stream intact, a
 /// receiver that does not read stops the sender at its credits (no slot is re-posted under
 /// it), and reading re-posts the slots so the rest flows.
-#[test]
-fn data_left_in_its_receive_slots_reads_intact_and_frees_the_slots_as_it_is_read() {
-    let mut pair = Pair::established(PairConfig {
+/// A pair whose receivers read straight out of their slots, with a 4 KiB send buffer.
+fn reading_in_slots() -> Pair {
+    Pair::established(PairConfig {
         session: SessionConfig {
             send_buffer: 4096,
             receive_in_slots: true,
             ..SessionConfig::default()
         },
         ..PairConfig::default()
-    });
+    })
+}
+
+#[test]
+fn data_left_in_its_receive_slots_reads_intact_and_frees_the_slots_as_it_is_read() {
+    let mut pair = reading_in_slots();
     let total = 40 * INLINE_PAYLOAD + 13;
     let data = pattern(7, 0, total);
     let mut accepted = 0;
@@ -416,14 +421,7 @@ fn data_left_in_its_receive_slots_reads_intact_and_frees_the_slots_as_it_is_read
 fn a_reader_that_defers_its_drives_reads_intact_and_returns_the_slots_when_it_drives() {
     // The preload's receive path reads what the session holds inline without driving it,
     // and leaves freed slots un-re-posted until a batch gathers or the session runs dry.
-    let mut pair = Pair::established(PairConfig {
-        session: SessionConfig {
-            send_buffer: 4096,
-            receive_in_slots: true,
-            ..SessionConfig::default()
-        },
-        ..PairConfig::default()
-    });
+    let mut pair = reading_in_slots();
     let total = 12 * INLINE_PAYLOAD + 101;
     let data = pattern(11, 0, total);
     let mut accepted = 0;

@@ -477,20 +477,7 @@ fn default_directories_in(root: &File, pid: u32) -> Vec<File> {
         .iter()
         .filter_map(|name| {
             let uid: u32 = name.to_str()?.strip_prefix("sandirect-")?.parse().ok()?;
-            let name = c_name(name).ok()?;
-            // SAFETY: a NUL-terminated name relative to a directory descriptor we hold.
-            let fd = unsafe {
-                libc::openat(
-                    shm.as_raw_fd(),
-                    name.as_ptr(),
-                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                )
-            };
-            if fd < 0 {
-                return None;
-            }
-            // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-            let directory = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            let directory = open_entry(&shm, name, libc::O_DIRECTORY).ok()?;
             let owner = std::os::unix::fs::MetadataExt::uid(&directory.metadata().ok()?);
             (Some(owner) == map_uid(&uid_map, uid)).then_some(directory)
         })
@@ -610,24 +597,29 @@ fn entry_names(directory: &File) -> io::Result<Vec<OsString>> {
     result
 }
 
-/// The whole content of the regular file `name` in `directory`, not through a symbolic
-/// link; `None` for anything but a regular file.
-fn read_entry(directory: &File, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
+/// Opens `name` in `directory` for reading, never through a symbolic link, with `flags` added.
+fn open_entry(directory: &File, name: &OsStr, flags: libc::c_int) -> io::Result<File> {
     let name = c_name(name)?;
-    // SAFETY: a NUL-terminated name relative to a directory descriptor we hold. O_NONBLOCK:
-    // a FIFO or device in its place must not block us (it is skipped below).
+    // SAFETY: a NUL-terminated name relative to a directory descriptor we hold.
     let fd = unsafe {
         libc::openat(
             directory.as_raw_fd(),
             name.as_ptr(),
-            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK,
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | flags,
         )
     };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-    let mut file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+/// The whole content of the regular file `name` in `directory`, not through a symbolic
+/// link; `None` for anything but a regular file.
+fn read_entry(directory: &File, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
+    // O_NONBLOCK: a FIFO or device in its place must not block us (it is skipped below).
+    let mut file = open_entry(directory, name, libc::O_NONBLOCK)?;
     if !file.metadata()?.file_type().is_file() {
         return Ok(None);
     }
