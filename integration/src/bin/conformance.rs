@@ -714,6 +714,83 @@ fn epoll_edge_triggered() -> CaseResult {
     ))
 }
 
+/// An edge-triggered reader that reads every arrival to `EAGAIN` (nginx's way), for more
+/// rounds than a mirror keeps arrival tokens unread: one event per arrival, none after the
+/// read; then what a re-arming change, `poll` and a level-triggered registration in a second
+/// instance report with nothing to read, and after one more arrival.
+fn epoll_edge_triggered_read_to_empty() -> CaseResult {
+    let (client, server) = pair()?;
+    let epfd = epoll_new()?;
+    let edge = (libc::EPOLLIN | libc::EPOLLET) as u32;
+    check(
+        epoll_add(epfd.raw(), libc::EPOLL_CTL_ADD, server.raw(), edge, 7),
+        "epoll_ctl",
+    )?;
+    let mut rounds = Vec::new();
+    for round in 0..80u32 {
+        let message = format!("m{round:02}");
+        write_all(client.raw(), message.as_bytes())?;
+        let first = epoll_collect(epfd.raw(), 5000)?;
+        let mut received = Vec::new();
+        let drained = loop {
+            let mut buf = [0u8; 64];
+            // SAFETY: valid buffer of 64 bytes.
+            let n = unsafe {
+                libc::recv(
+                    server.raw(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n <= 0 {
+                break outcome(n);
+            }
+            received.extend_from_slice(&buf[..n as usize]);
+        };
+        let again = epoll_collect(epfd.raw(), 0)?;
+        let intact = received == message.as_bytes();
+        rounds.push(format!(
+            "{}+{} {} {drained}",
+            first.len(),
+            again.len(),
+            if intact { "intact" } else { "CHANGED" }
+        ));
+    }
+    rounds.dedup();
+    let rearm = outcome(epoll_add(
+        epfd.raw(),
+        libc::EPOLL_CTL_MOD,
+        server.raw(),
+        edge,
+        8,
+    ));
+    let after_rearm = epoll_collect(epfd.raw(), 0)?.len();
+    let polled = revents_text(poll_one(server.raw(), libc::POLLIN, 0)?);
+    let level = epoll_new()?;
+    check(
+        epoll_add(
+            level.raw(),
+            libc::EPOLL_CTL_ADD,
+            server.raw(),
+            libc::EPOLLIN as u32,
+            9,
+        ),
+        "epoll_ctl",
+    )?;
+    let level_idle = epoll_collect(level.raw(), 0)?.len();
+    write_all(client.raw(), b"end")?;
+    let edge_after = epoll_collect(epfd.raw(), 5000)?.len();
+    let level_after = epoll_collect(level.raw(), 5000)?.len();
+    let polled_after = revents_text(poll_one(server.raw(), libc::POLLIN, 5000)?);
+    Ok(format!(
+        "rounds (events+after read, bytes, last read): {}; re-arm={rearm} then {after_rearm} \
+         events; poll with nothing to read: {polled}; level-triggered instance: {level_idle} \
+         events; after one more arrival: edge {edge_after}, level {level_after}, poll {polled_after}",
+        rounds.join(", ")
+    ))
+}
+
 /// Registrations removed and added again, as event loops do around every request: what the
 /// calls answer, and which events each wait reports in between.
 fn epoll_remove_and_add_again() -> CaseResult {
@@ -3419,6 +3496,10 @@ const CASES: &[Case] = &[
     ("dup-and-close-order", dup_and_close_order),
     ("dup2-over-tracked", dup2_over_tracked),
     ("epoll-edge-triggered", epoll_edge_triggered),
+    (
+        "epoll-edge-triggered-read-to-empty",
+        epoll_edge_triggered_read_to_empty,
+    ),
     ("epoll-remove-and-add-again", epoll_remove_and_add_again),
     ("epoll-oneshot", epoll_oneshot),
     ("epoll-rdhup", epoll_rdhup),

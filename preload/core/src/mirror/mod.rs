@@ -262,6 +262,11 @@ impl MirrorWords {
         self.readable.load(Ordering::Relaxed) != 0
     }
 
+    /// Tokens written to the watched end (or being written) that no lowering has claimed.
+    pub fn unclaimed_tokens(&self) -> u32 {
+        self.readable.load(Ordering::Relaxed)
+    }
+
     /// Whether the peer writes a token for every arrival (see
     /// [`Mirror::set_edge_per_arrival`]).
     pub fn is_edge_per_arrival(&self) -> bool {

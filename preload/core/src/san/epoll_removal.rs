@@ -69,12 +69,17 @@ pub fn epoll_ctl_on_mirror(
     }
     let record = registry().get(index)?;
     // (The slot's lock orders this against a wait removing the same registration.)
-    let slot = lock(index);
-    let Some(SanObject::Socket(socket)) = slot.as_ref() else {
+    let mut slot = lock(index);
+    let Some(SanObject::Socket(socket)) = slot.as_mut() else {
         return None;
     };
     if socket.mirror_fd() != Some(mirror) {
         return None;
+    }
+    if matches!(op, libc::EPOLL_CTL_ADD | libc::EPOLL_CTL_MOD) {
+        // The kernel reports a readable file at once to a registration added or changed:
+        // arrival tokens that reads left in the mirror go first.
+        socket.settle_edge_tokens();
     }
     let current = record
         .kernel_registrations()

@@ -294,7 +294,12 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                         if nonblocking && !in_handshake {
                             // Under lazy lowering the mirror stays raised: the epoll wait
                             // lowers it before it sleeps, after looking for the next message.
-                            if socket.lazy_lowering || socket.lower_readable() {
+                            // Watched only by edge-triggered registrations, its arrival
+                            // tokens may stay until a few have gathered.
+                            if socket.lazy_lowering
+                                || socket.leaves_edge_tokens()
+                                || socket.lower_readable()
+                            {
                                 return Some(partial(done, libc::EAGAIN));
                             }
                             continue;

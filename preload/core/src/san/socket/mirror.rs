@@ -83,7 +83,32 @@ impl SanSocket {
     /// `poll()` stop reporting it (no system call when it is already low). Left raised under
     /// [`SanSocket::lazy_lowering`]: the next epoll wait lowers it if nothing came by then.
     pub(crate) fn settle_readable(&mut self) {
-        if self.watched && !self.lazy_lowering && !self.readiness().readable {
+        if self.watched
+            && !self.lazy_lowering
+            && !self.leaves_edge_tokens()
+            && !self.readiness().readable
+        {
+            let _ = self.lower_readable();
+        }
+    }
+
+    /// Whether a read that emptied the queue may leave the mirror's arrival tokens unread
+    /// (see [`SanSocket::edge_only`]): only edge-triggered registrations watch it, and fewer
+    /// than [`EDGE_TOKENS_LEFT`] tokens are unclaimed, so the peer, which writes one per
+    /// arrival up to a bound far above that, still makes an edge for every arrival.
+    pub(crate) fn leaves_edge_tokens(&self) -> bool {
+        self.edge_only
+            && self
+                .mirror
+                .as_ref()
+                .is_some_and(|mirror| mirror.words().unclaimed_tokens() < EDGE_TOKENS_LEFT)
+    }
+
+    /// Lowers a mirror whose tokens reads left behind ([`SanSocket::leaves_edge_tokens`])
+    /// before something that sees its level: a registration added or changed (the kernel
+    /// reports a readable file at once), other kinds of watchers.
+    pub(crate) fn settle_edge_tokens(&mut self) {
+        if self.edge_only && !self.readiness().readable {
             let _ = self.lower_readable();
         }
     }
@@ -147,11 +172,12 @@ impl SanSocket {
     /// none is left (an event loop that removes its registration adds one back soon).
     /// Leaving lazy lowering lowers a mirror left raised.
     pub(crate) fn registrations_changed(&mut self, record: &SocketRecord) {
-        let (edge_triggered, lazy) = registration_kinds(record);
-        self.set_edge_per_arrival(edge_triggered);
-        let lazy = lazy.unwrap_or(self.lazy_lowering);
+        let kinds = registration_kinds(record);
+        self.set_edge_per_arrival(kinds.edge_triggered);
+        let was_edge_only = core::mem::replace(&mut self.edge_only, kinds.edge_only);
+        let lazy = kinds.lazy.unwrap_or(self.lazy_lowering);
         let was_lazy = core::mem::replace(&mut self.lazy_lowering, lazy);
-        if was_lazy && !lazy {
+        if (was_lazy && !lazy) || (was_edge_only && !self.edge_only) {
             self.settle_readable();
         }
     }
@@ -161,7 +187,7 @@ impl SanSocket {
     /// an epoll registration needs the mirror exact (edge-triggered, one-shot, nested).
     pub(crate) fn polled_for_input(&mut self, record: &SocketRecord) {
         if !self.lazy_lowering {
-            let (_, lazy) = registration_kinds(record);
+            let lazy = registration_kinds(record).lazy;
             self.lazy_lowering = lazy.unwrap_or(crate::settings::poll_us() > 0);
         }
     }
@@ -224,23 +250,50 @@ impl SanSocket {
     }
 }
 
-/// `record`'s epoll registrations: whether one is edge-triggered, and whether there are
+/// Most arrival tokens a read leaves in a mirror watched only by edge-triggered
+/// registrations (see [`SanSocket::leaves_edge_tokens`]): one lowering then drains them all.
+/// Well below the peer's bound on unclaimed tokens (64), past which arrivals write none.
+const EDGE_TOKENS_LEFT: u32 = 16;
+
+/// What kinds of epoll registrations watch a socket (see [`registration_kinds`]).
+struct RegistrationKinds {
+    /// One is edge-triggered: the peer raises on every arrival.
+    edge_triggered: bool,
+    /// Some, all plain level-triggered ones ([`SanSocket::lazy_lowering`] may go on); `None`:
+    /// there are none.
+    lazy: Option<bool>,
+    /// Some, all edge-triggered, none one-shot, none in a nested instance
+    /// ([`SanSocket::edge_only`]).
+    edge_only: bool,
+}
+
+/// `record`'s epoll registrations: whether one is edge-triggered, whether there are
 /// some and all are plain level-triggered ones (what [`SanSocket::lazy_lowering`]
 /// needs: a one-shot registration must not be handed a raised mirror without data), or
 /// there are none (`None`: lazy lowering may go on, as event loops remove and add their
-/// registrations between requests).
-fn registration_kinds(record: &SocketRecord) -> (bool, Option<bool>) {
+/// registrations between requests), and whether all are edge-triggered ones that report
+/// only arrivals ([`SanSocket::edge_only`]: a one-shot one is re-armed by a change, which
+/// reports a raised mirror; an outer instance sees a nested one's level).
+fn registration_kinds(record: &SocketRecord) -> RegistrationKinds {
     let special = (libc::EPOLLET | libc::EPOLLONESHOT) as u32;
     let mut any = false;
     let mut edge_triggered = false;
     let mut all_plain = true;
+    let mut all_edge_only = true;
     for (epfd, events, _) in record.epoll_registrations() {
         any = true;
-        edge_triggered |= events & libc::EPOLLET as u32 != 0;
+        let edge = events & libc::EPOLLET as u32 != 0;
+        edge_triggered |= edge;
         // A nested instance's readiness is watched by the outer one: a mirror raised
         // without data would make it readable without an event.
-        all_plain &= events & special == 0 && !table().lookup(epfd).is_nested_epoll();
+        let nested = table().lookup(epfd).is_nested_epoll();
+        all_plain &= events & special == 0 && !nested;
+        all_edge_only &= edge && events & libc::EPOLLONESHOT as u32 == 0 && !nested;
     }
     let lazy = all_plain && crate::settings::poll_us() > 0;
-    (edge_triggered, any.then_some(lazy))
+    RegistrationKinds {
+        edge_triggered,
+        lazy: any.then_some(lazy),
+        edge_only: any && all_edge_only,
+    }
 }

@@ -244,6 +244,13 @@ pub(crate) struct SanSocket {
     /// (`san::readiness`, "Looking before sleeping"). A raised mirror also spares the peer its
     /// token write for that message.
     pub lazy_lowering: bool,
+    /// Only edge-triggered epoll registrations watch this socket (no `EPOLLONESHOT`, no
+    /// nested instance): a read that empties the queue leaves the arrival tokens in the
+    /// mirror until a few have gathered (see `SanSocket::leaves_edge_tokens`). Such a
+    /// registration reports only new arrivals, each of which writes its own token, so tokens
+    /// already read change nothing it reports; lowering at every read cost a system call
+    /// per request (nginx).
+    pub edge_only: bool,
     /// Under lazy lowering: how many epoll waits in a row that had other events to hand out
     /// found this mirror raised without data and left it so (see
     /// `san::readiness::lower_deferred`); reset when a wait finds data.
@@ -352,6 +359,7 @@ impl SanSocket {
             waiters: 0,
             watched: false,
             lazy_lowering: false,
+            edge_only: false,
             raised_idle_waits: 0,
             local_bell: None,
             pending_bell: None,
