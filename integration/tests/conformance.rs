@@ -76,7 +76,7 @@ fn conformance_is_identical_natively_and_preloaded() {
     let native = stdout(&run(CONFORMANCE, false, &[]));
     let preloaded = stdout(&run(CONFORMANCE, true, &[("SANDIRECT_STAT_DIR", dir)]));
     let lines: Vec<_> = native.lines().collect();
-    assert_eq!(lines.len(), 51, "every case prints one line:\n{native}");
+    assert_eq!(lines.len(), 52, "every case prints one line:\n{native}");
     assert!(
         !native.contains("FAILED"),
         "native run failed a case:\n{native}"

@@ -1072,7 +1072,7 @@ fn a_killed_sender_gives_the_blocked_receiver_eof_or_reset_within_a_second() {
 const CONFORMANCE: &str = env!("CARGO_BIN_EXE_conformance");
 
 /// How many cases the conformance program has (each prints one line).
-const CONFORMANCE_CASES: usize = 51;
+const CONFORMANCE_CASES: usize = 52;
 
 /// Cases whose SAN behaviour differs from kernel TCP by documented policy (see
 /// `preload_core::san`, "Known limits"), with the SAN output expected instead.

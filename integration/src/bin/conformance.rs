@@ -791,6 +791,116 @@ fn epoll_edge_triggered_read_to_empty() -> CaseResult {
     ))
 }
 
+/// Output asked for around every write, as `ae` event loops do (redis, wrk): a
+/// level-triggered registration changed to `EPOLLIN|EPOLLOUT` before a write and back after
+/// it, over many requests; then with the send buffer full (no `EPOLLOUT` until the peer reads),
+/// a change made while another thread sleeps in a wait on the instance (the change wakes
+/// it), and the instance waited on under a second number (`dup`).
+fn epoll_output_around_writes() -> CaseResult {
+    let (client, server) = pair()?;
+    set_nonblocking(client.raw())?;
+    let epfd = epoll_new()?;
+    let (input, output) = (libc::EPOLLIN as u32, libc::EPOLLOUT as u32);
+    let ctl = |op: c_int, events: u32| outcome(epoll_add(epfd.raw(), op, client.raw(), events, 3));
+    let wait = |epfd: c_int, timeout: c_int| -> Result<String, String> {
+        let events = epoll_collect(epfd, timeout)?;
+        Ok(if events.is_empty() {
+            "none".into()
+        } else {
+            events
+                .iter()
+                .map(|(data, ev)| format!("{data}:{}", epoll_events_text(*ev)))
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+    };
+    let mut steps = vec![format!("add={}", ctl(libc::EPOLL_CTL_ADD, input))];
+    let mut rounds = Vec::new();
+    for round in 0..40u32 {
+        let asked = ctl(libc::EPOLL_CTL_MOD, input | output);
+        let writable = wait(epfd.raw(), 2000)?;
+        let request = format!("q{round:02}");
+        write_all(client.raw(), request.as_bytes())?;
+        let dropped = ctl(libc::EPOLL_CTL_MOD, input);
+        let idle = wait(epfd.raw(), 0)?;
+        let (_, got) = read_some(server.raw(), 64);
+        write_all(server.raw(), b"answer")?;
+        let answered = wait(epfd.raw(), 2000)?;
+        let (_, reply) = read_some(client.raw(), 64);
+        rounds.push(format!(
+            "mod={asked} {writable} write mod={dropped} {idle} server got {:?}; {answered} {:?}",
+            got == request.as_bytes(),
+            String::from_utf8_lossy(&reply)
+        ));
+    }
+    rounds.dedup();
+    steps.push(format!("rounds: {}", rounds.join(" | ")));
+    // The send buffer full: no output until the peer reads it all.
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input | output)));
+    let chunk = [7u8; 65536];
+    let mut written = 0usize;
+    let filled = loop {
+        // SAFETY: valid buffer.
+        let n = unsafe { libc::write(client.raw(), chunk.as_ptr().cast(), chunk.len()) };
+        if n <= 0 {
+            break outcome(n);
+        }
+        written += n as usize;
+        if written > 256 << 20 {
+            break "never full".to_owned();
+        }
+    };
+    // (Whether it reports output right now depends on how much the peer's side took in
+    // meanwhile, over TCP as over the SAN: not asserted.)
+    let _ = wait(epfd.raw(), 0)?;
+    steps.push(format!("filled: {filled}"));
+    let mut read = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    while read < written {
+        // SAFETY: valid buffer.
+        let n = unsafe { libc::read(server.raw(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n <= 0 {
+            break;
+        }
+        read += n as usize;
+    }
+    steps.push(format!(
+        "peer read all {}; {}",
+        read == written,
+        wait(epfd.raw(), 2000)?
+    ));
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input)));
+    steps.push(format!("idle {}", wait(epfd.raw(), 0)?));
+    // Another thread asleep in a wait on the instance: the change wakes it.
+    let sleeper_epfd = epfd.raw();
+    let sleeper = std::thread::spawn(move || {
+        let start = std::time::Instant::now();
+        let events = epoll_collect(sleeper_epfd, 5000);
+        (events, start.elapsed() < Duration::from_millis(2500))
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input | output)));
+    let (events, prompt) = sleeper.join().map_err(|_| "sleeper panicked".to_owned())?;
+    let events = events?;
+    steps.push(format!(
+        "sleeping thread woke with {:?} promptly {prompt}",
+        events
+            .iter()
+            .map(|(data, ev)| format!("{data}:{}", epoll_events_text(*ev)))
+            .collect::<Vec<_>>()
+    ));
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input)));
+    // The instance under a second number.
+    // SAFETY: plain dup.
+    let second = Fd(unsafe { libc::dup(epfd.raw()) });
+    check(second.raw() as isize, "dup")?;
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input | output)));
+    steps.push(format!("through the dup: {}", wait(second.raw(), 2000)?));
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input)));
+    steps.push(format!("through the dup, idle: {}", wait(second.raw(), 0)?));
+    Ok(steps.join("; "))
+}
+
 /// Registrations removed and added again, as event loops do around every request: what the
 /// calls answer, and which events each wait reports in between.
 fn epoll_remove_and_add_again() -> CaseResult {
@@ -3501,6 +3611,7 @@ const CASES: &[Case] = &[
         epoll_edge_triggered_read_to_empty,
     ),
     ("epoll-remove-and-add-again", epoll_remove_and_add_again),
+    ("epoll-output-around-writes", epoll_output_around_writes),
     ("epoll-oneshot", epoll_oneshot),
     ("epoll-rdhup", epoll_rdhup),
     ("epoll-exclusive", epoll_exclusive),

@@ -256,6 +256,22 @@ pub const EPOLL_SLOTS: usize = 4;
 /// out lazily (see `san::epoll_removal`).
 pub const REMOVED_BY_APPLICATION: u32 = 1 << 26;
 
+/// Set in a registration's stored events (a bit no epoll flag uses) when the application asked
+/// for `EPOLLOUT` as well but the kernel's registration lacks it: the waits report a SAN
+/// socket's writability from its session instead (see `san::epoll_output`). The stored
+/// events are the kernel's; the application's are those and `EPOLLOUT`.
+pub const OUTPUT_KEPT_BY_US: u32 = 1 << 25;
+
+/// The events the application registered, from a registration's stored ones (see
+/// [`OUTPUT_KEPT_BY_US`]).
+pub const fn application_events(stored: u32) -> u32 {
+    if stored & OUTPUT_KEPT_BY_US != 0 {
+        (stored & !OUTPUT_KEPT_BY_US) | libc::EPOLLOUT as u32
+    } else {
+        stored
+    }
+}
+
 /// One `epoll_ctl(epfd, ADD, fd, {events, data})` of a tracked socket. `epfd == -1`: unused.
 #[repr(C)]
 pub struct EpollRegistration {
@@ -505,10 +521,12 @@ impl SocketRecord {
     pub fn epoll_registrations(&self) -> impl Iterator<Item = (i32, u32, u64)> + '_ {
         self.kernel_registrations()
             .filter(|&(_, events, _)| events & REMOVED_BY_APPLICATION == 0)
+            .map(|(epfd, events, data)| (epfd, application_events(events), data))
     }
 
     /// The registrations the kernel holds: the application's and those it removed whose
-    /// removal is still due (`events` has [`REMOVED_BY_APPLICATION`]).
+    /// removal is still due (`events` has [`REMOVED_BY_APPLICATION`]), with the kernel's
+    /// events ([`OUTPUT_KEPT_BY_US`] set where the application's add `EPOLLOUT`).
     pub fn kernel_registrations(&self) -> impl Iterator<Item = (i32, u32, u64)> + '_ {
         self.epoll.iter().filter_map(|slot| {
             let epfd = slot.epfd.load(Ordering::Acquire);

@@ -58,6 +58,7 @@ fn release_entry(fd: c_int, entry: FdEntry) {
     } else if entry.is_epoll() {
         // The epoll instance died with its last fd; registrations naming it are stale.
         registry().for_each_live(|_, record| record.unregister_epoll(fd));
+        crate::san::epoll_instance_gone(fd);
     }
 }
 
@@ -132,6 +133,8 @@ pub(crate) fn track_dup(new_fd: c_int, entry: FdEntry) {
             }
         }
     } else if entry.is_epoll() {
+        // The instance now has two numbers, and the records name it by one of them.
+        crate::san::epoll_instances_shared();
         if let Ok(previous) = table().replace(new_fd, entry) {
             release_entry(new_fd, previous);
         }
@@ -316,6 +319,7 @@ pub(crate) fn track_epoll_instance(epfd: c_int, cloexec: bool) {
             if let Ok(previous) = table().replace(epfd, FdEntry::epoll(cloexec)) {
                 release_entry(epfd, previous);
             }
+            crate::san::epoll_instance_created(epfd);
         });
     }
 }

@@ -283,10 +283,10 @@ unsafe fn epoll_wait_with_san(
     events: *mut libc::epoll_event,
     maxevents: c_int,
     timeout_ms: c_int,
-    mut call: impl FnMut(c_int) -> c_int,
+    mut call: impl FnMut(c_int, c_int) -> c_int,
 ) -> c_int {
     if crate::san::live_sockets() == 0 || guard::is_inside() || events.is_null() {
-        return call(timeout_ms);
+        return call(maxevents, timeout_ms);
     }
     let start = std::time::Instant::now();
     let deadline =
@@ -297,6 +297,8 @@ unsafe fn epoll_wait_with_san(
     let slice = std::time::Duration::from_millis(crate::settings::wait_slice_ms() as u64);
     let mut serviced = start;
     let mut deferred = crate::san::Deferred::default();
+    // Outputs kept in user space (see `san::ready_outputs`) are counted from here on.
+    let _waiting = crate::san::begin_epoll_wait(epfd);
     loop {
         {
             let _errno = errno::Preserved::save();
@@ -305,12 +307,39 @@ unsafe fn epoll_wait_with_san(
                 crate::san::settle_all_owed();
             });
         }
-        let left = crate::settings::next_slice_ms(deadline);
-        let n = call(left);
+        // Registrations whose output is kept here and writable now: reported with what a
+        // zero-timeout kernel wait reports, in room left for them (at least one event of
+        // the kernel's, so that its events are never kept out).
+        let mut ready = [0u64; crate::san::REPORTED_PER_WAIT];
+        let room = (maxevents.max(1) as usize - 1).min(ready.len());
+        let ready = match guard::contained(|| crate::san::ready_outputs(epfd, &mut ready[..room])) {
+            Some(found) => &ready[..found],
+            None => &ready[..0],
+        };
+        let n = if ready.is_empty() {
+            call(maxevents, crate::settings::next_slice_ms(deadline))
+        } else {
+            call(maxevents - ready.len() as c_int, 0)
+        };
         if n < 0 || n > maxevents {
             return n;
         }
         let _errno = errno::Preserved::save();
+        if !ready.is_empty() {
+            // SAFETY: the caller's array holds `maxevents` events; the kernel wrote `n`.
+            let all = unsafe { core::slice::from_raw_parts_mut(events, maxevents as usize) };
+            let kept = guard::contained(|| {
+                crate::san::correct_epoll_events(epfd, &mut all[..n as usize], Some(&mut deferred))
+            })
+            .unwrap_or(n as usize);
+            // Events to hand out: sockets raised without data stay so for a few waits, as
+            // below.
+            if !deferred.is_empty() {
+                let _ = guard::contained(|| crate::san::lower_deferred(&deferred, true));
+                deferred.clear();
+            }
+            return crate::san::merge_ready_outputs(all, kept, ready) as c_int;
+        }
         if n > 0 {
             // SAFETY: the kernel just wrote `n` events there.
             let returned = unsafe { core::slice::from_raw_parts_mut(events, n as usize) };
@@ -478,8 +507,8 @@ pub unsafe fn epoll_wait(
 ) -> c_int {
     // SAFETY: forwarded.
     unsafe {
-        epoll_wait_with_san(epfd, events, maxevents, timeout, |slice| {
-            real::epoll_wait(epfd, events, maxevents, slice)
+        epoll_wait_with_san(epfd, events, maxevents, timeout, |room, slice| {
+            real::epoll_wait(epfd, events, room, slice)
         })
     }
 }
@@ -498,8 +527,8 @@ pub unsafe fn epoll_pwait(
 ) -> c_int {
     // SAFETY: forwarded.
     unsafe {
-        epoll_wait_with_san(epfd, events, maxevents, timeout, |slice| {
-            real::epoll_pwait(epfd, events, maxevents, slice, sigmask)
+        epoll_wait_with_san(epfd, events, maxevents, timeout, |room, slice| {
+            real::epoll_pwait(epfd, events, room, slice, sigmask)
         })
     }
 }
@@ -531,8 +560,8 @@ pub unsafe fn epoll_pwait2(
     };
     // SAFETY: forwarded.
     unsafe {
-        epoll_wait_with_san(epfd, events, maxevents, timeout_ms, |slice| {
-            real::epoll_pwait(epfd, events, maxevents, slice, sigmask)
+        epoll_wait_with_san(epfd, events, maxevents, timeout_ms, |room, slice| {
+            real::epoll_pwait(epfd, events, room, slice, sigmask)
         })
     }
 }

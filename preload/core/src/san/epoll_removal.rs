@@ -25,6 +25,7 @@ use core::ffi::c_int;
 use core::sync::atomic::{AtomicUsize, Ordering};
 
 use super::epoll_index;
+use super::epoll_output;
 use super::table::{lock, orphaned, SanObject};
 use crate::fdtable::table;
 use crate::real;
@@ -86,6 +87,13 @@ pub fn epoll_ctl_on_mirror(
         .find(|&(registered_in, _, _)| registered_in == epfd);
     let removed = current.is_some_and(|(_, events, _)| events & REMOVED_BY_APPLICATION != 0);
     let plain = |events: u32| events & EXACT_ONLY == 0 && !table().lookup(epfd).is_nested_epoll();
+    if let (libc::EPOLL_CTL_MOD, false, Some((_, events, data)), Some(wanted)) =
+        (op, removed, current, event)
+    {
+        if epoll_output::modify(epfd, index, socket, record, (events, data), wanted) {
+            return Some(Handled::Done);
+        }
+    }
     match op {
         libc::EPOLL_CTL_DEL if removed => Some(Handled::Failed(libc::ENOENT)),
         libc::EPOLL_CTL_DEL => {

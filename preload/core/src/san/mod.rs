@@ -137,6 +137,8 @@ mod socket;
 // background threads that walk the table.
 mod table;
 
+/// Output interest kept in user space (`EPOLLOUT` asked for around every write).
+mod epoll_output;
 mod epoll_removal;
 
 mod service;
@@ -169,6 +171,11 @@ use std::sync::MutexGuard;
 
 pub use downgrade::{adopt_stashes, stash_env};
 pub(crate) use downgrade::{pass_on, stash_of};
+pub use epoll_output::{
+    begin_wait as begin_epoll_wait, instance_created as epoll_instance_created,
+    instance_gone as epoll_instance_gone, instances_shared as epoll_instances_shared,
+    merge as merge_ready_outputs, ready_outputs, Waiting as EpollWaiting, REPORTED_PER_WAIT,
+};
 pub use epoll_removal::{any_removed, before_registering, epoll_ctl_on_mirror, Handled};
 pub use kernel::RawBuf;
 pub use outcome::SanCall;
@@ -564,6 +571,8 @@ pub struct ForkLocks(
 pub fn before_fork() -> ForkLocks {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("before_fork");
+    // The child shares the epoll instances: outputs kept here go to the kernel first.
+    epoll_output::instances_shared();
     downgrade::downgrade_connections(None);
     // No connection becomes unclaimed between the count below and the fork (it would be
     // copied uncounted, and both processes could claim it).
@@ -688,6 +697,7 @@ pub fn epoll_registrations_changed(index: u32) {
 /// lowering, and the registrations in it that the application removed leave the kernel now
 /// (the outer instance would see `epfd` ready for their events).
 pub fn epoll_instance_nested(epfd: c_int) {
+    epoll_output::instance_nested(epfd);
     let mut watched = Vec::new();
     registry().for_each_live(|index, record| {
         if record.flags() & flags::SAN != 0

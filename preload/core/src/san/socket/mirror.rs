@@ -215,6 +215,19 @@ impl SanSocket {
             && !self.peer_closed_gracefully()
     }
 
+    /// What a TCP socket polled for output alone reports now is exactly `POLLOUT`: switched,
+    /// room for a send, and no error, shutdown or end of the peer's stream (which add or
+    /// change other bits).
+    pub(crate) fn plainly_writable(&self) -> bool {
+        let readiness = self.readiness();
+        self.phase == Phase::Switched
+            && readiness.writable
+            && !readiness.error
+            && !readiness.read_hup
+            && !self.write_shut
+            && !self.peer_closed_gracefully()
+    }
+
     /// Verbs: the peer cannot raise our mirror, so whoever drives the session does.
     pub(super) fn raise_own_mirror(&self) {
         let Some(conn) = self.conn.as_ref().filter(|conn| !conn.is_intra_host()) else {
