@@ -23,6 +23,9 @@ use crate::{errno, real};
 /// As the C function.
 #[inline(always)]
 pub unsafe fn fork() -> libc::pid_t {
+    // The child shares every epoll instance: none keeps output in user space from now on
+    // (one atomic add while none does, see `san::epoll_instances_shared`).
+    crate::san::epoll_instances_shared();
     let published = crate::registry::registry().is_published();
     let san = crate::san::ever_used();
     if (!san && !published) || guard::is_inside() {

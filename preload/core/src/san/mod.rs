@@ -571,8 +571,6 @@ pub struct ForkLocks(
 pub fn before_fork() -> ForkLocks {
     #[cfg(test)]
     crate::guard::seam::panic_if_armed("before_fork");
-    // The child shares the epoll instances: outputs kept here go to the kernel first.
-    epoll_output::instances_shared();
     downgrade::downgrade_connections(None);
     // No connection becomes unclaimed between the count below and the fork (it would be
     // copied uncounted, and both processes could claim it).
