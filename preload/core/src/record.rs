@@ -262,14 +262,24 @@ pub const REMOVED_BY_APPLICATION: u32 = 1 << 26;
 /// events are the kernel's; the application's are those and `EPOLLOUT`.
 pub const OUTPUT_KEPT_BY_US: u32 = 1 << 25;
 
+/// With [`OUTPUT_KEPT_BY_US`]: the kernel's registration has `EPOLLIN` but the application's
+/// lacks it (it asked for output alone); the waits drop the kernel's `EPOLLIN` for it.
+pub const INPUT_DROPPED_BY_US: u32 = 1 << 24;
+
+/// The bits of a registration's stored events that are ours, not the kernel's.
+pub const KEPT_BY_US: u32 = OUTPUT_KEPT_BY_US | INPUT_DROPPED_BY_US;
+
 /// The events the application registered, from a registration's stored ones (see
 /// [`OUTPUT_KEPT_BY_US`]).
 pub const fn application_events(stored: u32) -> u32 {
+    let mut events = stored & !KEPT_BY_US;
     if stored & OUTPUT_KEPT_BY_US != 0 {
-        (stored & !OUTPUT_KEPT_BY_US) | libc::EPOLLOUT as u32
-    } else {
-        stored
+        events |= libc::EPOLLOUT as u32;
     }
+    if stored & INPUT_DROPPED_BY_US != 0 {
+        events &= !(libc::EPOLLIN as u32);
+    }
+    events
 }
 
 /// One `epoll_ctl(epfd, ADD, fd, {events, data})` of a tracked socket. `epfd == -1`: unused.
@@ -526,7 +536,8 @@ impl SocketRecord {
 
     /// The registrations the kernel holds: the application's and those it removed whose
     /// removal is still due (`events` has [`REMOVED_BY_APPLICATION`]), with the kernel's
-    /// events ([`OUTPUT_KEPT_BY_US`] set where the application's add `EPOLLOUT`).
+    /// events ([`KEPT_BY_US`] bits set where the application's differ, see
+    /// [`application_events`]).
     pub fn kernel_registrations(&self) -> impl Iterator<Item = (i32, u32, u64)> + '_ {
         self.epoll.iter().filter_map(|slot| {
             let epfd = slot.epfd.load(Ordering::Acquire);

@@ -310,7 +310,7 @@ unsafe fn epoll_wait_with_san(
         // Registrations whose output is kept here and writable now: reported with what a
         // zero-timeout kernel wait reports, in room left for them (at least one event of
         // the kernel's, so that its events are never kept out).
-        let mut ready = [0u64; crate::san::REPORTED_PER_WAIT];
+        let mut ready = [crate::san::ReadyOutput::default(); crate::san::REPORTED_PER_WAIT];
         let room = (maxevents.max(1) as usize - 1).min(ready.len());
         let ready = match guard::contained(|| crate::san::ready_outputs(epfd, &mut ready[..room])) {
             Some(found) => &ready[..found],

@@ -34,7 +34,8 @@ use super::table::{lock, orphaned, SanObject};
 use crate::fdtable::table;
 use crate::real;
 use crate::record::{
-    application_events, flags, SocketRecord, OUTPUT_KEPT_BY_US, REMOVED_BY_APPLICATION,
+    application_events, flags, SocketRecord, INPUT_DROPPED_BY_US, KEPT_BY_US, OUTPUT_KEPT_BY_US,
+    REMOVED_BY_APPLICATION,
 };
 use crate::registry::registry;
 
@@ -48,6 +49,7 @@ pub const REPORTED_PER_WAIT: usize = 16;
 /// Registration flags that keep a change the kernel's.
 const EXACT_ONLY: u32 = (libc::EPOLLET | libc::EPOLLONESHOT | libc::EPOLLEXCLUSIVE) as u32;
 const OUTPUT: u32 = libc::EPOLLOUT as u32;
+const INPUT: u32 = libc::EPOLLIN as u32;
 
 /// Per instance number: the generation it was created in, plus one (0: not one of ours).
 static CREATED_IN: [AtomicU32; INSTANCES] = [const { AtomicU32::new(0) }; INSTANCES];
@@ -176,20 +178,70 @@ fn clear(kept: &AtomicU64, value: u64) {
     }
 }
 
-/// The stored events of `record`'s registration in `epfd` while its output is kept (and the
-/// application has not removed it): `(kernel events, data)`.
+/// `record`'s registration in `epfd` while its output is kept (and the application has not
+/// removed it): the stored events (the kernel's with our bits) and its data.
 fn kept_registration(record: &SocketRecord, epfd: c_int) -> Option<(u32, u64)> {
     record
         .kernel_registrations()
         .find(|&(e, events, _)| {
             e == epfd && events & OUTPUT_KEPT_BY_US != 0 && events & REMOVED_BY_APPLICATION == 0
         })
-        .map(|(_, events, data)| (events & !OUTPUT_KEPT_BY_US, data))
+        .map(|(_, events, data)| (events, data))
 }
 
-/// An `EPOLL_CTL_MOD` of SAN socket `index` (its slot locked, `socket`), watched through
-/// `mirror` in `epfd`, whose registration there stores `current` with `data`, to `wanted`.
-/// True: kept here, no kernel call; false: the kernel's (anything kept for the registration
+/// The stored events that keep `wanted` here while the kernel's registration is `kernel`
+/// (plain level-triggered, no `EPOLLOUT`): `wanted` asks for output as well, or for output
+/// in place of input. `None`: another change, the kernel's.
+fn kept_form(kernel: u32, wanted: u32) -> Option<u32> {
+    if kernel & (OUTPUT | EXACT_ONLY | REMOVED_BY_APPLICATION | KEPT_BY_US) != 0 {
+        return None;
+    }
+    if wanted == kernel | OUTPUT {
+        Some(kernel | OUTPUT_KEPT_BY_US)
+    } else if kernel & INPUT != 0 && wanted == (kernel & !INPUT) | OUTPUT {
+        Some(kernel | OUTPUT_KEPT_BY_US | INPUT_DROPPED_BY_US)
+    } else {
+        None
+    }
+}
+
+/// Keeps the application's change of SAN socket `index`'s registration in `epfd` (whose
+/// kernel registration is `kernel` with `data`, the slot locked, `socket`) to `wanted` here,
+/// if it can be (see the module documentation); true if it did (no kernel call: the caller
+/// answers 0). Stores the kept form over whatever the record held for `epfd`.
+pub fn keep(
+    epfd: c_int,
+    index: u32,
+    socket: &SanSocket,
+    record: &SocketRecord,
+    (kernel, data): (u32, u64),
+    wanted: libc::epoll_event,
+) -> bool {
+    let (wanted_events, wanted_data) = (wanted.events, wanted.u64);
+    let Some(stored) = kept_form(kernel, wanted_events) else {
+        return false;
+    };
+    if wanted_data != data || !eligible(epfd) || !socket.plainly_writable() {
+        return false;
+    }
+    if !remember(epfd, index) {
+        return false;
+    }
+    record.register_epoll(epfd, stored, data);
+    // Pairs with `begin_wait`: a thread of ours that began a wait on this instance before
+    // the mark was set may be asleep in the kernel, which would wake it for this change.
+    fence(Ordering::SeqCst);
+    if slot(epfd).is_some_and(|n| WAITERS[n].load(Ordering::SeqCst) != 0) {
+        record.register_epoll(epfd, kernel, data);
+        forget(epfd, index);
+        return false;
+    }
+    true
+}
+
+/// An `EPOLL_CTL_MOD` of SAN socket `index` (its slot locked, `socket`), watched through its
+/// mirror in `epfd`, whose registration there stores `current` with `data`, to `wanted`.
+/// True: done here, no kernel call; false: the kernel's (anything kept for the registration
 /// is forgotten, the caller records the application's events).
 pub fn modify(
     epfd: c_int,
@@ -200,48 +252,38 @@ pub fn modify(
     wanted: libc::epoll_event,
 ) -> bool {
     let (wanted_events, wanted_data) = (wanted.events, wanted.u64);
-    if current & OUTPUT_KEPT_BY_US != 0 {
-        let kernel = current & !OUTPUT_KEPT_BY_US;
-        if wanted_data == data && wanted_events == kernel {
-            // Output no longer wanted: back to what the kernel holds.
-            record.register_epoll(epfd, kernel, data);
-            forget(epfd, index);
-            return true;
-        }
-        if wanted_data == data && wanted_events == application_events(current) {
-            return true;
-        }
-        forget(epfd, index);
-        return false;
+    if current & KEPT_BY_US == 0 {
+        return keep(epfd, index, socket, record, (current, data), wanted);
     }
-    if wanted_data != data
-        || current & (OUTPUT | EXACT_ONLY | REMOVED_BY_APPLICATION) != 0
-        || wanted_events != current | OUTPUT
-        || !eligible(epfd)
-        || !socket.plainly_writable()
-    {
-        return false;
+    let kernel = current & !KEPT_BY_US;
+    if wanted_data == data && wanted_events == application_events(current) {
+        return true;
     }
-    if !remember(epfd, index) {
-        return false;
+    forget(epfd, index);
+    if wanted_data == data && wanted_events == kernel {
+        // What the kernel holds: nothing kept any more.
+        record.register_epoll(epfd, kernel, data);
+        return true;
     }
-    record.register_epoll(epfd, current | OUTPUT_KEPT_BY_US, data);
-    // Pairs with `begin_wait`: a thread of ours that began a wait on this instance before
-    // the mark was set may be asleep in the kernel, which would wake it for this change.
-    fence(Ordering::SeqCst);
-    let waiting = slot(epfd).is_some_and(|n| WAITERS[n].load(Ordering::SeqCst) != 0);
-    if waiting {
-        record.register_epoll(epfd, current, data);
-        forget(epfd, index);
-        return false;
+    if keep(epfd, index, socket, record, (kernel, data), wanted) {
+        return true;
     }
-    true
+    false
 }
 
-/// A wait on `epfd` begins (after [`begin_wait`]): the data of the registrations whose kept
-/// output is writable now go to `ready` (as many as fit); the others' outputs become the
-/// kernel's (not plainly writable, or no room to report them). Returns how many are ready.
-pub fn ready_outputs(epfd: c_int, ready: &mut [u64]) -> usize {
+/// A kept output found writable by a wait (see [`ready_outputs`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadyOutput {
+    /// The registration's data.
+    pub data: u64,
+    /// The application asked for output alone: the kernel's `EPOLLIN` for it is dropped.
+    pub drop_input: bool,
+}
+
+/// A wait on `epfd` begins (after [`begin_wait`]): the registrations whose kept output is
+/// writable now go to `ready` (as many as fit); the others' outputs become the kernel's (not
+/// plainly writable, or no room to report them). Returns how many are ready.
+pub fn ready_outputs(epfd: c_int, ready: &mut [ReadyOutput]) -> usize {
     if TAKEN.load(Ordering::Acquire) == 0 {
         return 0;
     }
@@ -266,12 +308,15 @@ pub fn ready_outputs(epfd: c_int, ready: &mut [u64]) -> usize {
             clear(kept, value);
             continue;
         };
-        let Some((_, data)) = kept_registration(record, epfd) else {
+        let Some((stored, data)) = kept_registration(record, epfd) else {
             clear(kept, value);
             continue;
         };
         if found < ready.len() && socket.plainly_writable() {
-            ready[found] = data;
+            ready[found] = ReadyOutput {
+                data,
+                drop_input: stored & INPUT_DROPPED_BY_US != 0,
+            };
             found += 1;
         } else {
             hand_to_kernel(record, socket, epfd);
@@ -283,17 +328,24 @@ pub fn ready_outputs(epfd: c_int, ready: &mut [u64]) -> usize {
 
 /// Reports the kept outputs found writable (`ready`, from [`ready_outputs`]) in a wait's
 /// events: `events[..kept]` are the kernel's (corrected), the slice's length is the
-/// caller's `maxevents`. An output joins the kernel's event of the same registration, or
-/// follows as an event of its own. Returns the new count.
-pub fn merge(events: &mut [libc::epoll_event], kept: usize, ready: &[u64]) -> usize {
+/// caller's `maxevents`. An output joins the kernel's event of the same registration (whose
+/// `EPOLLIN` goes when the application asked for output alone), or follows as an event of
+/// its own. Returns the new count.
+pub fn merge(events: &mut [libc::epoll_event], kept: usize, ready: &[ReadyOutput]) -> usize {
     let mut total = kept;
-    for &data in ready {
-        if let Some(event) = events[..kept].iter_mut().find(|event| event.u64 == data) {
+    for output in ready {
+        if let Some(event) = events[..kept]
+            .iter_mut()
+            .find(|event| event.u64 == output.data)
+        {
+            if output.drop_input {
+                event.events &= !INPUT;
+            }
             event.events |= OUTPUT;
         } else if total < events.len() {
             events[total] = libc::epoll_event {
                 events: OUTPUT,
-                u64: data,
+                u64: output.data,
             };
             total += 1;
         }
@@ -302,21 +354,19 @@ pub fn merge(events: &mut [libc::epoll_event], kept: usize, ready: &[u64]) -> us
 }
 
 /// The kept output of `record`'s registration in `epfd` becomes the kernel's (its slot
-/// locked, `socket`).
+/// locked, `socket`): the kernel's registration is changed to the application's events.
 fn hand_to_kernel(record: &SocketRecord, socket: &SanSocket, epfd: c_int) {
-    let Some((kernel, data)) = kept_registration(record, epfd) else {
+    let Some((stored, data)) = kept_registration(record, epfd) else {
         return;
     };
-    let mut event = libc::epoll_event {
-        events: kernel | OUTPUT,
-        u64: data,
-    };
+    let events = application_events(stored);
+    let mut event = libc::epoll_event { events, u64: data };
     if let Some(mirror) = socket.mirror_fd() {
         // SAFETY: the application's instance, our mirror, a live event. (An instance closed
         // meanwhile answers EBADF: nothing is left to change.)
         unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, mirror, &mut event) };
     }
-    record.register_epoll(epfd, kernel | OUTPUT, data);
+    record.register_epoll(epfd, events, data);
 }
 
 /// Every kept output of an instance `which` accepts becomes the kernel's.
@@ -357,18 +407,80 @@ mod tests {
     #[test]
     fn outputs_join_the_kernels_event_or_follow_it() {
         let event = |events: u32, data: u64| libc::epoll_event { events, u64: data };
-        let input = libc::EPOLLIN as u32;
-        let mut events = [event(input, 5), event(0, 0), event(0, 0)];
-        let total = merge(&mut events, 1, &[5, 9, 11]);
-        assert_eq!(total, 3, "one joined the kernel's event, two added");
-        assert_eq!({ events[0].events }, input | OUTPUT);
-        assert_eq!(({ events[1].events }, { events[1].u64 }), (OUTPUT, 9));
-        assert_eq!(({ events[2].events }, { events[2].u64 }), (OUTPUT, 11));
-        let mut full = [event(input, 1)];
+        let ready = |data: u64, drop_input: bool| ReadyOutput { data, drop_input };
+        let mut events = [event(INPUT, 5), event(INPUT, 6), event(0, 0), event(0, 0)];
+        let total = merge(
+            &mut events,
+            2,
+            &[
+                ready(5, false),
+                ready(6, true),
+                ready(9, false),
+                ready(11, false),
+            ],
+        );
+        assert_eq!(total, 4, "two joined the kernel's events, two added");
+        assert_eq!({ events[0].events }, INPUT | OUTPUT);
         assert_eq!(
-            merge(&mut full, 1, &[2]),
+            { events[1].events },
+            OUTPUT,
+            "input not asked for is dropped"
+        );
+        assert_eq!(({ events[2].events }, { events[2].u64 }), (OUTPUT, 9));
+        assert_eq!(({ events[3].events }, { events[3].u64 }), (OUTPUT, 11));
+        let mut full = [event(INPUT, 1)];
+        assert_eq!(
+            merge(&mut full, 1, &[ready(2, false)]),
             1,
-            "no room: reported by a later wait"
+            "no room: a later wait"
+        );
+    }
+
+    #[test]
+    fn only_output_added_or_put_in_place_of_input_is_kept() {
+        let rdhup = libc::EPOLLRDHUP as u32;
+        assert_eq!(
+            kept_form(INPUT, INPUT | OUTPUT),
+            Some(INPUT | OUTPUT_KEPT_BY_US)
+        );
+        assert_eq!(
+            kept_form(INPUT | rdhup, OUTPUT | rdhup),
+            Some(INPUT | rdhup | OUTPUT_KEPT_BY_US | INPUT_DROPPED_BY_US)
+        );
+        for stored in [
+            kept_form(INPUT | rdhup, INPUT | rdhup | OUTPUT),
+            kept_form(INPUT, OUTPUT),
+        ] {
+            let stored = stored.expect("kept");
+            assert_eq!(
+                application_events(stored) & (INPUT | OUTPUT),
+                if stored & INPUT_DROPPED_BY_US != 0 {
+                    OUTPUT
+                } else {
+                    INPUT | OUTPUT
+                }
+            );
+        }
+        assert_eq!(
+            kept_form(INPUT, INPUT | OUTPUT | rdhup),
+            None,
+            "another bit changed"
+        );
+        assert_eq!(
+            kept_form(INPUT | OUTPUT, INPUT | OUTPUT),
+            None,
+            "the kernel's"
+        );
+        assert_eq!(kept_form(0, OUTPUT), Some(OUTPUT_KEPT_BY_US));
+        let edge = libc::EPOLLET as u32;
+        assert_eq!(
+            kept_form(INPUT | edge, INPUT | OUTPUT | edge),
+            None,
+            "edge-triggered"
+        );
+        assert_eq!(
+            kept_form(INPUT | REMOVED_BY_APPLICATION, INPUT | OUTPUT),
+            None
         );
     }
 }

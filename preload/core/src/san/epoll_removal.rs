@@ -29,7 +29,7 @@ use super::epoll_output;
 use super::table::{lock, orphaned, SanObject};
 use crate::fdtable::table;
 use crate::real;
-use crate::record::{SocketRecord, EPOLL_SLOTS, REMOVED_BY_APPLICATION};
+use crate::record::{SocketRecord, EPOLL_SLOTS, KEPT_BY_US, REMOVED_BY_APPLICATION};
 use crate::registry::registry;
 
 /// How many registrations may be removed by the application and not yet by the kernel (an
@@ -114,9 +114,20 @@ pub fn epoll_ctl_on_mirror(
                 remove_from_kernel(record, epfd, mirror);
                 return None;
             };
-            if kernel_events & !REMOVED_BY_APPLICATION != wanted.events
-                || kernel_data != { wanted.u64 }
-            {
+            // The kernel's events (without the marks of ours).
+            let kernel_events = kernel_events & !(REMOVED_BY_APPLICATION | KEPT_BY_US);
+            if epoll_output::keep(
+                epfd,
+                index,
+                socket,
+                record,
+                (kernel_events, kernel_data),
+                wanted,
+            ) {
+                one_less();
+                return Some(Handled::Done);
+            }
+            if kernel_events != wanted.events || kernel_data != { wanted.u64 } {
                 // SAFETY: the application's instance and our mirror, a live event.
                 let rc = unsafe { real::epoll_ctl(epfd, libc::EPOLL_CTL_MOD, mirror, &mut wanted) };
                 if rc != 0 {

@@ -174,7 +174,8 @@ pub(crate) use downgrade::{pass_on, stash_of};
 pub use epoll_output::{
     begin_wait as begin_epoll_wait, instance_created as epoll_instance_created,
     instance_gone as epoll_instance_gone, instances_shared as epoll_instances_shared,
-    merge as merge_ready_outputs, ready_outputs, Waiting as EpollWaiting, REPORTED_PER_WAIT,
+    merge as merge_ready_outputs, ready_outputs, ReadyOutput, Waiting as EpollWaiting,
+    REPORTED_PER_WAIT,
 };
 pub use epoll_removal::{any_removed, before_registering, epoll_ctl_on_mirror, Handled};
 pub use kernel::RawBuf;
