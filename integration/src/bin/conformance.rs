@@ -312,7 +312,6 @@ fn settle() {
     std::thread::sleep(Duration::from_millis(30));
 }
 
-
 // ---- cases ------------------------------------------------------------------------------------
 
 fn bad_fds() -> CaseResult {
