@@ -910,6 +910,42 @@ fn epoll_output_around_writes() -> CaseResult {
     ));
     steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input)));
     steps.push(format!("idle {}", wait(epfd.raw(), 0)?));
+    // Waits made by system call number (`syscall(2)`) report it too.
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input | output)));
+    let raw_wait = |number: libc::c_long| -> String {
+        // SAFETY: zeroed epoll_event array is valid.
+        let mut events: [libc::epoll_event; 4] = unsafe { zeroed() };
+        // SAFETY: a live array of 4 events, no signal mask (its size argument is then unused).
+        let n = unsafe {
+            libc::syscall(
+                number,
+                epfd.raw(),
+                events.as_mut_ptr(),
+                4,
+                2000,
+                0usize,
+                8usize,
+            )
+        };
+        if n < 0 {
+            return outcome(n as isize);
+        }
+        events[..n as usize]
+            .iter()
+            .map(|event| format!("{}:{}", { event.u64 }, epoll_events_text(event.events)))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    steps.push(format!(
+        "epoll_pwait by number: {}",
+        raw_wait(libc::SYS_epoll_pwait)
+    ));
+    #[cfg(target_arch = "x86_64")]
+    steps.push(format!(
+        "epoll_wait by number: {}",
+        raw_wait(libc::SYS_epoll_wait)
+    ));
+    steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input)));
     // Another thread asleep in a wait on the instance: the change wakes it.
     let sleeper_epfd = epfd.raw();
     let sleeper = std::thread::spawn(move || {

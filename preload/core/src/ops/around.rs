@@ -13,8 +13,8 @@ use crate::guard;
 use crate::settings::{self, Mode};
 use crate::{errno, real};
 
-/// `syscall(3)`. Socket I/O by number runs as its hook (so a SAN socket keeps its stream
-/// order, and a tracked one its counters); `io_uring_setup` is refused with `ENOSYS` while
+/// `syscall(3)`. Socket I/O and epoll calls by number run as their hooks (so a SAN socket
+/// keeps its stream order and its readiness, and a tracked one its counters); `io_uring_setup` is refused with `ENOSYS` while
 /// connections may switch to the SAN; every other number is the real `syscall` with the six
 /// argument registers as the caller left them (no lock, allocation or logging).
 ///
@@ -84,6 +84,24 @@ pub unsafe fn syscall(
                 a2 as c_int,
                 a3 as c_int,
                 a4 as *mut libc::epoll_event,
+            ) as c_long,
+            // (Waits too: they report what the kernel's registration of a SAN socket leaves
+            // to them, see `san::epoll_output`.)
+            #[cfg(target_arch = "x86_64")]
+            libc::SYS_epoll_wait => super::readiness::epoll_wait(
+                fd,
+                a2 as *mut libc::epoll_event,
+                a3 as c_int,
+                a4 as c_int,
+            ) as c_long,
+            // The kernel's signal set is 8 bytes; another size with a mask is the kernel's
+            // `EINVAL`, left to it.
+            libc::SYS_epoll_pwait if a5 == 0 || a6 == 8 => super::readiness::epoll_pwait(
+                fd,
+                a2 as *mut libc::epoll_event,
+                a3 as c_int,
+                a4 as c_int,
+                a5 as *const libc::sigset_t,
             ) as c_long,
             libc::SYS_io_uring_setup if io_uring_refused() => {
                 errno::set(libc::ENOSYS);
