@@ -312,6 +312,7 @@ fn settle() {
     std::thread::sleep(Duration::from_millis(30));
 }
 
+
 // ---- cases ------------------------------------------------------------------------------------
 
 fn bad_fds() -> CaseResult {

@@ -316,14 +316,10 @@ unsafe fn epoll_wait_with_san(
             Some(found) => &ready[..found],
             None => &ready[..0],
         };
-        let n = if !ready.is_empty() {
-            call(maxevents - ready.len() as c_int, 0)
-        } else if let Some(n) =
-            look_at_edges_first(epfd, maxevents, timeout_ms, deadline, &mut call)
-        {
-            n
-        } else {
+        let n = if ready.is_empty() {
             call(maxevents, crate::settings::next_slice_ms(deadline))
+        } else {
+            call(maxevents - ready.len() as c_int, 0)
         };
         if n < 0 || n > maxevents {
             return n;
@@ -404,50 +400,6 @@ unsafe fn epoll_wait_with_san(
             return 0;
         }
     }
-}
-
-/// Before an epoll wait on `epfd` sleeps, where SAN sockets are watched by edge-triggered
-/// registrations alone (nginx): asks the kernel without waiting, and when it has nothing,
-/// looks at those sockets for their next message (`san::look_for_arrivals`, the budget and
-/// [`LookPolicy`] of every look), then asks again for the event its token makes. `Some`:
-/// the kernel's answer with events (or an error); `None`: sleep.
-fn look_at_edges_first(
-    epfd: c_int,
-    maxevents: c_int,
-    timeout_ms: c_int,
-    deadline: Option<std::time::Instant>,
-    call: &mut impl FnMut(c_int, c_int) -> c_int,
-) -> Option<c_int> {
-    if timeout_ms == 0 || !crate::san::edge_watched() {
-        return None;
-    }
-    let budget = look_budget(deadline);
-    if budget.is_zero() {
-        return None;
-    }
-    let n = call(maxevents, 0);
-    if n != 0 {
-        return Some(n);
-    }
-    let looked = guard::contained(|| crate::san::look_for_arrivals(epfd, budget)).flatten()?;
-    note_look(true, looked.found > 0, looked.preempted);
-    if looked.found == 0 {
-        return None;
-    }
-    // The sender writes the arrival's token right after the message the look saw.
-    for round in 0..64u32 {
-        let n = call(maxevents, 0);
-        if n != 0 {
-            return Some(n);
-        }
-        if round % 8 == 7 {
-            // SAFETY: sched_yield(2) takes no arguments.
-            unsafe { libc::sched_yield() };
-        } else {
-            core::hint::spin_loop();
-        }
-    }
-    None
 }
 
 /// How a thread's recent looks for the next message went: the budget of the next look, in

@@ -91,26 +91,6 @@ pub(super) fn lookup(epfd: c_int, data: u64) -> Option<u32> {
         .copied()
 }
 
-/// The SAN sockets registered in `epfd` (up to `out.len()`, in no order); how many. The
-/// caller checks each socket's registrations (an entry is a hint).
-pub(super) fn registered_in(epfd: c_int, out: &mut [u32]) -> usize {
-    let guard = locked();
-    let Some(map) = guard.as_ref() else {
-        return 0;
-    };
-    let mut found = 0;
-    for (&(e, _), &index) in &map.by_registration {
-        if found == out.len() {
-            break;
-        }
-        if e == epfd && !out[..found].contains(&index) {
-            out[found] = index;
-            found += 1;
-        }
-    }
-    found
-}
-
 impl Index {
     fn remove(&mut self, index: u32) {
         if let Some(keys) = self.registrations_of.remove(&index) {

@@ -182,9 +182,9 @@ pub use kernel::RawBuf;
 pub use outcome::SanCall;
 pub use provider::enabled;
 pub use readiness::{
-    correct_epoll_events, edge_watched, hand_out_input, look_for_arrivals, look_for_messages,
-    look_for_news, lower_deferred, poll_fds, readable_bytes, select_pollfds, select_results,
-    unpoll_fds, Deferred, Looked, Swapped,
+    correct_epoll_events, hand_out_input, look_for_messages, look_for_news, lower_deferred,
+    poll_fds, readable_bytes, select_pollfds, select_results, unpoll_fds, Deferred, Looked,
+    Swapped,
 };
 pub use recv::recv_iov;
 pub use send::{send_file_in_place, send_iov};

@@ -468,55 +468,6 @@ pub fn look_for_messages(
     }
 }
 
-/// Whether waits may look for arrivals on edge-triggered SAN sockets (see
-/// [`look_for_arrivals`]): only once a SAN socket of this process was watched by
-/// edge-triggered registrations alone (one load).
-pub fn edge_watched() -> bool {
-    super::socket::edge_watched()
-}
-
-/// An epoll wait on `epfd` that found nothing and would sleep looks first, for up to
-/// `budget`, for the next message of the SAN sockets watched there by edge-triggered
-/// registrations alone (what the looks of level-triggered ones do through lazy lowering,
-/// see [`look_for_messages`]; an edge-triggered registration must get its event from the
-/// kernel, so the wait asks the kernel again once the look found something: the sender
-/// writes the arrival's token right after its message). Up to 64 sockets; `None`: none is
-/// watched so there.
-pub fn look_for_arrivals(epfd: c_int, budget: std::time::Duration) -> Option<Looked> {
-    let mut candidates = [0u32; DEFERRED];
-    let count = super::epoll_index::registered_in(epfd, &mut candidates);
-    let mut watched = Deferred::default();
-    for &index in &candidates[..count] {
-        if orphaned(index) {
-            continue;
-        }
-        // (Only those with nothing to read now: an edge-triggered registration reports an
-        // arrival, not bytes left unread.)
-        let edge_only = matches!(
-            lock(index).as_ref(),
-            Some(SanObject::Socket(socket)) if socket.edge_only
-                && socket.phase == Phase::Switched
-                && {
-                    let readiness = socket.readiness();
-                    !readiness.readable && !readiness.read_hup && !readiness.error
-                }
-        );
-        if edge_only {
-            watched.push(
-                index,
-                libc::epoll_event {
-                    events: 0,
-                    u64: u64::from(index),
-                },
-            );
-        }
-    }
-    if watched.is_empty() {
-        return None;
-    }
-    Some(look_for_news(&watched, budget))
-}
-
 /// A poll's or select's `look`, ended by the first deferred socket with news. The wait
 /// then reports it directly where that is exact ([`hand_out_input`]), else polls its whole set
 /// again with a zero timeout, so that every entry, the socket's and those of the other

@@ -2,7 +2,6 @@
 //! socket): kept exact after reads and sends, raised by whoever drives a verbs session, and
 //! the peer's end told of our FIN.
 
-use core::sync::atomic::{AtomicBool, Ordering};
 use std::os::fd::{AsFd, AsRawFd, RawFd};
 
 use super::{Phase, SanSocket};
@@ -174,9 +173,6 @@ impl SanSocket {
     /// Leaving lazy lowering lowers a mirror left raised.
     pub(crate) fn registrations_changed(&mut self, record: &SocketRecord) {
         let kinds = registration_kinds(record);
-        if kinds.edge_only && !EDGE_WATCHED.load(Ordering::Relaxed) {
-            EDGE_WATCHED.store(true, Ordering::Relaxed);
-        }
         self.set_edge_per_arrival(kinds.edge_triggered);
         let was_edge_only = core::mem::replace(&mut self.edge_only, kinds.edge_only);
         let lazy = kinds.lazy.unwrap_or(self.lazy_lowering);
@@ -265,16 +261,6 @@ impl SanSocket {
             self.raise_own_mirror();
         }
     }
-}
-
-/// Set once a SAN socket of this process is watched by edge-triggered registrations alone:
-/// from then on epoll waits about to sleep look for their arrivals first.
-static EDGE_WATCHED: AtomicBool = AtomicBool::new(false);
-
-/// Whether a SAN socket of this process was ever watched by edge-triggered registrations
-/// alone (see [`SanSocket::edge_only`]).
-pub(crate) fn edge_watched() -> bool {
-    EDGE_WATCHED.load(Ordering::Relaxed)
 }
 
 /// Most arrival tokens a read leaves in a mirror watched only by edge-triggered

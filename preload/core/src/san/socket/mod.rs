@@ -16,7 +16,6 @@ mod drive;
 mod early;
 mod journal;
 mod mirror;
-pub(crate) use mirror::edge_watched;
 mod pending;
 pub(crate) mod stream;
 pub(crate) mod wait;
