@@ -312,7 +312,6 @@ fn settle() {
     std::thread::sleep(Duration::from_millis(30));
 }
 
-
 // ---- cases ------------------------------------------------------------------------------------
 
 fn bad_fds() -> CaseResult {
@@ -911,8 +910,15 @@ fn epoll_output_around_writes() -> CaseResult {
     ));
     steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input)));
     steps.push(format!("idle {}", wait(epfd.raw(), 0)?));
-    // Waits made by system call number (`syscall(2)`) report it too.
+    // A change the kernel refuses leaves the registration as it was.
     steps.push(format!("mod={}", ctl(libc::EPOLL_CTL_MOD, input | output)));
+    let exclusive = libc::EPOLLEXCLUSIVE as u32;
+    steps.push(format!(
+        "mod exclusive={}; {}",
+        ctl(libc::EPOLL_CTL_MOD, input | exclusive),
+        wait(epfd.raw(), 2000)?
+    ));
+    // Waits made by system call number (`syscall(2)`) report it too.
     let raw_wait = |number: libc::c_long| -> String {
         // SAFETY: zeroed epoll_event array is valid.
         let mut events: [libc::epoll_event; 4] = unsafe { zeroed() };

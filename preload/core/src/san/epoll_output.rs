@@ -256,7 +256,8 @@ pub fn modify(
         return keep(epfd, index, socket, record, (current, data), wanted);
     }
     let kernel = current & !KEPT_BY_US;
-    if wanted_data == data && wanted_events == application_events(current) {
+    let application = application_events(current);
+    if wanted_data == data && wanted_events == application {
         return true;
     }
     forget(epfd, index);
@@ -268,6 +269,9 @@ pub fn modify(
     if keep(epfd, index, socket, record, (kernel, data), wanted) {
         return true;
     }
+    // The kernel takes the change; it must hold what the application has first, so that a
+    // change the kernel refuses (`EINVAL`) leaves the application's registration as it was.
+    set_in_kernel(record, socket, epfd, application, data);
     false
 }
 
@@ -356,10 +360,14 @@ pub fn merge(events: &mut [libc::epoll_event], kept: usize, ready: &[ReadyOutput
 /// The kept output of `record`'s registration in `epfd` becomes the kernel's (its slot
 /// locked, `socket`): the kernel's registration is changed to the application's events.
 fn hand_to_kernel(record: &SocketRecord, socket: &SanSocket, epfd: c_int) {
-    let Some((stored, data)) = kept_registration(record, epfd) else {
-        return;
-    };
-    let events = application_events(stored);
+    if let Some((stored, data)) = kept_registration(record, epfd) {
+        set_in_kernel(record, socket, epfd, application_events(stored), data);
+    }
+}
+
+/// The kernel's registration of `socket`'s mirror in `epfd` becomes `events` with `data`, and
+/// the record says so.
+fn set_in_kernel(record: &SocketRecord, socket: &SanSocket, epfd: c_int, events: u32, data: u64) {
     let mut event = libc::epoll_event { events, u64: data };
     if let Some(mirror) = socket.mirror_fd() {
         // SAFETY: the application's instance, our mirror, a live event. (An instance closed
