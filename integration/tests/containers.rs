@@ -12,12 +12,14 @@
 //!   stat` run on the host shows them (the host's pids; as root, else `docker exec`);
 //! * the compose example (docs/compose), run as users run it.
 //!
-//! All are ignored by default: the first run builds the base image, installs the builder's
-//! toolchain and cargo-deb and builds the workspace in release (about 10 minutes on 2 cores);
-//! a changed source rebuilds from the workspace build on (a few minutes), unchanged sources
-//! reuse every cached layer (seconds). Run them with
-//! `cargo test -p integration --test containers -- --ignored` or `scripts/test-all.sh
-//! --containers`. They skip, saying so, where no Docker engine answers.
+//! All are ignored by a plain `cargo test`: the first run builds the base image, installs the
+//! builder's toolchain and cargo-deb and builds the workspace in release (about 6 minutes on 2
+//! cores in all); a changed source rebuilds from the workspace build on (a few minutes),
+//! unchanged sources reuse every cached layer (under a minute in all). `scripts/test-all.sh`
+//! runs them as a stage of its own wherever a Docker engine answers and says in one line that
+//! it skips them where none does (`--containers` makes them required, `--no-containers` skips
+//! them); alone, run `cargo test -p integration --test containers -- --ignored`. Run so without
+//! an engine, each skips, saying why.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -135,7 +137,7 @@ fn docker_run(args: &[&str], what: &str) -> String {
 }
 
 #[test]
-#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+#[ignore = "builds a Docker image (minutes); scripts/test-all.sh runs it where a Docker engine answers"]
 fn the_package_installs_and_runs_in_a_clean_container() {
     if !docker_available("the_package_installs_and_runs_in_a_clean_container") {
         return;
@@ -216,7 +218,7 @@ echo "stat:"; sandirect stat
 }
 
 #[test]
-#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+#[ignore = "builds a Docker image (minutes); scripts/test-all.sh runs it where a Docker engine answers"]
 fn the_image_runs_a_preloaded_pair_over_the_san() {
     if !docker_available("the_image_runs_a_preloaded_pair_over_the_san") {
         return;
@@ -342,7 +344,7 @@ impl Drop for DockerObjects {
 /// write through the segment's window: CMA cannot cross pid namespaces), every byte checked;
 /// without it they stay on TCP.
 #[test]
-#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+#[ignore = "builds a Docker image (minutes); scripts/test-all.sh runs it where a Docker engine answers"]
 fn two_containers_sharing_a_segment_volume_use_the_san() {
     if !docker_available("two_containers_sharing_a_segment_volume_use_the_san") {
         return;
@@ -680,7 +682,7 @@ fn main_pid(container: &str) -> u32 {
 /// (up to 1 MB) come back intact and redis-benchmark completes; without the volume, the same
 /// on TCP (`peer-not-capable`).
 #[test]
-#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+#[ignore = "builds a Docker image (minutes); scripts/test-all.sh runs it where a Docker engine answers"]
 fn redis_between_two_containers() {
     if !docker_available("redis_between_two_containers") {
         return;
@@ -766,7 +768,7 @@ redis-benchmark -h redis -q -c 2 -n 2000 -t set,get -d 100
 /// client sent a fixed byte count and the server received it (iperf3 -J, both ends' reports);
 /// without the volume, TCP (`peer-not-capable`).
 #[test]
-#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+#[ignore = "builds a Docker image (minutes); scripts/test-all.sh runs it where a Docker engine answers"]
 fn iperf3_between_two_containers() {
     if !docker_available("iperf3_between_two_containers") {
         return;
@@ -894,7 +896,7 @@ impl Drop for ComposeProject {
 /// both clients' connections on SAN-shm, with the host's pids; the clients get every value and
 /// every page back.
 #[test]
-#[ignore = "builds a Docker image (minutes); run with --ignored or scripts/test-all.sh --containers"]
+#[ignore = "builds a Docker image (minutes); scripts/test-all.sh runs it where a Docker engine answers"]
 fn the_compose_example_runs_over_the_san() {
     if !docker_available("the_compose_example_runs_over_the_san") {
         return;

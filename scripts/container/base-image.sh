@@ -26,39 +26,44 @@ if [ "$rebuild" -eq 0 ] && docker image inspect "$tag" >/dev/null 2>&1; then
   exit 0
 fi
 
+# debootstrap, and reading the tree it makes, need root: as the other scripts, sudo otherwise.
+SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
-  echo "base-image: debootstrap needs root" >&2
-  exit 1
+  if ! sudo -n true 2>/dev/null; then
+    echo "base-image: debootstrap needs root (or passwordless sudo)" >&2
+    exit 1
+  fi
+  SUDO="sudo"
 fi
-if ! command -v debootstrap >/dev/null 2>&1; then
+if ! command -v debootstrap >/dev/null 2>&1 && [ ! -x /usr/sbin/debootstrap ]; then
   echo "base-image: installing debootstrap" >&2
-  apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >&2
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends debootstrap >&2
 fi
 
 rootfs="$(mktemp -d "${TMPDIR:-/var/tmp}/sandirect-rootfs.XXXXXX")"
-trap 'rm -rf "$rootfs"' EXIT
+trap '$SUDO rm -rf "$rootfs"' EXIT
 echo "base-image: debootstrap bookworm (minbase) from $mirror" >&2
-debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >&2
+$SUDO env PATH="/usr/sbin:/sbin:$PATH" debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >&2
 
 # The security suite carries the current Rust toolchain (rustc-web) that the builder stage
 # installs, and the fixes a shipped image should have.
 security="${mirror%/debian}/debian-security"
-cat >"$rootfs/etc/apt/sources.list" <<SOURCES
+$SUDO tee "$rootfs/etc/apt/sources.list" >/dev/null <<SOURCES
 deb $mirror bookworm main
 deb $mirror bookworm-updates main
 deb $security bookworm-security main
 SOURCES
 # What the official Debian images set: no recommends, no docs or man pages beyond the packages'
 # own, apt lists removed after each install.
-cat >"$rootfs/etc/apt/apt.conf.d/90container" <<'APT'
+$SUDO tee "$rootfs/etc/apt/apt.conf.d/90container" >/dev/null <<'APT'
 APT::Install-Recommends "false";
 APT::Install-Suggests "false";
 APT
-rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/archives/*.deb
+$SUDO sh -c 'rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/archives/*.deb' sh "$rootfs"
 
 echo "base-image: importing as $tag" >&2
-tar -C "$rootfs" --numeric-owner -c . |
+$SUDO tar -C "$rootfs" --numeric-owner -c . |
   docker import \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
