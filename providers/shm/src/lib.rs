@@ -70,7 +70,7 @@ pub use segment::{
 };
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{
-    allocate_file, coarse_now, futex_wait, futex_wake, internal_fd_floor, move_internal_fd,
-    multi_cpu, pid_namespace, pidfd_open, process_cpu_time, relocate_internal_fd, remembered,
-    FutexWait, ShmSafe,
+    allocate_file, coarse_now, futex_wait, futex_wake, internal_fd_floor, memfd_sealable,
+    move_internal_fd, multi_cpu, pid_namespace, pidfd_open, process_cpu_time, relocate_internal_fd,
+    remembered, seal_size, size_sealed, FutexWait, ShmSafe,
 };

@@ -386,23 +386,21 @@ impl WordsPage {
     /// A fresh zeroed page (the acceptor creates it; all-zero words are the initial state),
     /// with its memfd for the peer (to pass on, then close).
     pub(crate) fn create() -> Option<(WordsPage, OwnedFd)> {
-        // SAFETY: NUL-terminated name; plain memfd_create(2). Not moved to a high number:
-        // it is closed before the hook returns.
-        let fd = unsafe { libc::memfd_create(c"sandirect-mirror".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: just returned by the kernel, owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Not moved to a high number: it is closed before the hook returns.
+        let fd = san_shm::memfd_sealable(c"sandirect-mirror").ok()?;
         // Allocated, not only sized: the words are written through a shared mapping, where
-        // a page the kernel cannot supply would be SIGBUS instead of a failed set-up.
+        // a page the kernel cannot supply would be SIGBUS instead of a failed set-up. Then
+        // sealed: the peer maps it too, and a page it could truncate under our mapping would
+        // be SIGBUS here.
         san_shm::allocate_file(fd.as_fd(), PAGE).ok()?;
+        san_shm::seal_size(fd.as_fd()).ok()?;
         let page = WordsPage::map(fd.as_fd())?;
         Some((page, fd))
     }
 
     /// Maps a page received from the acceptor (the caller closes the memfd afterwards);
-    /// refuses anything that is not a page-sized memfd.
+    /// refuses anything that is not a page-sized memfd sealed against shrinking (see
+    /// [`WordsPage::create`]).
     pub(crate) fn map(memfd: BorrowedFd<'_>) -> Option<WordsPage> {
         // SAFETY: plain data, zero is valid.
         let mut stat: libc::stat = unsafe { core::mem::zeroed() };
@@ -410,6 +408,7 @@ impl WordsPage {
         if unsafe { libc::fstat(memfd.as_raw_fd(), &mut stat) } != 0
             || stat.st_mode & libc::S_IFMT != libc::S_IFREG
             || stat.st_size != PAGE as libc::off_t
+            || !san_shm::size_sealed(memfd)
         {
             return None;
         }
