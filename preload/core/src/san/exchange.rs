@@ -48,6 +48,8 @@ pub(crate) const MIRROR_END: u8 = b'K';
 pub(crate) const WORDS_PAGE: u8 = b'W';
 /// The payload byte sent with the acceptor's pidfd of itself.
 pub(crate) const PIDFD: u8 = b'P';
+/// The payload byte sent with a private segment (a connection between two users).
+pub(crate) const SEGMENT: u8 = b'S';
 
 /// `SO_PEERPIDFD` (Linux 6.5) where its value is the generic one; elsewhere the pidfd is
 /// opened from the translated pid.
@@ -86,8 +88,26 @@ fn owned(fd: libc::c_int) -> Option<OwnedFd> {
 
 /// `\0sandirect/<euid>/X/<segment name>`.
 fn exchange_address(name: &SegmentName) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    abstract_address(format_args!(
+        "sandirect/{}/X/{}",
+        effective_uid(),
+        name.as_str()
+    ))
+}
+
+/// `\0sandirect/x/X/<segment name>`: the exchange of a client whose server is another
+/// user's (see `super::other_users`). No uid in it: the acceptor may be neither the
+/// client's user nor the listener's publisher's (nginx's workers).
+fn other_user_address(name: &SegmentName) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    abstract_address(format_args!("sandirect/x/X/{}", name.as_str()))
+}
+
+/// The abstract address `\0<text>`.
+fn abstract_address(
+    text_args: core::fmt::Arguments<'_>,
+) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
     let mut text = String::with_capacity(128);
-    write!(text, "sandirect/{}/X/{}", effective_uid(), name.as_str()).ok()?;
+    text.write_fmt(text_args).ok()?;
     // SAFETY: plain data, zero is valid.
     let mut sun: libc::sockaddr_un = unsafe { core::mem::zeroed() };
     if text.len() + 1 > sun.sun_path.len() {
@@ -156,6 +176,31 @@ pub(crate) fn listen(
     Some((socket, file))
 }
 
+/// A client whose server is another user's: its exchange listener at the name of
+/// [`other_user_address`].
+pub(crate) fn listen_for_other_user(name: &SegmentName) -> Option<OwnedFd> {
+    bind_listener(other_user_address(name)?)
+}
+
+/// The acceptor's connection to the exchange of a client of another user, when one listens
+/// for this connection and `SO_PEERCRED` says it runs as one of `allowed` (a name taken by
+/// anyone else is left at once). Costs a plain client three system calls (see
+/// `super::other_users`).
+pub(crate) fn connect_to_other_user(
+    name: &SegmentName,
+    allowed: &dyn Fn(u32) -> bool,
+) -> Result<OwnedFd, ConnectError> {
+    let address = other_user_address(name).ok_or(ConnectError::NoListener)?;
+    connect_checked(address, &|socket| {
+        peer_credentials(socket).is_some_and(|cred| allowed(cred.uid))
+    })
+}
+
+/// `SO_PEERCRED`'s uid of the other end of `socket`.
+pub(crate) fn peer_uid(socket: BorrowedFd<'_>) -> Option<u32> {
+    peer_credentials(socket).map(|cred| cred.uid)
+}
+
 fn bind_listener((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Option<OwnedFd> {
     let socket = unix_stream()?;
     // SAFETY: `sun` is a valid sockaddr_un of length `len`.
@@ -205,7 +250,14 @@ pub(crate) fn connect(
     }
 }
 
-fn connect_to((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedFd, ConnectError> {
+fn connect_to(address: (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedFd, ConnectError> {
+    connect_checked(address, &peer_is_same_user)
+}
+
+fn connect_checked(
+    (sun, len): (libc::sockaddr_un, libc::socklen_t),
+    accepted: &dyn Fn(BorrowedFd<'_>) -> bool,
+) -> Result<OwnedFd, ConnectError> {
     // Moved above the application's numbers only once it connected: most accepted clients
     // are plain, and for them this probe is all the SAN costs the acceptor.
     // SAFETY: plain socket(2) call.
@@ -229,7 +281,7 @@ fn connect_to((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedF
             len,
         )
     };
-    if rc != 0 || !peer_is_same_user(socket.as_fd()) {
+    if rc != 0 || !accepted(socket.as_fd()) {
         return Err(ConnectError::NoListener);
     }
     crate::mirror::move_internal_fd(socket).map_err(|_| ConnectError::Resource)
@@ -257,20 +309,25 @@ pub(crate) fn accept_offer(listener: BorrowedFd<'_>) -> Option<Offer> {
         let Some(link) = accept(listener)? else {
             continue;
         };
-        let Some(their_end) = receive(link.as_fd(), MIRROR_END) else {
-            continue;
-        };
-        if let Some(page) = receive(link.as_fd(), WORDS_PAGE) {
-            let their_pidfd = receive(link.as_fd(), PIDFD);
-            return Some(Offer {
-                link,
-                their_end,
-                page,
-                their_pidfd,
-            });
+        if let Some(offer) = take_offer(link) {
+            return Some(offer);
         }
     }
     None
+}
+
+/// The offer queued on exchange connection `link`: a mirror end, then a words page, then
+/// optionally the acceptor's pidfd (`None`, and `link` closed, when it is not there).
+pub(crate) fn take_offer(link: OwnedFd) -> Option<Offer> {
+    let their_end = receive(link.as_fd(), MIRROR_END)?;
+    let page = receive(link.as_fd(), WORDS_PAGE)?;
+    let their_pidfd = receive(link.as_fd(), PIDFD);
+    Some(Offer {
+        link,
+        their_end,
+        page,
+        their_pidfd,
+    })
 }
 
 /// Accepts one queued connection (nonblocking): `Some(None)` for one that is not of our user

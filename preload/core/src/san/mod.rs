@@ -117,6 +117,7 @@ mod exchange;
 mod history;
 mod kernel;
 mod nudge;
+mod other_users;
 mod outcome;
 mod registrations;
 mod stash;
@@ -327,7 +328,10 @@ pub fn before_connect(
         provider.negative.probe(peer, Some(provider.dir.as_fd()))
     };
     let through_dir = kind == PeerKind::PreloadedThroughDirectory;
-    let kind = if through_dir {
+    // A server of another user's, and this process's policy names other users: a segment
+    // private to the connection (see `other_users`).
+    let private = kind == PeerKind::OtherUser && other_users::enabled();
+    let kind = if through_dir || private {
         PeerKind::Preloaded
     } else {
         kind
@@ -412,20 +416,26 @@ pub fn before_connect(
             }
         };
     }
-    // Before the SYN leaves: the acceptor looks here before it probes our exchange.
-    let pending = provider
-        .pending
-        .as_ref()
-        .map(|table| table.mark(local.port()));
-    match SanSocket::client(
-        record,
-        provider.dir.handle(),
-        &name,
-        &provider.registrations,
-        charge,
-        pending,
-        through_dir,
-    ) {
+    let made = if private {
+        // (An acceptor of another user cannot read our pending-ports table.)
+        SanSocket::client_private(record, &name, &provider.registrations, charge)
+    } else {
+        // Before the SYN leaves: the acceptor looks here before it probes our exchange.
+        let pending = provider
+            .pending
+            .as_ref()
+            .map(|table| table.mark(local.port()));
+        SanSocket::client(
+            record,
+            provider.dir.handle(),
+            &name,
+            &provider.registrations,
+            charge,
+            pending,
+            through_dir,
+        )
+    };
+    match made {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
             accept::install(index, record, socket);

@@ -193,6 +193,9 @@ pub(crate) struct SanSocket {
     /// Client, while pending: its port's entry in the pending-ports table (acceptors of the
     /// port probe while it is up).
     pending_mark: Option<san_shm::PendingMark>,
+    /// Client of another user's server, while pending: its exchange listener and private
+    /// segment, watched by the offer thread (see `super::other_users`).
+    private_offer: Option<super::other_users::PendingOffer>,
     /// Client, shm, pending: what the switch needs, made before the client announced itself.
     reserve: Option<SwitchReserve>,
     /// Client: stream bytes written on TCP while pending.
@@ -373,6 +376,7 @@ impl SanSocket {
             leftovers_taken: false,
             epoll_on_tcp: false,
             pending_mark: None,
+            private_offer: None,
             _charge: charge,
         }
     }
@@ -401,6 +405,87 @@ impl SanSocket {
         socket.reserve = Some(reserve);
         socket.pending_mark = pending;
         Ok(socket)
+    }
+
+    /// The connecting side of a connection to another user's server (see
+    /// `super::other_users`): as [`SanSocket::client`], with a private segment that no
+    /// directory names, and its exchange listener at the name acceptors of other users probe,
+    /// handed to the offer thread with the segment's descriptor.
+    pub(crate) fn client_private(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
+    ) -> Result<SanSocket, SocketSetupError> {
+        let listener = exchange::listen_for_other_user(name).ok_or(SocketSetupError::Resource)?;
+        let reserve = SwitchReserve::new(listener.as_fd())?;
+        let (segment, memfd) = ShmSegment::create_private(&shm_segment_config())
+            .map_err(|_| SocketSetupError::Resource)?;
+        let (conn, peer) = shm_connection(segment, registrations, None)?;
+        let offer = super::other_users::PendingOffer::new(listener, memfd)
+            .ok_or(SocketSetupError::Resource)?;
+        let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
+        socket.private_offer = Some(offer);
+        socket.reserve = Some(reserve);
+        Ok(socket)
+    }
+
+    /// The accepting side of a connection from a client of another user, at the
+    /// connection's first use: `link` is our connection to the client's exchange (its user
+    /// checked). Queues our mirror end and words page, waits (bounded) for the private
+    /// segment, checks and attaches it, and starts the session, as [`SanSocket::acceptor`].
+    pub(crate) fn acceptor_private(
+        record: &'static SocketRecord,
+        link: OwnedFd,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
+    ) -> Result<SanSocket, SocketSetupError> {
+        let client = exchange::peer_process(link.as_fd(), None);
+        if !client.is_known() {
+            return Err(SocketSetupError::PeerPidNamespace);
+        }
+        let (our_mirror, page) = offer_on(link.as_fd())?;
+        let memfd =
+            super::other_users::receive_segment(link.as_fd(), super::other_users::SEGMENT_WAIT)
+                .ok_or(SocketSetupError::PeerPlain)?;
+        // Checked before it is mapped: a sealed memfd, its header valid (see
+        // `ShmSegment::attach_private`); attaching last, as for any acceptor.
+        let segment = ShmSegment::attach_private(memfd.as_fd()).map_err(|error| match error {
+            san_shm::ShmError::Io {
+                errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
+                ..
+            } => SocketSetupError::Resource,
+            san_shm::ShmError::Withdrawn => SocketSetupError::ClientWithdrew,
+            _ => SocketSetupError::PeerPlain,
+        })?;
+        drop(memfd);
+        let (conn, peer) = shm_connection(segment, registrations, Some(client))?;
+        let session = Session::new(
+            Role::Passive,
+            session_config(rendezvous_enabled()),
+            conn.capabilities(),
+            SLOTS,
+            0,
+        );
+        let mut socket = Self::fresh(
+            record,
+            Side::Acceptor,
+            name,
+            conn.into(),
+            peer,
+            Some(charge),
+        );
+        socket.exchange = Some(link);
+        socket.start_session(session, our_mirror, page);
+        Ok(socket.accepted())
+    }
+
+    /// Client of another user's server, pending: the acceptor's exchange connection, once
+    /// the offer thread gave it our segment (`None` for any other socket).
+    pub(super) fn take_private_link(&mut self) -> Option<Option<OwnedFd>> {
+        let offer = self.private_offer.take()?;
+        Some(offer.take_link())
     }
 
     /// The accepting side, inside `accept()`: connects to the client's exchange, passes its
@@ -620,6 +705,11 @@ impl SanSocket {
         self.tcp_sent += bytes;
     }
 
+    /// Whether this socket's segment is private to the connection (a peer of another user).
+    pub(crate) fn is_private(&self) -> bool {
+        matches!(&self.conn, Some(Link::Shm(conn)) if conn.segment().is_private())
+    }
+
     /// Whether this socket runs over verbs.
     pub(crate) fn is_verbs(&self) -> bool {
         self.conn.as_ref().is_some_and(|c| c.verbs().is_some())
@@ -729,22 +819,29 @@ fn offer_mirror(
         exchange::ConnectError::NoListener => SocketSetupError::PeerPlain,
         exchange::ConnectError::Resource => SocketSetupError::Resource,
     })?;
+    let (our_mirror, page) = offer_on(link.as_fd())?;
+    Ok((link, our_mirror, page))
+}
+
+/// Queues our mirror's raising end, the words page and our pidfd on exchange connection
+/// `link`; returns our mirror and the page.
+fn offer_on(link: BorrowedFd<'_>) -> Result<(Mirror<SideWords>, Arc<WordsPage>), SocketSetupError> {
     let (page, memfd) = WordsPage::create().ok_or(SocketSetupError::Resource)?;
     let page = Arc::new(page);
     let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
         .map_err(|_| SocketSetupError::Resource)?;
-    if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
-        || !exchange::send(link.as_fd(), memfd.as_fd(), WORDS_PAGE)
+    if !exchange::send(link, their_end.as_fd(), MIRROR_END)
+        || !exchange::send(link, memfd.as_fd(), WORDS_PAGE)
     {
         return Err(SocketSetupError::Resource);
     }
     // Without one (no pidfds in this kernel) the client names us by its translated pid.
     if let Some(pidfd) = exchange::own_pidfd() {
-        if !exchange::send(link.as_fd(), pidfd.as_fd(), PIDFD) {
+        if !exchange::send(link, pidfd.as_fd(), PIDFD) {
             return Err(SocketSetupError::Resource);
         }
     }
-    Ok((link, our_mirror, page))
+    Ok((our_mirror, page))
 }
 
 /// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known

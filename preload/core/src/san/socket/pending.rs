@@ -37,7 +37,13 @@ impl SanSocket {
 
     /// The shm part of [`SanSocket::switch`].
     fn switch_shm(&mut self) -> Result<(), ()> {
-        let listener = self.exchange.take().ok_or(())?;
+        // A client of another user's server: the offer thread took the acceptor's
+        // connection (and gave it our segment).
+        let private_link = self.take_private_link();
+        let listener = match private_link {
+            Some(_) => None,
+            None => Some(self.exchange.take().ok_or(())?),
+        };
         // No longer pending: acceptors of our port need not probe for us (nor find our
         // exchange listener's file).
         self.pending_mark = None;
@@ -45,13 +51,17 @@ impl SanSocket {
         let reserve = self.reserve.take().ok_or(())?;
         // The numbers held for what arrives now become free for it.
         drop(reserve.spare);
+        let offer = match (private_link, listener) {
+            (Some(link), _) => exchange::take_offer(link.ok_or(())?),
+            (None, Some(listener)) => exchange::accept_offer(listener.as_fd()),
+            (None, None) => None,
+        };
         let exchange::Offer {
             link,
             their_end,
             page,
             their_pidfd,
-        } = exchange::accept_offer(listener.as_fd()).ok_or(())?;
-        drop(listener);
+        } = offer.ok_or(())?;
         // The acceptor as the kernel names it to us, not by the pid it recorded (see
         // `exchange`, "Who the peer is"). One we cannot name (another pid namespace on a
         // kernel without pidfds) could die unnoticed: the connection cannot go on.
