@@ -368,6 +368,9 @@ pub fn load(argv0: Option<&CStr>) {
             ),
         }
     }
+    // Read now, not at first use: a program may replace its environment before its workers
+    // accept (nginx keeps only the variables its configuration names).
+    let _ = other_users();
     let _ = SETTINGS.set(Settings {
         mode,
         program,
