@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use super::budget;
 use super::epoll_index;
-use super::exchange;
 use super::other_users;
 use super::provider::provider;
 use super::service;
@@ -104,7 +103,7 @@ pub(super) fn on_accepted(
     // A client of another user, when this process's policy names other users: its exchange
     // answers at a name of no user's (see `other_users`). A plain client costs this probe.
     if mode != ProviderChoice::Verbs && other_users::enabled() {
-        if let Ok(link) = exchange::connect_to_other_user(&name, &other_users::allowed) {
+        if let Some(link) = other_users::client_exchange(&name, local, peer) {
             let Some(charge) = budget::charge_shm() else {
                 stay_on_tcp(record, Bypass::SanResources);
                 return;

@@ -46,6 +46,23 @@ pub(crate) fn allowed(uid: u32) -> bool {
     uid == crate::discovery::effective_uid() || crate::settings::other_users().contains(&uid)
 }
 
+/// Acceptor of connection `local` ← `peer` whose client its own user's checks did not find:
+/// our connection to the exchange of a pending client of another user, when one listens for
+/// this connection, runs as a user the policy names, **and** owns the connection's client end
+/// (the kernel's socket table says whose socket `peer` → `local` is): a process of a named
+/// user that took the exchange name before the client cannot pass for it. `None`: the client
+/// is plain (a probe of three system calls; the check costs four more only when a listener
+/// answered).
+pub(super) fn client_exchange(
+    name: &crate::discovery::SegmentName,
+    local: std::net::SocketAddr,
+    peer: std::net::SocketAddr,
+) -> Option<OwnedFd> {
+    let link = exchange::connect_to_other_user(name, &allowed).ok()?;
+    let uid = exchange::peer_uid(link.as_fd())?;
+    (crate::listener_owner::connection_owner(peer, local) == Some(uid)).then_some(link)
+}
+
 /// One pending client's offer: its exchange listener and its private segment's descriptor,
 /// until an acceptor the policy allows connects; then that connection.
 struct Offer {
