@@ -282,6 +282,11 @@ fn connect_checked(
         )
     };
     if rc != 0 || !accepted(socket.as_fd()) {
+        // Closed by the kernel call itself: the close hook's look at the descriptor is one
+        // system call more for every plain client.
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(socket);
+        // SAFETY: our own descriptor, taken out of its owner first so it closes once.
+        unsafe { crate::real::close(fd) };
         return Err(ConnectError::NoListener);
     }
     crate::mirror::move_internal_fd(socket).map_err(|_| ConnectError::Resource)
