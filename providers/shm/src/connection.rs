@@ -2432,7 +2432,7 @@ mod tests {
         };
         let domain = ShmDomain::default();
         use std::os::fd::AsFd as _;
-        let (segment, fd) = ShmSegment::create_private(&SegmentConfig::new(slots)).unwrap();
+        let (segment, fd) = ShmSegment::create_private(&SegmentConfig::new(slots), 7).unwrap();
         let mut creator =
             ShmConnection::new(segment, &domain, ConnectionConfig::default()).unwrap();
         let attached = ShmSegment::attach_private(fd.as_fd()).unwrap();

@@ -614,7 +614,14 @@ impl ShmSegment {
     /// `F_SEAL_SEAL`), so the peer cannot truncate it under our mapping (`SIGBUS`); its write
     /// windows are allocated at once, since a private segment is never written through CMA
     /// (see [`ShmSegment::is_private`]).
-    pub fn create_private(config: &SegmentConfig) -> Result<(ShmSegment, OwnedFd), ShmError> {
+    ///
+    /// `token` is left in the segment for the attacher ([`ShmSegment::private_token`]): the
+    /// preload's acceptor proves with it, on the TCP connection only the process that
+    /// accepted it can write to, that it is the process that attached.
+    pub fn create_private(
+        config: &SegmentConfig,
+        token: u64,
+    ) -> Result<(ShmSegment, OwnedFd), ShmError> {
         let geometry = config.geometry().ok_or(ShmError::InvalidConfig(
             "slot pools, ring or window outside the provider's limits",
         ))?;
@@ -623,7 +630,7 @@ impl ShmSegment {
         let fd =
             sys::move_internal_fd(fd).map_err(|e| ShmError::io("create private segment", &e))?;
         let file = File::from(fd);
-        let map = Self::build(&file, geometry, config, 0o600, &[], true)?;
+        let map = Self::build(&file, geometry, config, 0o600, &token.to_le_bytes(), true)?;
         sys::seal_size(file.as_fd()).map_err(|e| ShmError::io("seal private segment", &e))?;
         let meta = file
             .metadata()
@@ -666,6 +673,13 @@ impl ShmSegment {
         }
         let path = PathBuf::from(PRIVATE_PATH);
         Self::attach_file(&file, &meta, None, CString::from(c"private"), path, true)
+    }
+
+    /// The creator's token of a private segment (see [`ShmSegment::create_private`]), copied
+    /// out of the segment; `None` when its setup area does not hold exactly one.
+    pub fn private_token(&self) -> Option<u64> {
+        let bytes: [u8; 8] = self.setup_request().ok()?.try_into().ok()?;
+        Some(u64::from_le_bytes(bytes))
     }
 
     /// Whether this is a private segment (see [`ShmSegment::create_private`]): made for one

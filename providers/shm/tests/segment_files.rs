@@ -422,7 +422,7 @@ fn a_directory_descriptor_reused_for_another_directory_is_not_written_through() 
 /// The bytes of a fresh private segment, read through its descriptor before anyone attached.
 fn private_segment_bytes() -> Vec<u8> {
     use std::os::unix::fs::FileExt;
-    let (segment, fd) = ShmSegment::create_private(&segment_config(512, 8)).unwrap();
+    let (segment, fd) = ShmSegment::create_private(&segment_config(512, 8), 7).unwrap();
     let file = fs::File::from(fd);
     let mut bytes = vec![0u8; file.metadata().unwrap().len() as usize];
     file.read_exact_at(&mut bytes, 0).unwrap();
@@ -446,11 +446,16 @@ fn a_private_segment_carries_messages_both_ways_and_never_offers_cma() {
     use common::{test_connection_config, Endpoint};
     use san_shm::{ShmConnection, ShmDomain};
     use std::time::Duration;
-    let (segment, fd) = ShmSegment::create_private(&segment_config(512, 8)).unwrap();
+    let (segment, fd) = ShmSegment::create_private(&segment_config(512, 8), 7).unwrap();
     assert!(segment.is_private());
     let attached = ShmSegment::attach_private(fd.as_fd()).unwrap();
     drop(fd);
     assert!(attached.is_private() && attached.is_attached() && segment.is_attached());
+    assert_eq!(
+        attached.private_token(),
+        Some(7),
+        "the creator's token reaches the attacher"
+    );
     let domain = ShmDomain::default();
     let mut creator =
         Endpoint::new(ShmConnection::new(segment, &domain, test_connection_config()).unwrap());
@@ -473,7 +478,7 @@ fn a_private_segment_carries_messages_both_ways_and_never_offers_cma() {
 
 #[test]
 fn a_private_segment_cannot_be_shrunk_or_grown_by_its_peer() {
-    let (_segment, fd) = ShmSegment::create_private(&segment_config(256, 4)).unwrap();
+    let (_segment, fd) = ShmSegment::create_private(&segment_config(256, 4), 7).unwrap();
     let file = fs::File::from(fd);
     let len = file.metadata().unwrap().len();
     assert!(file.set_len(0).is_err(), "shrinking is sealed");

@@ -49,6 +49,11 @@ use crate::record::SocketRecord;
 
 /// The one byte the acceptor writes on TCP after attaching: "switch now".
 pub(crate) const SWITCH_MARKER: u8 = 0x5a;
+/// Bytes of the switch marker of a connection between two users (the marker byte and the
+/// private segment's token, see [`SanSocket::private_marker`]).
+const PRIVATE_MARKER_LEN: usize = 9;
+/// How long a client that found part of such a marker on TCP waits for the rest.
+const PRIVATE_MARKER_WAIT: Duration = Duration::from_millis(50);
 
 /// Index of the connecting side's words in the shared page (the acceptor's is 1).
 const CLIENT_WORDS: usize = 0;
@@ -196,6 +201,10 @@ pub(crate) struct SanSocket {
     /// Client of another user's server, while pending: its exchange listener and private
     /// segment, watched by the offer thread (see `super::other_users`).
     private_offer: Option<super::other_users::PendingOffer>,
+    /// A connection between two users: the token of its private segment, which follows the
+    /// switch marker on TCP (see [`SanSocket::private_marker`]). The client's own copy, never
+    /// read back from the segment.
+    private_token: Option<u64>,
     /// Client, shm, pending: what the switch needs, made before the client announced itself.
     reserve: Option<SwitchReserve>,
     /// Client: stream bytes written on TCP while pending.
@@ -377,6 +386,7 @@ impl SanSocket {
             epoll_on_tcp: false,
             pending_mark: None,
             private_offer: None,
+            private_token: None,
             _charge: charge,
         }
     }
@@ -419,13 +429,15 @@ impl SanSocket {
     ) -> Result<SanSocket, SocketSetupError> {
         let listener = exchange::listen_for_other_user(name).ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
-        let (segment, memfd) = ShmSegment::create_private(&shm_segment_config())
+        let token = super::provider::random_u64();
+        let (segment, memfd) = ShmSegment::create_private(&shm_segment_config(), token)
             .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations, None)?;
         let offer = super::other_users::PendingOffer::new(listener, memfd)
             .ok_or(SocketSetupError::Resource)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
         socket.private_offer = Some(offer);
+        socket.private_token = Some(token);
         socket.reserve = Some(reserve);
         Ok(socket)
     }
@@ -460,6 +472,7 @@ impl SanSocket {
             _ => SocketSetupError::PeerPlain,
         })?;
         drop(memfd);
+        let token = segment.private_token().ok_or(SocketSetupError::PeerPlain)?;
         let (conn, peer) = shm_connection(segment, registrations, Some(client))?;
         let session = Session::new(
             Role::Passive,
@@ -477,8 +490,63 @@ impl SanSocket {
             Some(charge),
         );
         socket.exchange = Some(link);
+        socket.private_token = Some(token);
         socket.start_session(session, our_mirror, page);
         Ok(socket.accepted())
+    }
+
+    /// The switch marker of a connection between two users: the marker byte, then the
+    /// private segment's token. The client switches only once it found exactly these bytes
+    /// first on TCP with its segment attached: only the process that accepted the
+    /// connection can write on it, and only the process it gave the segment to knows the
+    /// token, so a process of a named user that took the segment in the acceptor's place
+    /// never talks SAN with the client (the connection stays on TCP, exactly).
+    pub(super) fn private_marker(&self) -> Option<[u8; PRIVATE_MARKER_LEN]> {
+        let token = self.private_token?;
+        let mut marker = [SWITCH_MARKER; PRIVATE_MARKER_LEN];
+        marker[1..].copy_from_slice(&token.to_le_bytes());
+        Some(marker)
+    }
+
+    /// Client, pending, segment attached: whether the acceptor's marker is first on TCP
+    /// (always, but for a connection between two users, where it carries the token: see
+    /// [`SanSocket::private_marker`]). `settle`: bytes were seen on TCP; a marker that
+    /// arrived in part is waited for (bounded).
+    fn private_marker_arrived(&self, tcp: c_int, settle: bool) -> bool {
+        let Some(expected) = self.private_marker() else {
+            return true;
+        };
+        let deadline = std::time::Instant::now() + PRIVATE_MARKER_WAIT;
+        loop {
+            let mut seen = [0u8; PRIVATE_MARKER_LEN];
+            // SAFETY: `seen` is writable for its length.
+            let n = unsafe {
+                crate::real::recv(
+                    tcp,
+                    seen.as_mut_ptr().cast(),
+                    seen.len(),
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            let Ok(n) = usize::try_from(n) else {
+                return false;
+            };
+            if n == PRIVATE_MARKER_LEN || n == 0 || seen[..n] != expected[..n] {
+                return seen == expected;
+            }
+            // Part of it: the rest was written with it.
+            let now = std::time::Instant::now();
+            if !settle || now >= deadline {
+                return false;
+            }
+            let mut entry = libc::pollfd {
+                fd: tcp,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd; a short bounded wait.
+            unsafe { crate::real::poll(&mut entry, 1, 1) };
+        }
     }
 
     /// Client of another user's server, pending: the acceptor's exchange connection, once
@@ -684,6 +752,7 @@ impl SanSocket {
         self.conn
             .as_ref()
             .is_some_and(|conn| conn.peer_attached(tcp))
+            && self.private_marker_arrived(tcp, false)
     }
 
     /// As [`SanSocket::peer_attached`], after bytes were found on TCP: whether they are the
@@ -692,6 +761,7 @@ impl SanSocket {
         self.conn
             .as_ref()
             .is_some_and(|conn| conn.peer_attached_settled(tcp))
+            && self.private_marker_arrived(tcp, true)
     }
 
     /// Client, pending: withdraws the segment if no acceptor attached (see

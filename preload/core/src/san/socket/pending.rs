@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use switch::session::{Role, Session};
 
-use super::{session_config, SanSocket, Side, ACCEPTOR_WORDS, CLIENT_WORDS, SWITCH_MARKER};
+use super::{
+    session_config, SanSocket, Side, ACCEPTOR_WORDS, CLIENT_WORDS, PRIVATE_MARKER_LEN,
+    SWITCH_MARKER,
+};
 use crate::mirror::Mirror;
 use crate::real;
 use crate::record::{flags, DataPath, SocketState};
@@ -169,6 +172,16 @@ impl SanSocket {
             }
             return;
         }
+        // Between two users: the marker and the token, whole, or the connection ends (as
+        // the verbs token above).
+        if let Some(marker) = self.private_marker() {
+            if send_all_on_tcp(tcp, &marker) != marker.len() {
+                tracing::debug!(tcp, "switch marker not sent");
+                // SAFETY: plain shutdown(2) of the application's socket.
+                unsafe { real::shutdown(tcp, libc::SHUT_RDWR) };
+            }
+            return;
+        }
         // Written even when the client already switched: the client consumes exactly one
         // marker byte before it ever reads TCP again (a downgrade), so it must always be there.
         let marker = [SWITCH_MARKER];
@@ -192,10 +205,12 @@ impl SanSocket {
         if !self.marker_unread {
             return;
         }
-        let mut byte = 0u8;
-        // SAFETY: one writable byte.
-        let n = unsafe { real::recv(tcp, (&mut byte as *mut u8).cast(), 1, libc::MSG_DONTWAIT) };
-        if n == 1 || n == 0 {
+        // (A connection between two users switched only once its whole marker was there.)
+        let len = self.private_marker().map_or(1, |marker| marker.len());
+        let mut marker = [0u8; PRIVATE_MARKER_LEN];
+        // SAFETY: `len` writable bytes.
+        let n = unsafe { real::recv(tcp, marker.as_mut_ptr().cast(), len, libc::MSG_DONTWAIT) };
+        if n == len as isize || n == 0 {
             self.marker_unread = false;
         }
     }
