@@ -258,8 +258,10 @@ fn an_echo_pair_of_two_users_streams_over_the_san() {
 /// tries to receive a descriptor; lists the client's descriptors and tries to read its
 /// memory (`process_vm_readv`). Prints one line of counts.
 const INTRUDER: &str = r#"
-import ctypes, os, socket, sys, time
+import ctypes, mmap, os, socket, struct, sys, time
 client_pid = int(sys.argv[1])
+attach = len(sys.argv) > 3 and sys.argv[3] == "attach"
+attached = 0
 names, connected, fds, closed_unread = set(), 0, 0, 0
 deadline = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < deadline:
@@ -279,6 +281,14 @@ while time.monotonic() < deadline:
                 fds += len(got)
                 if data == b"":
                     closed_unread += 1
+                for fd in got:
+                    if attach and data == b"S":
+                        # Play the acceptor: mark the segment attached (state word at 72).
+                        with mmap.mmap(fd, os.fstat(fd).st_size) as seg:
+                            if struct.unpack_from("<I", seg, 72)[0] == 1:
+                                struct.pack_into("<I", seg, 72, 3)
+                                attached += 1
+                    os.close(fd)
             except (socket.timeout, ConnectionResetError):
                 closed_unread += 1
         except OSError:
@@ -297,8 +307,8 @@ local = iovec(ctypes.cast(buf, ctypes.c_void_p), 8)
 remote = iovec(0x400000, 8)
 n = libc.process_vm_readv(client_pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
 cma = "read" if n >= 0 else "denied"
-print("names=%d connected=%d fds=%d closed_unread=%d listed_fds=%d cma=%s"
-      % (len(names), connected, fds, closed_unread, opened, cma))
+print("names=%d connected=%d fds=%d closed_unread=%d listed_fds=%d cma=%s attached=%d"
+      % (len(names), connected, fds, closed_unread, opened, cma, attached))
 "#;
 
 #[test]
@@ -576,4 +586,69 @@ http {{
     }
     let status = server.stop(libc::SIGQUIT, Duration::from_secs(20));
     assert!(status.success(), "nginx exit: {status}");
+}
+
+/// A process of a user the client's policy names (trusted with its connections to that user,
+/// not with this one) connects to the pending client's exchange before the acceptor, gets the
+/// private segment and marks it attached: the acceptor gets no segment and stays on TCP, and
+/// the client, whose segment is attached but whose first bytes on TCP are not the acceptor's
+/// marker and token, stays on TCP too; every byte intact.
+#[test]
+fn a_named_user_that_takes_the_segment_first_only_keeps_the_connection_on_tcp() {
+    if let Some(why) = not_root() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let _serial = exclusive();
+    let client_user = User::get("sdtest-client");
+    let third = User::get("sdtest-third");
+    let nobody = User::nobody();
+    let world = World::new("users-squat");
+    let script = world.sandbox.path().join("bin/intruder.py");
+    std::fs::write(&script, INTRUDER).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    const BYTES: usize = 1 << 20;
+    let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "early");
+    // The intruder starts first and watches for the exchange.
+    let intruder = world
+        .command("/usr/bin/python3", &third, &[])
+        .env_remove("LD_PRELOAD")
+        .arg(&script)
+        .arg("1")
+        .arg("0.8")
+        .arg("attach")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let client = world
+        .command(&world.san_echo, &client_user, &[&nobody, &third])
+        .args(["client", &port, "early", &BYTES.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let intruder = integration::wait_child(intruder, "intruder", Duration::from_secs(30))
+        .unwrap_or_else(|failure| panic!("intruder: {failure}"));
+    let client = integration::wait_child(client, "client", Duration::from_secs(60));
+    let mut server = server;
+    server.stdout = Some(reader.into_inner());
+    let server = integration::wait_child(server, "server", Duration::from_secs(30));
+    let (server, client) = match (server, client) {
+        (Ok(server), Ok(client)) => (server, client),
+        (server, client) => panic!("echo beside a squatter:\n{server:?}\n{client:?}\n{intruder}"),
+    };
+    assert!(
+        intruder.contains(" fds=1 ") && intruder.contains("attached=1"),
+        "the named user's process took and attached the segment first: {intruder}"
+    );
+    for (report, side) in [(&client, "client"), (&server, "server")] {
+        let line = report
+            .lines()
+            .find(|l| l.starts_with(side))
+            .unwrap_or_default();
+        assert!(line.contains(&format!("ok bytes={BYTES} ")), "{line}");
+        assert!(line.to_ascii_lowercase().ends_with("path=tcp"), "{side} stayed on TCP: {line}");
+    }
 }
