@@ -649,6 +649,9 @@ fn a_named_user_that_takes_the_segment_first_only_keeps_the_connection_on_tcp() 
             .find(|l| l.starts_with(side))
             .unwrap_or_default();
         assert!(line.contains(&format!("ok bytes={BYTES} ")), "{line}");
-        assert!(line.to_ascii_lowercase().ends_with("path=tcp"), "{side} stayed on TCP: {line}");
+        assert!(
+            line.to_ascii_lowercase().ends_with("path=tcp"),
+            "{side} stayed on TCP: {line}"
+        );
     }
 }

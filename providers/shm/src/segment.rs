@@ -35,7 +35,10 @@
 //! no check can prevent: a peer with write access could truncate the file under our mapping and
 //! make us fault (SIGBUS). Only the same user (or the configured group) has that access, and the
 //! same user could ptrace us anyway; the segment is a boundary against *other* users and
-//! against stale or corrupt files, not against one's own processes.
+//! against stale or corrupt files, not against one's own processes. A **private** segment
+//! ([`ShmSegment::create_private`]), whose peer may be another user's process, is a memfd
+//! sealed against shrinking and growing, checked by the attacher before it maps it
+//! ([`ShmSegment::attach_private`]): there no truncation is possible.
 
 use core::sync::atomic::Ordering;
 use std::ffi::{CStr, CString};

@@ -547,7 +547,7 @@ pub fn memfd_sealable(name: &CStr) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Seals the size of memory file `fd` for good (see [`SIZE_SEALS`]).
+/// Seals the size of memory file `fd` for good (`F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`).
 pub fn seal_size(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: plain fcntl(2) on a descriptor we hold.
     if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } == 0 {
@@ -557,7 +557,7 @@ pub fn seal_size(fd: BorrowedFd<'_>) -> io::Result<()> {
     }
 }
 
-/// Whether file `fd` carries every seal of [`SIZE_SEALS`] (false for a file that takes no
+/// Whether file `fd` carries every seal of [`seal_size`] (false for a file that takes no
 /// seals: only a memfd does).
 pub fn size_sealed(fd: BorrowedFd<'_>) -> bool {
     // SAFETY: plain fcntl(2) on a descriptor we hold.

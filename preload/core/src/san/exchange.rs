@@ -22,6 +22,11 @@
 //! backlog makes the acceptor's connect fail instead: the acceptor stays on TCP, and so does
 //! the client, which never sees an attach.
 //!
+//! **Other users.** A client of another user's server listens at a name of no user's
+//! (`\0sandirect/x/X/<segment name>`), and its offer thread, not this module's
+//! [`accept_offer`], takes the acceptor's connection and passes it the private segment (see
+//! `super::other_users`): there the users the policy names are checked instead of ours.
+//!
 //! **Who the peer is.** The exchange is also where each side learns the other process as the
 //! kernel names it to *it* ([`peer_process`]), which the pid recorded in the segment cannot do
 //! for a peer in another pid namespace (a container sharing `/dev/shm` and the network
