@@ -600,13 +600,15 @@ pub fn ever_used() -> bool {
 /// process-wide lock of the library held, so that no other thread is inside one when the
 /// child's copy of memory is taken; both processes release them afterwards. Order: the slot
 /// locks ([`before_fork`], taken first by the caller), the provider's initialisation, the
-/// in-process name list, the shm registration cache, the shm domain, the verbs provider's
-/// load — the order every other path takes them in (a socket's lock before the cache's, the
-/// cache's before the domain's; nobody waits for another lock while making a provider).
+/// offer thread's list (`other_users`), the in-process name list, the shm registration cache,
+/// the shm domain, the verbs provider's load — the order every other path takes them in (a
+/// socket's lock before the offer list's and the cache's, the cache's before the domain's;
+/// nobody waits for another lock while making a provider).
 /// The verbs service's own locks are not taken: a fork child never uses verbs objects (they
 /// belong to the process that loaded the library).
 pub fn with_library_locks<R>(fork: impl FnOnce() -> R) -> R {
     let _init = provider::hold_init();
+    let _offers = other_users::hold();
     let _names = table::by_name();
     let _epoll_index = epoll_index::hold();
     let registrations = provider::made().map(|provider| provider.registrations.lock());

@@ -32,8 +32,11 @@ use std::time::Duration;
 use super::exchange;
 use crate::guard::ReentrancyGuard;
 
-/// How long an acceptor waits for its client's offer thread to pass the segment.
-pub(super) const SEGMENT_WAIT: Duration = Duration::from_millis(200);
+/// How long an acceptor waits for its client's offer thread to pass the segment (it answers
+/// in tens of microseconds; past this the connection stays on TCP). The wait is inside the
+/// first call that uses the connection, so it bounds what a client that never answers costs
+/// the server.
+pub(super) const SEGMENT_WAIT: Duration = Duration::from_millis(50);
 
 /// Whether the policy names any other user.
 pub(crate) fn enabled() -> bool {
@@ -65,7 +68,10 @@ pub(super) fn client_exchange(
 
 /// One pending client's offer: its exchange listener and its private segment's descriptor,
 /// until an acceptor the policy allows connects; then that connection.
-struct Offer {
+pub(super) struct Offer {
+    /// The process that registered it: a fork child's copy of the list holds its parent's,
+    /// which the child's thread leaves alone (their locks may have been copied held).
+    pid: u32,
     listener: OwnedFd,
     state: Mutex<OfferState>,
 }
@@ -94,6 +100,12 @@ fn offers() -> MutexGuard<'static, Vec<Arc<Offer>>> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The list's lock, held across `fork` (see `super::with_library_locks`): the offer thread
+/// takes it briefly, and a child must not inherit it held.
+pub(super) fn hold() -> MutexGuard<'static, Vec<Arc<Offer>>> {
+    offers()
+}
+
 /// The eventfd that tells the offer thread its set changed (-1: none yet).
 static WAKE: AtomicI32 = AtomicI32::new(-1);
 /// The process whose offer thread runs (a fork child starts its own).
@@ -118,6 +130,7 @@ impl PendingOffer {
             return None;
         }
         let offer = Arc::new(Offer {
+            pid: std::process::id(),
             listener,
             state: Mutex::new(OfferState {
                 segment: Some(segment),
@@ -189,12 +202,13 @@ fn serve(wake: libc::c_int) {
     let _inside = ReentrancyGuard::enter();
     let mut watched: Vec<Arc<Offer>> = Vec::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
+    let pid = std::process::id();
     loop {
         watched.clear();
         watched.extend(
             offers()
                 .iter()
-                .filter(|offer| offer.state().segment.is_some())
+                .filter(|offer| offer.pid == pid && offer.state().segment.is_some())
                 .cloned(),
         );
         fds.clear();
