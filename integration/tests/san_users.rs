@@ -655,3 +655,135 @@ fn a_named_user_that_takes_the_segment_first_only_keeps_the_connection_on_tcp() 
         );
     }
 }
+
+/// Scribbles random values over the private segment a process maps (found by its name in
+/// `/proc/PID/maps`, opened through `/proc/PID/map_files`: what its peer could write), mostly
+/// over the header and both sides' control words, for a while. Run as root.
+const SCRIBBLER: &str = r#"
+import mmap, os, random, struct, sys, time
+pid, delay, duration, seed = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+time.sleep(delay)
+path, deadline = None, time.monotonic() + 5
+while path is None and time.monotonic() < deadline:
+    try:
+        with open("/proc/%d/maps" % pid) as maps:
+            for line in maps:
+                if "sandirect-segment" in line:
+                    path = "/proc/%d/map_files/%s" % (pid, line.split()[0])
+                    break
+    except OSError:
+        break
+    time.sleep(0.005)
+if path is None:
+    print("found=0 scribbles=0")
+    sys.exit(0)
+fd = os.open(path, os.O_RDWR)
+size = os.fstat(fd).st_size
+seg = mmap.mmap(fd, size)
+side1 = struct.unpack_from("<Q", seg, 56)[0]
+rng, count, end = random.Random(seed), 0, time.monotonic() + duration
+while time.monotonic() < end:
+    for _ in range(8):
+        area = rng.random()
+        if area < 0.35:
+            offset = rng.randrange(0, 16384)
+        elif area < 0.7 and side1 < size:
+            offset = side1 + rng.randrange(0, min(16384, size - side1))
+        else:
+            offset = rng.randrange(0, size)
+        offset = min(offset & ~7, size - 8)
+        value = rng.choice([rng.getrandbits(64), rng.randrange(8), rng.randrange(256),
+                            2**32 - 1, 2**64 - 1, 1 << rng.randrange(64)])
+        struct.pack_into("<Q", seg, offset, value)
+        count += 1
+    time.sleep(0.002)
+print("found=1 scribbles=%d" % count)
+"#;
+
+/// How a process under attack ended: an exit status (its connection failed or survived), or
+/// still running at the deadline (its connection stalled, as a TCP peer can stall it; killed
+/// now). Never a signal (a crash), never a panic message.
+fn ended_without_crash(mut child: std::process::Child, what: &str, within: Duration) -> String {
+    use std::io::Read as _;
+    use std::os::unix::process::ExitStatusExt as _;
+    let deadline = std::time::Instant::now() + within;
+    let ended = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break format!("{status}");
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break "stalled (killed by the test)".to_owned();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    let mut err = String::new();
+    if let Some(mut stderr) = child.stderr.take() {
+        let _ = stderr.read_to_string(&mut err);
+    }
+    if let Ok(Some(status)) = child.try_wait() {
+        assert!(
+            status.signal().is_none() || ended.starts_with("stalled"),
+            "{what} crashed ({status}):\n{out}\n{err}"
+        );
+    }
+    assert!(!err.contains("panicked"), "{what} panicked:\n{err}");
+    format!(
+        "{what}: {ended}; {} {}",
+        out.trim(),
+        err.lines().last().unwrap_or_default()
+    )
+}
+
+/// A peer that scribbles over a live private segment (rings, credits, journals, the header:
+/// anything) breaks that connection at most: neither process crashes or panics, whatever it
+/// reads there. Several seeds, each a fresh connection between two users.
+#[test]
+fn a_peer_scribbling_on_a_live_private_segment_breaks_only_that_connection() {
+    if let Some(why) = not_root() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let _serial = exclusive();
+    let client_user = User::get("sdtest-client");
+    let nobody = User::nobody();
+    let world = World::new("users-scribble");
+    let script = world.sandbox.path().join("bin/scribbler.py");
+    std::fs::write(&script, SCRIBBLER).unwrap();
+    let mut found = 0;
+    for seed in 1..=4u32 {
+        let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "paced");
+        let client = world
+            .command(&world.san_echo, &client_user, &[&nobody])
+            .args(["client", &port, "paced", &(4u32 << 20).to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let scribbler = Command::new("/usr/bin/python3")
+            .arg(&script)
+            .arg(client.id().to_string())
+            .args(["0.3", "1.0", &seed.to_string()])
+            .output()
+            .unwrap();
+        let scribbled = String::from_utf8_lossy(&scribbler.stdout).into_owned();
+        assert!(scribbler.status.success(), "scribbler: {scribbler:?}");
+        if scribbled.contains("found=1") {
+            found += 1;
+        }
+        let client = ended_without_crash(client, "client", Duration::from_secs(20));
+        let mut server = server;
+        server.stdout = Some(reader.into_inner());
+        let server = ended_without_crash(server, "server", Duration::from_secs(20));
+        eprintln!("seed {seed}: {scribbled}{client}\n{server}");
+    }
+    assert!(
+        found >= 3,
+        "the scribbler found the live segment in most runs ({found} of 4)"
+    );
+}
