@@ -663,6 +663,9 @@ impl ShmSegment {
             fd.try_clone_to_owned()
                 .map_err(|e| ShmError::io("attach private segment", &e))?,
         );
+        // The seals first, the size after: once sealed the size can no longer change, so the
+        // size read next is the one the file keeps while we map it.
+        let sealed = sys::size_sealed(file.as_fd());
         let meta = file
             .metadata()
             .map_err(|e| ShmError::io("fstat segment", &e))?;
@@ -671,7 +674,7 @@ impl ShmSegment {
                 PermissionProblem::NotRegularFile,
             ));
         }
-        if !sys::size_sealed(file.as_fd()) {
+        if !sealed {
             return Err(ShmError::PermissionDenied(PermissionProblem::NotSealed));
         }
         let path = PathBuf::from(PRIVATE_PATH);

@@ -469,13 +469,16 @@ impl WordsPage {
     /// refuses anything that is not a page-sized memfd sealed against shrinking (see
     /// [`WordsPage::create`]).
     pub(crate) fn map(memfd: BorrowedFd<'_>) -> Option<WordsPage> {
+        // The seals before the size: sealed, the size cannot change after it was read.
+        if !san_shm::size_sealed(memfd) {
+            return None;
+        }
         // SAFETY: plain data, zero is valid.
         let mut stat: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: fstat writes a whole `struct stat`.
         if unsafe { libc::fstat(memfd.as_raw_fd(), &mut stat) } != 0
             || stat.st_mode & libc::S_IFMT != libc::S_IFREG
             || stat.st_size != PAGE as libc::off_t
-            || !san_shm::size_sealed(memfd)
         {
             return None;
         }
