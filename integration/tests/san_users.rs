@@ -36,6 +36,17 @@ fn not_root() -> Option<&'static str> {
     (unsafe { libc::geteuid() } != 0).then_some("needs root to run programs as other users")
 }
 
+/// The system's Python (the intruder and the scribbler are Python scripts, run as the test
+/// users, who cannot reach a Python installed under root's home).
+fn system_python() -> &'static str {
+    const PYTHON: &str = "/usr/bin/python3";
+    assert!(
+        Path::new(PYTHON).exists(),
+        "{PYTHON} is needed (apt-get install python3)"
+    );
+    PYTHON
+}
+
 /// A user of this machine, made for the test when missing (and then removed at drop).
 struct User {
     name: String,
@@ -339,7 +350,7 @@ fn a_third_user_cannot_take_read_or_disturb_a_connection_between_two_users() {
     // The third user is preloaded too and names both others: the policy is theirs to set,
     // not the intruder's.
     let intruder = world
-        .command("/usr/bin/python3", &third, &[&client_user, &nobody])
+        .command(system_python(), &third, &[&client_user, &nobody])
         .env_remove("LD_PRELOAD")
         .arg(&script)
         .arg(client.id().to_string())
@@ -611,7 +622,7 @@ fn a_named_user_that_takes_the_segment_first_only_keeps_the_connection_on_tcp() 
     let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "early");
     // The intruder starts first and watches for the exchange.
     let intruder = world
-        .command("/usr/bin/python3", &third, &[])
+        .command(system_python(), &third, &[])
         .env_remove("LD_PRELOAD")
         .arg(&script)
         .arg("1")
@@ -765,7 +776,7 @@ fn a_peer_scribbling_on_a_live_private_segment_breaks_only_that_connection() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let scribbler = Command::new("/usr/bin/python3")
+        let scribbler = Command::new(system_python())
             .arg(&script)
             .arg(client.id().to_string())
             .args(["0.3", "1.0", &seed.to_string()])
