@@ -16,9 +16,12 @@
 //! an eventfd that tells it the set changed): when an acceptor connects, the thread checks its
 //! credentials (`SO_PEERCRED`: one of the users the policy names), passes the segment's
 //! descriptor and keeps the connection for the socket's switch; a connection of anyone else
-//! is closed unread and the thread waits on. The acceptor waits for the segment (bounded, see
-//! [`SEGMENT_WAIT`]) after queueing its own mirror end and words page, attaches, then writes
-//! the switch marker: the exact rule is unchanged.
+//! is closed unread and the thread waits on. The acceptor (whose checks are in
+//! [`client_exchange`]: a named user that owns the connection's client end) waits for the
+//! segment (bounded, see [`SEGMENT_WAIT`]) after queueing its own mirror end and words page,
+//! attaches, then writes the switch marker followed by the segment's token, which the client
+//! must find first on TCP before it switches (see `SanSocket::private_marker`): the exact
+//! rule is unchanged.
 //!
 //! **What is exposed.** The segment carries only this connection's bytes, which the peer
 //! would have read from TCP anyway; every value read from it is validated by the provider
@@ -229,6 +232,8 @@ fn serve(wake: libc::c_int) {
             if crate::errno::get() == libc::EINTR {
                 continue;
             }
+            // (Out of memory for the set.) The next offer starts another thread.
+            THREAD_PID.store(0, Ordering::Release);
             return;
         }
         if fds[0].revents != 0 {
