@@ -8,7 +8,12 @@
 //! * a process of a third user finds the pending client's exchange, connects to it and gets
 //!   nothing (no descriptor, the connection closed unread), finds no segment file anywhere,
 //!   cannot open the client's descriptors or read its memory, and the pair's connection goes
-//!   on over the SAN, bytes intact.
+//!   on over the SAN, bytes intact;
+//! * a process of a user the client names that takes the segment first only keeps the
+//!   connection on TCP;
+//! * a peer scribbling over a live private segment breaks that connection at most;
+//! * without both ends naming the other, the connection stays on TCP;
+//! * a large write between two users takes the rendezvous through the window.
 //!
 //! Needs root (to run programs as other users, and to add the test users, removed afterwards):
 //! skipped with a message otherwise.
@@ -796,5 +801,114 @@ fn a_peer_scribbling_on_a_live_private_segment_breaks_only_that_connection() {
     assert!(
         found >= 3,
         "the scribbler found the live segment in most runs ({found} of 4)"
+    );
+}
+
+/// An echo between two users, `protocol` with `bytes`, each end's policy naming the other as
+/// `server_names` and `client_names` say; returns the two report lines.
+fn echo_between_users(
+    test: &str,
+    protocol: &str,
+    bytes: usize,
+    server_names: bool,
+    client_names: bool,
+) -> (String, String, Vec<ObservedConnection>) {
+    let client_user = User::get("sdtest-client");
+    let nobody = User::nobody();
+    let world = World::new(test);
+    let (client_stat, _) = world.dirs(&client_user);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let recorder = record_paths(client_stat, stop.clone());
+    let (named_by_server, named_by_client) = ([&client_user], [&nobody]);
+    let (server, reader, port) = echo_server(
+        &world,
+        &nobody,
+        if server_names { &named_by_server } else { &[] },
+        protocol,
+    );
+    let client = world
+        .command(
+            &world.san_echo,
+            &client_user,
+            if client_names { &named_by_client } else { &[] },
+        )
+        .args(["client", &port, protocol, &bytes.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let client = integration::wait_child(client, "client", Duration::from_secs(60));
+    let mut server = server;
+    server.stdout = Some(reader.into_inner());
+    let server = integration::wait_child(server, "server", Duration::from_secs(30));
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let observed = recorder.join().unwrap();
+    match (server, client) {
+        (Ok(server), Ok(client)) => (server, client, observed),
+        (server, client) => panic!("{test}:\n{server:?}\n{client:?}"),
+    }
+}
+
+/// Without both ends naming the other, a connection between two users stays on TCP, every
+/// byte intact (and a client whose policy names nobody says why: `peer-other-user`, as before).
+#[test]
+fn two_users_stay_on_tcp_unless_both_name_the_other() {
+    if let Some(why) = not_root() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let _serial = exclusive();
+    const BYTES: usize = 1 << 20;
+    for (server_names, client_names) in [(false, false), (true, false), (false, true)] {
+        let (server, client, _) = echo_between_users(
+            "users-policy",
+            "client-first",
+            BYTES,
+            server_names,
+            client_names,
+        );
+        for (report, side) in [(&client, "client"), (&server, "server")] {
+            let line = report
+                .lines()
+                .find(|l| l.starts_with(side))
+                .unwrap_or_default();
+            assert!(line.contains(&format!("ok bytes={BYTES} ")), "{line}");
+            assert!(
+                line.to_ascii_lowercase().ends_with("path=tcp"),
+                "server names: {server_names}, client names: {client_names}: {line}"
+            );
+        }
+    }
+}
+
+/// A large blocking write between two users takes the rendezvous, through the segment's
+/// window (never CMA between users): the client writes 8 MiB in one call before it reads the
+/// echo, every byte intact, the client's record counting rendezvous bytes.
+#[test]
+fn a_large_write_between_two_users_takes_the_rendezvous_through_the_window() {
+    if let Some(why) = not_root() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let _serial = exclusive();
+    const BYTES: usize = 8 << 20;
+    let (server, client, observed) =
+        echo_between_users("users-window", "write-then-read", BYTES, true, true);
+    let sent = intact_over_the_san(&client, "client", BYTES);
+    assert_eq!(sent, intact_over_the_san(&server, "server", BYTES));
+    let rendezvous: u64 = observed
+        .iter()
+        .map(|c| {
+            c.info
+                .counter(preload_core::record::Counter::SanRendezvousSent)
+        })
+        .sum();
+    assert!(
+        rendezvous > 0,
+        "the 8 MiB write went by rendezvous: {:?}",
+        observed
+            .iter()
+            .map(|c| &c.info.counters)
+            .collect::<Vec<_>>()
     );
 }
