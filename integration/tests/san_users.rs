@@ -13,7 +13,9 @@
 //!   connection on TCP;
 //! * a peer scribbling over a live private segment breaks that connection at most;
 //! * without both ends naming the other, the connection stays on TCP;
-//! * a large write between two users takes the rendezvous through the window.
+//! * a large write between two users takes the rendezvous through the window;
+//! * a server that forks (or execs) with a connection to a client of another user moves it
+//!   back to kernel TCP exactly, as between two processes of one user.
 //!
 //! Needs root (to run programs as other users, and to add the test users, removed afterwards):
 //! skipped with a message otherwise.
@@ -33,6 +35,7 @@ use integration::pattern::XorShift64;
 use preload_core::record::DataPath;
 
 const SAN_ECHO: &str = env!("CARGO_BIN_EXE_san_echo");
+const SAN_FORK: &str = env!("CARGO_BIN_EXE_san_fork");
 const NOBODY: u32 = 65534;
 
 /// Whether this test can run here (root), else why not.
@@ -128,6 +131,7 @@ struct World {
     sandbox: Sandbox,
     library: PathBuf,
     san_echo: PathBuf,
+    san_fork: PathBuf,
 }
 
 impl World {
@@ -146,10 +150,12 @@ impl World {
         };
         let library = copy(&integration::apps::products().library, "libsandirect.so");
         let san_echo = copy(Path::new(SAN_ECHO), "san_echo");
+        let san_fork = copy(Path::new(SAN_FORK), "san_fork");
         World {
             sandbox,
             library,
             san_echo,
+            san_fork,
         }
     }
 
@@ -911,4 +917,66 @@ fn a_large_write_between_two_users_takes_the_rendezvous_through_the_window() {
             .map(|c| &c.info.counters)
             .collect::<Vec<_>>()
     );
+}
+
+/// fork and exec between two users: the server forks (the child serves) or execs with the
+/// connection on the SAN; the connection moves back to kernel TCP exactly (the client's
+/// session answers the downgrade), every message checked.
+#[test]
+fn a_server_forking_or_execing_with_a_client_of_another_user_downgrades_exactly() {
+    if let Some(why) = not_root() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let _serial = exclusive();
+    let client_user = User::get("sdtest-client");
+    let nobody = User::nobody();
+    let world = World::new("users-fork");
+    for mode in ["handoff", "exec"] {
+        let mut server = world
+            .command(&world.san_fork, &nobody, &[&client_user])
+            .args(["server", mode])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = BufReader::new(server.stdout.take().unwrap());
+        let mut first = String::new();
+        reader.read_line(&mut first).unwrap();
+        let port = first
+            .trim()
+            .strip_prefix("port ")
+            .unwrap_or_else(|| panic!("server prints its port, got {first:?}"))
+            .to_owned();
+        let client = world
+            .command(&world.san_fork, &client_user, &[&nobody])
+            .args(["client", &port, mode])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let client = integration::wait_child(client, "client", Duration::from_secs(60));
+        server.stdout = Some(reader.into_inner());
+        let server = integration::wait_child(server, "server", Duration::from_secs(30));
+        let (server, client) = match (server, client) {
+            (Ok(server), Ok(client)) => (server, client),
+            (server, client) => panic!("{mode} between two users:\n{server:?}\n{client:?}"),
+        };
+        let server_line = server
+            .lines()
+            .find(|l| l.starts_with("server ok"))
+            .unwrap_or_default();
+        assert!(
+            server_line.contains("before_fork=[path=san "),
+            "{mode}: {server_line}"
+        );
+        let client_line = client
+            .lines()
+            .find(|l| l.starts_with("client ok"))
+            .unwrap_or_default();
+        assert!(
+            client_line.contains("path=tcp bypass=downgraded"),
+            "{mode}: {client_line}"
+        );
+    }
 }

@@ -549,6 +549,29 @@ impl SanSocket {
         }
     }
 
+    /// Client of another user's server, pending, its segment attached (a fork or exec about
+    /// to downgrade it): waits up to [`PRIVATE_MARKER_WAIT`] for the acceptor's marker and
+    /// token to reach TCP, so that the switch (then the downgrade) can happen. Anything else
+    /// returns at once.
+    pub(crate) fn await_private_marker(&self, tcp: c_int) {
+        let attached = self
+            .conn
+            .as_ref()
+            .is_some_and(|conn| conn.peer_attached(tcp));
+        if self.private_token.is_none() || !attached || self.private_marker_arrived(tcp, false) {
+            return;
+        }
+        let mut entry = libc::pollfd {
+            fd: tcp,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd; a bounded wait.
+        unsafe { crate::real::poll(&mut entry, 1, PRIVATE_MARKER_WAIT.as_millis() as c_int) };
+        // A marker that arrived in part is completed by the switch's own look.
+        let _ = self.private_marker_arrived(tcp, true);
+    }
+
     /// Client of another user's server, pending: the acceptor's exchange connection, once
     /// the offer thread gave it our segment (`None` for any other socket).
     pub(super) fn take_private_link(&mut self) -> Option<Option<OwnedFd>> {
