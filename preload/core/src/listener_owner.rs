@@ -39,6 +39,26 @@ const DIAG_UID_OFFSET: usize = 4 + size_of::<InetDiagSockId>() + 12;
 /// The uid owning the TCP socket that accepts connections to `addr` (a listener of this
 /// host): the kernel's exact lookup with no remote end, as for an arriving SYN.
 pub fn listener_owner(addr: SocketAddr) -> Option<u32> {
+    owner(addr, None, 1 << TCP_LISTEN)
+}
+
+/// The uid owning the TCP socket of this host whose local end is `local` and whose peer is
+/// `remote` (a connection's one end; its other end, if also here, is another socket): what
+/// the kernel recorded when that socket was made (a listener's, for an accepted one).
+pub fn connection_owner(local: SocketAddr, remote: SocketAddr) -> Option<u32> {
+    owner(local, Some(remote), !(1 << TCP_LISTEN)).or_else(|| {
+        // An IPv6 socket connected to an IPv4 address names both v4-mapped.
+        let mapped = |a: SocketAddr| match a.ip() {
+            IpAddr::V4(v4) => Some(SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), a.port())),
+            IpAddr::V6(_) => None,
+        };
+        owner(mapped(local)?, Some(mapped(remote)?), !(1 << TCP_LISTEN))
+    })
+}
+
+/// One `sock_diag` lookup: the uid of the TCP socket `addr` → `remote` (`None`: no remote
+/// end, a listener) in one of `states` (a bit per TCP state).
+fn owner(addr: SocketAddr, remote: Option<SocketAddr>, states: u32) -> Option<u32> {
     // SAFETY: plain socket(2) call.
     let fd = unsafe {
         libc::socket(
@@ -52,17 +72,21 @@ pub fn listener_owner(addr: SocketAddr) -> Option<u32> {
     }
     // SAFETY: `fd` was just returned by socket() and is owned by nobody else.
     let socket = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut src = [0u8; 16];
-    let family = match addr.ip() {
+    let octets = |ip: IpAddr| match ip {
         IpAddr::V4(v4) => {
-            src[..4].copy_from_slice(&v4.octets());
-            libc::AF_INET
+            let mut bytes = [0u8; 16];
+            bytes[..4].copy_from_slice(&v4.octets());
+            bytes
         }
-        IpAddr::V6(v6) => {
-            src = v6.octets();
-            libc::AF_INET6
-        }
+        IpAddr::V6(v6) => v6.octets(),
     };
+    let family = match addr.ip() {
+        IpAddr::V4(_) => libc::AF_INET,
+        IpAddr::V6(_) => libc::AF_INET6,
+    };
+    if remote.is_some_and(|remote| remote.is_ipv4() != addr.is_ipv4()) {
+        return None;
+    }
     let request = InetDiagRequest {
         header: libc::nlmsghdr {
             nlmsg_len: size_of::<InetDiagRequest>() as u32,
@@ -75,12 +99,12 @@ pub fn listener_owner(addr: SocketAddr) -> Option<u32> {
         protocol: libc::IPPROTO_TCP as u8,
         extensions: 0,
         pad: 0,
-        states: 1 << TCP_LISTEN,
+        states,
         id: InetDiagSockId {
             sport: addr.port().to_be(),
-            dport: 0,
-            src,
-            dst: [0; 16],
+            dport: remote.map_or(0, |remote| remote.port().to_be()),
+            src: octets(addr.ip()),
+            dst: remote.map_or([0; 16], |remote| octets(remote.ip())),
             interface: 0,
             // INET_DIAG_NOCOOKIE: any socket.
             cookie: [u32::MAX; 2],
@@ -128,7 +152,7 @@ pub fn listener_owner(addr: SocketAddr) -> Option<u32> {
     let bytes = unsafe { core::slice::from_raw_parts(reply.as_ptr().cast::<u8>(), n) };
     let at = header_len + DIAG_UID_OFFSET;
     let state = bytes[header_len + 1];
-    (state == TCP_LISTEN as u8)
+    (states & (1 << u32::from(state)) != 0)
         .then(|| u32::from_ne_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]))
 }
 
@@ -158,5 +182,25 @@ mod tests {
             listener_owner(SocketAddr::from(([127, 0, 0, 1], port))),
             None
         );
+    }
+
+    /// Both ends of a connection of this host are found, each by its own 4-tuple.
+    #[test]
+    fn the_owner_of_each_end_of_a_connection_is_found() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let (client_end, server_end) = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+        assert_eq!(
+            connection_owner(client_end, server_end),
+            Some(effective_uid())
+        );
+        assert_eq!(
+            connection_owner(server_end, client_end),
+            Some(effective_uid())
+        );
+        drop((client, accepted));
+        let nobody = SocketAddr::from(([127, 0, 0, 1], 1));
+        assert_eq!(connection_owner(nobody, server_end), None);
     }
 }

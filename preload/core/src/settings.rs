@@ -60,6 +60,8 @@ pub const SHM_DIR: &str = "SANDIRECT_SHM_DIR";
 pub const SAN_RENDEZVOUS: &str = "SANDIRECT_SAN_RENDEZVOUS";
 /// `SANDIRECT_SAN_RDMA_READ`.
 pub const SAN_RDMA_READ: &str = "SANDIRECT_SAN_RDMA_READ";
+/// `SANDIRECT_OTHER_USERS`.
+pub const OTHER_USERS: &str = "SANDIRECT_OTHER_USERS";
 /// `SANDIRECT_SAN_PROVIDER`.
 pub const SAN_PROVIDER: &str = "SANDIRECT_SAN_PROVIDER";
 /// `SANDIRECT_SAN_MEMORY_MB`.
@@ -126,6 +128,13 @@ pub const KNOBS: &[Knob] = &[
         values: "path",
         default: "/dev/shm/sandirect-$UID",
         effect: "directory of the shared-memory segments (opened and checked once per process, then used through that descriptor); not read when privileged",
+        privileged: false,
+    },
+    Knob {
+        name: OTHER_USERS,
+        values: "comma-separated uids",
+        default: "none",
+        effect: "users whose processes this process's connections may use the SAN with (each over a segment private to the connection); both ends must name each other; not read when privileged",
         privileged: false,
     },
     Knob {
@@ -359,6 +368,9 @@ pub fn load(argv0: Option<&CStr>) {
             ),
         }
     }
+    // Read now, not at first use: a program may replace its environment before its workers
+    // accept (nginx keeps only the variables its configuration names).
+    let _ = other_users();
     let _ = SETTINGS.set(Settings {
         mode,
         program,
@@ -509,6 +521,30 @@ fn provider_choice_setting(value: Option<&str>) -> ProviderChoice {
 /// `SANDIRECT_SHM_DIR`: the segment directory, `None` for the default.
 pub fn shm_dir() -> Option<PathBuf> {
     var_os(SHM_DIR).map(PathBuf::from)
+}
+
+/// `SANDIRECT_OTHER_USERS` (read once): the other users whose processes this process's
+/// connections may use the SAN with; empty (the default) for none.
+pub fn other_users() -> &'static [u32] {
+    static USERS: OnceLock<Vec<u32>> = OnceLock::new();
+    USERS.get_or_init(|| {
+        let value = var(OTHER_USERS).unwrap_or_default();
+        other_users_setting(&value).unwrap_or_else(|| {
+            eprintln!("sandirect: {OTHER_USERS}={value:?} is not a list of uids; ignored");
+            Vec::new()
+        })
+    })
+}
+
+/// Parses a `SANDIRECT_OTHER_USERS` value: uids separated by commas (blanks around them
+/// ignored); `None` when one is not a uid.
+fn other_users_setting(value: &str) -> Option<Vec<u32>> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|part| !part.is_empty())
+        .map(|part| part.parse::<u32>().ok().filter(|&uid| uid != u32::MAX))
+        .collect()
 }
 
 /// `SANDIRECT_SAN_RENDEZVOUS`: false when set to `0`.
@@ -747,6 +783,19 @@ mod tests {
                 knob.name
             );
         }
+    }
+
+    #[test]
+    fn other_users_are_a_list_of_uids() {
+        assert_eq!(other_users_setting(""), Some(vec![]));
+        assert_eq!(
+            other_users_setting(" 65534, 1001 ,"),
+            Some(vec![65534, 1001])
+        );
+        assert_eq!(other_users_setting("0"), Some(vec![0]));
+        assert_eq!(other_users_setting("nobody"), None);
+        assert_eq!(other_users_setting("4294967295"), None);
+        assert_eq!(other_users_setting("-1"), None);
     }
 
     /// Unset, the providers are chosen per peer (`auto`); `shm` and `verbs` stay choices.

@@ -723,7 +723,10 @@ impl ShmConnection {
             .0
             .base_addr
             .load(Ordering::Relaxed);
+        // Never into the process of a private segment's peer (possibly another user's: see
+        // `ShmSegment::create_private`), whatever the kernel would allow (root may).
         self.cma_permitted = !self.domain.config.force_window
+            && !self.segment.is_private()
             && base.checked_add(8).is_some()
             && pid.is_some_and(|pid| sys::cma_probe(pid, base).is_ok_and(|word| word == MAGIC));
         let pidfd = sys::shared_pidfd(pid, pidfd);
@@ -1937,7 +1940,10 @@ impl SanConnection for ShmConnection {
         local: LocalSegment,
         remote: RemoteDescriptor,
     ) -> Result<(), PostError> {
-        if self.domain.config.force_window || (self.peer.is_some() && !self.cma_permitted) {
+        if self.domain.config.force_window
+            || self.segment.is_private()
+            || (self.peer.is_some() && !self.cma_permitted)
+        {
             return Err(PostError::InvalidArgument);
         }
         self.queue_rdma(wr_id, CmaDirection::Read, local, remote)
@@ -2414,6 +2420,121 @@ mod tests {
         );
         copier.join().unwrap();
         domain.deregister(registration.lkey).unwrap();
+    }
+
+    /// Two connections over a private segment (a memfd, see `ShmSegment::create_private`),
+    /// both in this process.
+    fn private_pair() -> (ShmConnection, ShmConnection) {
+        let slots = SlotConfig {
+            send_slots: 4,
+            recv_slots: 4,
+            slot_size: 128,
+        };
+        let domain = ShmDomain::default();
+        use std::os::fd::AsFd as _;
+        let (segment, fd) = ShmSegment::create_private(&SegmentConfig::new(slots), 7).unwrap();
+        let mut creator =
+            ShmConnection::new(segment, &domain, ConnectionConfig::default()).unwrap();
+        let attached = ShmSegment::attach_private(fd.as_fd()).unwrap();
+        drop(fd);
+        let attacher = ShmConnection::new(attached, &domain, ConnectionConfig::default()).unwrap();
+        creator.poll_completions(&mut Vec::new(), 0);
+        (creator, attacher)
+    }
+
+    /// xorshift64*: deterministic values for the scribbling below.
+    struct Scribbles(u64);
+
+    impl Scribbles {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        /// A value a forger would try: random, small, near a limit, or all ones.
+        fn value(&mut self) -> u64 {
+            match self.next() % 6 {
+                0 => self.next(),
+                1 => self.next() % 8,
+                2 => self.next() % 256,
+                3 => u64::from(u32::MAX) - self.next() % 4,
+                4 => u64::MAX - self.next() % 4,
+                _ => 1 << (self.next() % 64),
+            }
+        }
+    }
+
+    /// A hostile peer may write anything anywhere in the segment, its own words, ours, slots,
+    /// rings and journals alike, at any time: the victim's operations then fail or carry on,
+    /// but never panic, read or write outside the mapping, or loop (every call returns).
+    /// Many seeds, each scribbling a live connection between exchanges.
+    #[test]
+    fn a_peer_scribbling_anywhere_breaks_only_its_own_connection() {
+        let mut broken = 0;
+        for seed in 1..=300u64 {
+            let (mut victim, mut hostile) = private_pair();
+            let mut rng = Scribbles(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            for slot in 0..4u16 {
+                victim
+                    .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                    .unwrap();
+                hostile
+                    .post_recv(WrId(u64::from(slot)), RecvSlot(slot))
+                    .unwrap();
+            }
+            poll(&mut victim);
+            poll(&mut hostile);
+            let geometry = *victim.segment().geometry();
+            let total = geometry.total_size;
+            let mut received = 0u64;
+            for round in 0..12u64 {
+                // The hostile peer's honest traffic, then its scribbles.
+                let _ = hostile.post_send(WrId(100 + round), b"hostile bytes");
+                let _ = poll(&mut hostile);
+                for _ in 0..(1 + rng.next() % 16) {
+                    // Mostly the words: the header and each side's control, FIFO and ring.
+                    let offset = match rng.next() % 3 {
+                        0 => rng.next() as usize % total,
+                        side => {
+                            let base = geometry.side_base(side as usize - 1);
+                            (base + rng.next() as usize % 16384).min(total - 1)
+                        }
+                    } & !7;
+                    let len = 8.min(total - offset);
+                    let bytes = rng.value().to_le_bytes();
+                    hostile.segment().map().copy_in(offset, &bytes[..len]);
+                }
+                // The victim goes on using its connection.
+                let mut out = Vec::new();
+                victim.poll_completions(&mut out, usize::MAX);
+                for completion in out {
+                    if let (CompletionKind::Recv { slot, len }, Ok(())) =
+                        (completion.kind, completion.status)
+                    {
+                        received += victim.recv_slot(slot, len).len() as u64;
+                        let _ = victim.post_recv(completion.wr_id, slot);
+                    }
+                }
+                let _ = victim.post_send(WrId(200 + round), b"victim bytes");
+                let _ = victim.has_input();
+                let _ = victim.rung();
+                let _ = victim.take_slots_grown();
+                let _ = victim.peer_leftovers(received);
+                let _ = victim.journal_write(received, &b"journaled"[..]);
+                victim.journal_publish(received + 9);
+                let _ = victim.peer_end();
+            }
+            if !victim.is_up() {
+                broken += 1;
+            }
+            // Whatever happened, the victim can still be closed.
+            victim.close();
+        }
+        // (The scribbles reach what the victim checks: some connections broke; the others
+        // carried on with what they read, which is all a hostile peer can do to them.)
+        assert!(broken >= 10, "{broken} of 300 connections broke");
     }
 
     #[test]

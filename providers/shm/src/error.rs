@@ -28,6 +28,9 @@ pub enum PermissionProblem {
         /// The file's permission bits.
         mode: u32,
     },
+    /// A private segment its peer could shrink, grow or seal further (not a `memfd` sealed
+    /// with `F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`).
+    NotSealed,
 }
 
 /// Errors from creating, attaching or unlinking a segment, or setting up a connection.

@@ -34,7 +34,8 @@
 //! Shared words are atomics ([`ShmSafe`] types), shared bytes are moved by bounds-checked copies,
 //! and everything read from the segment is validated before use: a corrupt or hostile file
 //! gives an error, never undefined behaviour or a panic. See `segment.rs` for what a same-user
-//! peer can still do (it can always ptrace us; the boundary is against other users).
+//! peer can still do (it can always ptrace us; the boundary is against other users), and for
+//! private segments, shared with a peer of another user (sealed, never CMA).
 //!
 //! ## Memory-ordering protocol (summary; each field's doc in `layout.rs` has the detail)
 //! * Every shared counter has one writing process. Producers write the data (slot bytes, ring
@@ -70,7 +71,7 @@ pub use segment::{
 };
 pub use setup::{ShmConnecting, ShmConnector, ShmConnectorConfig, ShmListener, ShmRequest};
 pub use sys::{
-    allocate_file, coarse_now, futex_wait, futex_wake, internal_fd_floor, move_internal_fd,
-    multi_cpu, pid_namespace, pidfd_open, process_cpu_time, relocate_internal_fd, remembered,
-    FutexWait, ShmSafe,
+    allocate_file, coarse_now, futex_wait, futex_wake, internal_fd_floor, memfd_sealable,
+    move_internal_fd, multi_cpu, pid_namespace, pidfd_open, process_cpu_time, relocate_internal_fd,
+    remembered, seal_size, size_sealed, FutexWait, ShmSafe,
 };

@@ -35,12 +35,15 @@
 //! no check can prevent: a peer with write access could truncate the file under our mapping and
 //! make us fault (SIGBUS). Only the same user (or the configured group) has that access, and the
 //! same user could ptrace us anyway; the segment is a boundary against *other* users and
-//! against stale or corrupt files, not against one's own processes.
+//! against stale or corrupt files, not against one's own processes. A **private** segment
+//! ([`ShmSegment::create_private`]), whose peer may be another user's process, is a memfd
+//! sealed against shrinking and growing, checked by the attacher before it maps it
+//! ([`ShmSegment::attach_private`]): there no truncation is possible.
 
 use core::sync::atomic::Ordering;
 use std::ffi::{CStr, CString};
 use std::fs::{self, File, Permissions};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -154,8 +157,9 @@ pub struct ShmSegment {
     map: Arc<Mapping>,
     geometry: Geometry,
     side: Side,
-    /// The directory its name is in, and the name.
-    dir: ShmDir,
+    /// The directory its name is in (`None`: a private segment, which no directory names),
+    /// and the name.
+    dir: Option<ShmDir>,
     name: CString,
     /// The directory's path and the name (for messages).
     path: PathBuf,
@@ -203,6 +207,9 @@ impl core::fmt::Debug for ShmSegment {
     }
 }
 
+/// What [`ShmSegment::path`] says of a private segment (no directory names it).
+const PRIVATE_PATH: &str = "(private segment)";
+
 /// Receive slots of each side allocated at creation; the others are allocated by their
 /// receiver before it first posts them (`ShmConnection::post_recv`), when its sender has
 /// used up all it could post: request/response traffic never needs more than these.
@@ -213,11 +220,13 @@ pub(crate) const READY_SLOTS: usize = 4;
 /// where CMA is unlikely to be allowed (see [`sys::cma_likely`]). Allocating the rest of the
 /// ~1.6 MiB up front made the file system's page allocation most of a connection's set-up
 /// time, and kept pages no short or request/response connection ever touches.
-fn first_use_ranges(geometry: &Geometry) -> Vec<(usize, usize)> {
+/// `windows`: the windows are allocated whatever CMA would do (a private segment never uses
+/// CMA).
+fn first_use_ranges(geometry: &Geometry, windows: bool) -> Vec<(usize, usize)> {
     let mut ranges = vec![(0, HEADER_SIZE)];
     for side in 0..2 {
         ranges.push(geometry.eager_range(side, READY_SLOTS));
-        if !sys::cma_likely() {
+        if windows || !sys::cma_likely() {
             ranges.push(geometry.window_pages(side));
         }
     }
@@ -360,7 +369,7 @@ impl ShmSegment {
             })?;
         let built = sys::lock_shared(&file)
             .map_err(|e| ShmError::io("lock segment", &e))
-            .and_then(|()| Self::build(&file, geometry, config, mode, request));
+            .and_then(|()| Self::build(&file, geometry, config, mode, request, false));
         let result = built.and_then(|map| Self::publish(&file, dir, &temp, name, map, geometry));
         let _ = sys::unlink_at(fd, &temp);
         result.map(|mut segment| {
@@ -375,6 +384,7 @@ impl ShmSegment {
         config: &SegmentConfig,
         mode: u32,
         request: &[u8],
+        windows: bool,
     ) -> Result<Mapping, ShmError> {
         // The umask may have stripped group bits the policy asked for.
         file.set_permissions(Permissions::from_mode(mode))
@@ -388,7 +398,7 @@ impl ShmSegment {
         // Where the kernel can allocate pages through the mapping, only what every
         // connection uses is allocated here (see `first_use_ranges`).
         let allocated = if sys::can_populate() {
-            first_use_ranges(&geometry)
+            first_use_ranges(&geometry, windows)
         } else {
             vec![(0, geometry.total_size)]
         };
@@ -482,7 +492,7 @@ impl ShmSegment {
                         geometry,
                         side: Side::Creator,
                         path: dir.path().join(name.to_string_lossy().as_ref()),
-                        dir: dir.clone(),
+                        dir: Some(dir.clone()),
                         name,
                         dev_ino: (meta.dev(), meta.ino()),
                         creator_lock: None,
@@ -522,7 +532,23 @@ impl ShmSegment {
             .metadata()
             .map_err(|e| ShmError::io("fstat segment", &e))?;
         check_access(&meta, policy)?;
-        let (raw, geometry) = read_header(&file, meta.len())?;
+        let path = dir.path().join(name.to_string_lossy().as_ref());
+        Self::attach_file(&file, &meta, Some(dir.clone()), name, path, false)
+    }
+
+    /// The attach of an opened, checked segment file `file` (its `fstat`: `meta`): header read
+    /// and validated from the file (copied, then checked), windows allocated where they will
+    /// be written (`windows`: always, as a private segment's are), then mapped and marked
+    /// attached.
+    fn attach_file(
+        file: &File,
+        meta: &fs::Metadata,
+        dir: Option<ShmDir>,
+        name: CString,
+        path: PathBuf,
+        windows: bool,
+    ) -> Result<ShmSegment, ShmError> {
+        let (raw, geometry) = read_header(file, meta.len())?;
         match raw.state {
             STATE_CREATED => {}
             STATE_ATTACHING | STATE_ATTACHED => return Err(ShmError::AlreadyAttached),
@@ -531,12 +557,12 @@ impl ShmSegment {
         }
         // Writing through a window the creator left unallocated (it expected CMA) cannot
         // raise SIGBUS later: where we expect no CMA, we allocate both windows now.
-        if sys::can_populate() && !sys::cma_likely() {
+        if sys::can_populate() && (windows || !sys::cma_likely()) {
             let windows = [geometry.window_pages(0), geometry.window_pages(1)];
             sys::allocate_file_ranges(file.as_fd(), &windows, geometry.total_size)
                 .map_err(|e| ShmError::io("allocate segment windows", &e))?;
         }
-        let map = Mapping::map_shared(&file, geometry.total_size)
+        let map = Mapping::map_shared(file, geometry.total_size)
             .map_err(|e| ShmError::io("map segment", &e))?;
         let header: &SegmentHeader = map.get(0);
         let creator = &map.get::<SideControl>(geometry.control(0)).identity.0;
@@ -575,12 +601,98 @@ impl ShmSegment {
             map: Arc::new(map),
             geometry,
             side: Side::Attacher,
-            path: dir.path().join(name.to_string_lossy().as_ref()),
-            dir: dir.clone(),
+            path,
+            dir,
             name,
             dev_ino: (meta.dev(), meta.ino()),
             creator_lock: None,
         })
+    }
+
+    /// Creates a **private** segment of `config`, as the active side: an anonymous memory file
+    /// (`memfd`) that no directory names, to be handed to the one peer of the connection
+    /// (`SCM_RIGHTS`) and to nobody else; returned with its descriptor (above the
+    /// application's numbers, close-on-exec), which the caller passes on and then closes.
+    /// Sealed against shrinking and growing once sized (`F_SEAL_SHRINK`, `F_SEAL_GROW`,
+    /// `F_SEAL_SEAL`), so the peer cannot truncate it under our mapping (`SIGBUS`); its write
+    /// windows are allocated at once, since a private segment is never written through CMA
+    /// (see [`ShmSegment::is_private`]).
+    ///
+    /// `token` is left in the segment for the attacher ([`ShmSegment::private_token`]): the
+    /// preload's acceptor proves with it, on the TCP connection only the process that
+    /// accepted it can write to, that it is the process that attached.
+    pub fn create_private(
+        config: &SegmentConfig,
+        token: u64,
+    ) -> Result<(ShmSegment, OwnedFd), ShmError> {
+        let geometry = config.geometry().ok_or(ShmError::InvalidConfig(
+            "slot pools, ring or window outside the provider's limits",
+        ))?;
+        let fd = sys::memfd_sealable(c"sandirect-segment")
+            .map_err(|e| ShmError::io("create private segment", &e))?;
+        let fd =
+            sys::move_internal_fd(fd).map_err(|e| ShmError::io("create private segment", &e))?;
+        let file = File::from(fd);
+        let map = Self::build(&file, geometry, config, 0o600, &token.to_le_bytes(), true)?;
+        sys::seal_size(file.as_fd()).map_err(|e| ShmError::io("seal private segment", &e))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| ShmError::io("fstat segment", &e))?;
+        let segment = ShmSegment {
+            map: Arc::new(map),
+            geometry,
+            side: Side::Creator,
+            path: PathBuf::from(PRIVATE_PATH),
+            dir: None,
+            name: CString::from(c"private"),
+            dev_ino: (meta.dev(), meta.ino()),
+            creator_lock: None,
+        };
+        Ok((segment, file.into()))
+    }
+
+    /// Attaches, as the passive side, to a private segment whose descriptor `fd` the peer
+    /// passed (see [`ShmSegment::create_private`]). Everything about it is the peer's word,
+    /// so it is checked before anything is mapped: a regular file sealed against shrinking,
+    /// growing and further seals (only a `memfd` can be), of the exact size its header
+    /// (read with `pread`, then validated) describes, not yet attached. Anything else is
+    /// refused ([`ShmError::PermissionDenied`] or [`ShmError::Corrupt`]); the caller closes
+    /// `fd` afterwards (the mapping keeps the memory).
+    pub fn attach_private(fd: std::os::fd::BorrowedFd<'_>) -> Result<ShmSegment, ShmError> {
+        let file = File::from(
+            fd.try_clone_to_owned()
+                .map_err(|e| ShmError::io("attach private segment", &e))?,
+        );
+        // The seals first, the size after: once sealed the size can no longer change, so the
+        // size read next is the one the file keeps while we map it.
+        let sealed = sys::size_sealed(file.as_fd());
+        let meta = file
+            .metadata()
+            .map_err(|e| ShmError::io("fstat segment", &e))?;
+        if !meta.file_type().is_file() {
+            return Err(ShmError::PermissionDenied(
+                PermissionProblem::NotRegularFile,
+            ));
+        }
+        if !sealed {
+            return Err(ShmError::PermissionDenied(PermissionProblem::NotSealed));
+        }
+        let path = PathBuf::from(PRIVATE_PATH);
+        Self::attach_file(&file, &meta, None, CString::from(c"private"), path, true)
+    }
+
+    /// The creator's token of a private segment (see [`ShmSegment::create_private`]), copied
+    /// out of the segment; `None` when its setup area does not hold exactly one.
+    pub fn private_token(&self) -> Option<u64> {
+        let bytes: [u8; 8] = self.setup_request().ok()?.try_into().ok()?;
+        Some(u64::from_le_bytes(bytes))
+    }
+
+    /// Whether this is a private segment (see [`ShmSegment::create_private`]): made for one
+    /// connection, shared with its peer alone, possibly a process of another user. Its
+    /// connection never uses CMA (writes go through the window), whatever the kernel allows.
+    pub fn is_private(&self) -> bool {
+        self.dir.is_none()
     }
 
     /// Creator: withdraws the segment if nobody has attached (or begun to): afterwards no
@@ -608,7 +720,11 @@ impl ShmSegment {
     /// Removes the segment's name if it still refers to this segment (mappings stay valid).
     /// Either side may call it once attached; the creator also does on drop.
     pub fn unlink(&self) -> Result<(), ShmError> {
-        let dir = self.dir.fd()?;
+        let Some(dir) = self.dir.as_ref() else {
+            // A private segment has no name.
+            return Ok(());
+        };
+        let dir = dir.fd()?;
         match sys::identity_at(dir, &self.name) {
             Ok(now) if now == self.dev_ino => match sys::unlink_at(dir, &self.name) {
                 Ok(()) => Ok(()),

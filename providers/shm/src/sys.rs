@@ -531,6 +531,40 @@ pub(crate) fn allocate_file_ranges(
     }
 }
 
+/// The seals of a private segment: its size is fixed for good.
+const SIZE_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// A fresh anonymous memory file that accepts seals (`memfd_create` with `MFD_CLOEXEC |
+/// MFD_ALLOW_SEALING`).
+pub fn memfd_sealable(name: &CStr) -> io::Result<OwnedFd> {
+    // SAFETY: NUL-terminated name; plain memfd_create(2).
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: just returned by the kernel, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Seals the size of memory file `fd` for good (`F_SEAL_SHRINK`, `F_SEAL_GROW`, `F_SEAL_SEAL`).
+pub fn seal_size(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: plain fcntl(2) on a descriptor we hold.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Whether file `fd` carries every seal of [`seal_size`] (false for a file that takes no
+/// seals: only a memfd does).
+pub fn size_sealed(fd: BorrowedFd<'_>) -> bool {
+    // SAFETY: plain fcntl(2) on a descriptor we hold.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & SIZE_SEALS == SIZE_SEALS
+}
+
 /// `madvise` advice: fault the range in writable, allocating file pages (Linux 5.14+).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
 const PAGE: usize = 4096;

@@ -418,3 +418,133 @@ fn a_directory_descriptor_reused_for_another_directory_is_not_written_through() 
     assert_eq!(names_in(&elsewhere), Vec::<String>::new());
     let _ = fs::remove_dir_all(&elsewhere);
 }
+
+/// The bytes of a fresh private segment, read through its descriptor before anyone attached.
+fn private_segment_bytes() -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let (segment, fd) = ShmSegment::create_private(&segment_config(512, 8), 7).unwrap();
+    let file = fs::File::from(fd);
+    let mut bytes = vec![0u8; file.metadata().unwrap().len() as usize];
+    file.read_exact_at(&mut bytes, 0).unwrap();
+    drop(segment);
+    bytes
+}
+
+/// A memfd holding `bytes`, sealed like a private segment when `sealed`.
+fn memfd_with(bytes: &[u8], sealed: bool) -> fs::File {
+    use std::io::Write;
+    let mut file = fs::File::from(san_shm::memfd_sealable(c"test-segment").unwrap());
+    file.write_all(bytes).unwrap();
+    if sealed {
+        san_shm::seal_size(file.as_fd()).unwrap();
+    }
+    file
+}
+
+#[test]
+fn a_private_segment_carries_messages_both_ways_and_never_offers_cma() {
+    use common::{test_connection_config, Endpoint};
+    use san_shm::{ShmConnection, ShmDomain};
+    use std::time::Duration;
+    let (segment, fd) = ShmSegment::create_private(&segment_config(512, 8), 7).unwrap();
+    assert!(segment.is_private());
+    let attached = ShmSegment::attach_private(fd.as_fd()).unwrap();
+    drop(fd);
+    assert!(attached.is_private() && attached.is_attached() && segment.is_attached());
+    assert_eq!(
+        attached.private_token(),
+        Some(7),
+        "the creator's token reaches the attacher"
+    );
+    let domain = ShmDomain::default();
+    let mut creator =
+        Endpoint::new(ShmConnection::new(segment, &domain, test_connection_config()).unwrap());
+    let mut attacher =
+        Endpoint::new(ShmConnection::new(attached, &domain, test_connection_config()).unwrap());
+    creator.send(b"over a private segment");
+    assert_eq!(
+        attacher.next_message(Duration::from_secs(10)).as_deref(),
+        Some(&b"over a private segment"[..])
+    );
+    attacher.send(b"and back");
+    assert_eq!(
+        creator.next_message(Duration::from_secs(10)).as_deref(),
+        Some(&b"and back"[..])
+    );
+    // Whatever the kernel would allow: no process_vm_* into the peer.
+    assert!(!creator.conn.capabilities().rdma_read);
+    assert!(!attacher.conn.capabilities().rdma_read);
+}
+
+#[test]
+fn a_private_segment_cannot_be_shrunk_or_grown_by_its_peer() {
+    let (_segment, fd) = ShmSegment::create_private(&segment_config(256, 4), 7).unwrap();
+    let file = fs::File::from(fd);
+    let len = file.metadata().unwrap().len();
+    assert!(file.set_len(0).is_err(), "shrinking is sealed");
+    assert!(file.set_len(len + 4096).is_err(), "growing is sealed");
+    assert_eq!(file.metadata().unwrap().len(), len);
+}
+
+#[test]
+fn attaching_a_private_segment_refuses_what_a_hostile_peer_could_pass() {
+    let bytes = private_segment_bytes();
+    // A faithful copy, sealed: accepted (so the refusals below are meaningful).
+    assert!(ShmSegment::attach_private(memfd_with(&bytes, true).as_fd()).is_ok());
+    // The same bytes unsealed: the peer could truncate it under our mapping.
+    assert_eq!(
+        ShmSegment::attach_private(memfd_with(&bytes, false).as_fd()).map(|_| ()),
+        Err(ShmError::PermissionDenied(PermissionProblem::NotSealed))
+    );
+    // A file that takes no seals at all.
+    let dir = TestDir::new("private");
+    let path = dir.path().join("plain");
+    fs::write(&path, &bytes).unwrap();
+    assert_eq!(
+        ShmSegment::attach_private(fs::File::open(&path).unwrap().as_fd()).map(|_| ()),
+        Err(ShmError::PermissionDenied(PermissionProblem::NotSealed))
+    );
+    // Not a file.
+    assert_eq!(
+        ShmSegment::attach_private(fs::File::open(dir.path()).unwrap().as_fd()).map(|_| ()),
+        Err(ShmError::PermissionDenied(
+            PermissionProblem::NotRegularFile
+        ))
+    );
+    // Sealed, but its header lies about the size, or it is cut short.
+    assert_eq!(
+        ShmSegment::attach_private(
+            memfd_with(
+                &with_u64(bytes.clone(), TOTAL_SIZE_AT, bytes.len() as u64 + 4096),
+                true
+            )
+            .as_fd()
+        )
+        .map(|_| ()),
+        Err(ShmError::Corrupt(CorruptSegment::GeometryMismatch))
+    );
+    assert!(matches!(
+        ShmSegment::attach_private(memfd_with(&bytes[..bytes.len() / 2], true).as_fd()),
+        Err(ShmError::Corrupt(_))
+    ));
+    assert!(matches!(
+        ShmSegment::attach_private(
+            memfd_with(&with_u32(bytes.clone(), SLOT_SIZE_AT, u32::MAX), true).as_fd()
+        ),
+        Err(ShmError::Corrupt(_))
+    ));
+    // Attached once, never twice (a peer passing one segment to two connections).
+    let file = memfd_with(&bytes, true);
+    let first = ShmSegment::attach_private(file.as_fd()).unwrap();
+    assert_eq!(
+        ShmSegment::attach_private(file.as_fd()).map(|_| ()),
+        Err(ShmError::AlreadyAttached)
+    );
+    drop(first);
+    // A state word no creator writes.
+    assert_eq!(
+        ShmSegment::attach_private(memfd_with(&with_u32(bytes, STATE_AT, 77), true).as_fd())
+            .map(|_| ()),
+        Err(ShmError::Corrupt(CorruptSegment::BadState))
+    );
+}

@@ -753,7 +753,9 @@ pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
     // also eat the filler of a *newer* lowering racing with us and leave that side spuriously
     // writable. The sink holds the largest possible backlog (parked filler plus one fill).
     let mut sink = [0u8; 16 << 10];
-    loop {
+    // Bounded: a peer that keeps writing into its watched end (a hostile one) must not keep
+    // this thread here; the backlog of a sound one fits one read.
+    for _ in 0..MAX_DRAIN_READS {
         // SAFETY: `sink` is writable for its length.
         let n = unsafe {
             libc::recv(
@@ -772,7 +774,11 @@ pub fn raise_writable(words: &MirrorWords, k: BorrowedFd<'_>) -> Raise {
             _ => return Raise::Raised,
         }
     }
+    Raise::Raised
 }
+
+/// Most reads [`raise_writable`] makes to drain the other side's filler.
+const MAX_DRAIN_READS: usize = 8;
 
 /// Mirrors our FIN to the other side: `shutdown(K, SHUT_WR)`, so its watched end reports IN|RDHUP.
 /// Keep the raising end open until the session is over: closing it is what reports HUP.

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use super::budget;
 use super::epoll_index;
+use super::other_users;
 use super::provider::provider;
 use super::service;
 use super::socket::{SanSocket, SocketSetupError};
@@ -99,6 +100,24 @@ pub(super) fn on_accepted(
         tracing::debug!(fd, %name, "accepted from a SAN client: attaches at first use");
         return;
     }
+    // A client of another user, when this process's policy names other users: its exchange
+    // answers at a name of no user's (see `other_users`). A plain client costs this probe.
+    if mode != ProviderChoice::Verbs && other_users::enabled() {
+        if let Some(link) = other_users::client_exchange(&name, local, peer) {
+            let Some(charge) = budget::charge_shm() else {
+                stay_on_tcp(record, Bypass::SanResources);
+                return;
+            };
+            let _accepting = hold_accepting();
+            *lock(index) = Some(SanObject::Unclaimed(Box::new(Unclaimed::of_other_user(
+                name, charge, link,
+            ))));
+            record.set_flag(flags::UNCLAIMED, true);
+            LIVE.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(fd, %name, "accepted from a SAN client of another user");
+            return;
+        }
+    }
     if mode == ProviderChoice::Shm {
         record
             .bypass
@@ -167,14 +186,21 @@ fn claim_inner(index: u32, record: &'static SocketRecord) -> bool {
     }
     let fd = record.fd.load(Ordering::Acquire);
     // Charged at accept (a fork copies the charge with the process's total).
-    let Unclaimed { name, charge, .. } = *unclaimed;
-    let attached = SanSocket::acceptor(
-        record,
-        provider.dir.handle(),
-        &name,
-        &provider.registrations,
-        charge,
-    );
+    let Unclaimed {
+        name, charge, link, ..
+    } = *unclaimed;
+    let attached = match link {
+        Some(link) => {
+            SanSocket::acceptor_private(record, link, &name, &provider.registrations, charge)
+        }
+        None => SanSocket::acceptor(
+            record,
+            provider.dir.handle(),
+            &name,
+            &provider.registrations,
+            charge,
+        ),
+    };
     match attached {
         Ok(mut socket) => {
             // The marker goes out now, before the call goes on: the application watches the

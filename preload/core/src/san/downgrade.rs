@@ -190,6 +190,13 @@ pub fn downgrade_connections(only: Option<&dyn Fn(c_int) -> bool>) {
             item.done = true;
             continue;
         }
+        // Between two users the switch also needs the acceptor's marker and token, written
+        // right after its attach: give them their moment.
+        if let Some(SanObject::Socket(socket)) = slot.as_ref() {
+            if socket.phase == Phase::Pending {
+                socket.await_private_marker(item.fd);
+            }
+        }
         let _ = switch_if_attached(item.fd, item.index, &mut slot);
         match slot.as_mut() {
             Some(SanObject::Socket(socket)) if socket.phase == Phase::Switched => {

@@ -22,6 +22,11 @@
 //! backlog makes the acceptor's connect fail instead: the acceptor stays on TCP, and so does
 //! the client, which never sees an attach.
 //!
+//! **Other users.** A client of another user's server listens at a name of no user's
+//! (`\0sandirect/x/X/<segment name>`), and its offer thread, not this module's
+//! [`accept_offer`], takes the acceptor's connection and passes it the private segment (see
+//! `super::other_users`): there the users the policy names are checked instead of ours.
+//!
 //! **Who the peer is.** The exchange is also where each side learns the other process as the
 //! kernel names it to *it* ([`peer_process`]), which the pid recorded in the segment cannot do
 //! for a peer in another pid namespace (a container sharing `/dev/shm` and the network
@@ -48,6 +53,8 @@ pub(crate) const MIRROR_END: u8 = b'K';
 pub(crate) const WORDS_PAGE: u8 = b'W';
 /// The payload byte sent with the acceptor's pidfd of itself.
 pub(crate) const PIDFD: u8 = b'P';
+/// The payload byte sent with a private segment (a connection between two users).
+pub(crate) const SEGMENT: u8 = b'S';
 
 /// `SO_PEERPIDFD` (Linux 6.5) where its value is the generic one; elsewhere the pidfd is
 /// opened from the translated pid.
@@ -86,8 +93,26 @@ fn owned(fd: libc::c_int) -> Option<OwnedFd> {
 
 /// `\0sandirect/<euid>/X/<segment name>`.
 fn exchange_address(name: &SegmentName) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    abstract_address(format_args!(
+        "sandirect/{}/X/{}",
+        effective_uid(),
+        name.as_str()
+    ))
+}
+
+/// `\0sandirect/x/X/<segment name>`: the exchange of a client whose server is another
+/// user's (see `super::other_users`). No uid in it: the acceptor may be neither the
+/// client's user nor the listener's publisher's (nginx's workers).
+fn other_user_address(name: &SegmentName) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
+    abstract_address(format_args!("sandirect/x/X/{}", name.as_str()))
+}
+
+/// The abstract address `\0<text>`.
+fn abstract_address(
+    text_args: core::fmt::Arguments<'_>,
+) -> Option<(libc::sockaddr_un, libc::socklen_t)> {
     let mut text = String::with_capacity(128);
-    write!(text, "sandirect/{}/X/{}", effective_uid(), name.as_str()).ok()?;
+    text.write_fmt(text_args).ok()?;
     // SAFETY: plain data, zero is valid.
     let mut sun: libc::sockaddr_un = unsafe { core::mem::zeroed() };
     if text.len() + 1 > sun.sun_path.len() {
@@ -156,6 +181,31 @@ pub(crate) fn listen(
     Some((socket, file))
 }
 
+/// A client whose server is another user's: its exchange listener at the name of
+/// [`other_user_address`].
+pub(crate) fn listen_for_other_user(name: &SegmentName) -> Option<OwnedFd> {
+    bind_listener(other_user_address(name)?)
+}
+
+/// The acceptor's connection to the exchange of a client of another user, when one listens
+/// for this connection and `SO_PEERCRED` says it runs as one of `allowed` (a name taken by
+/// anyone else is left at once). Costs a plain client three system calls (see
+/// `super::other_users`).
+pub(crate) fn connect_to_other_user(
+    name: &SegmentName,
+    allowed: &dyn Fn(u32) -> bool,
+) -> Result<OwnedFd, ConnectError> {
+    let address = other_user_address(name).ok_or(ConnectError::NoListener)?;
+    connect_checked(address, &|socket| {
+        peer_credentials(socket).is_some_and(|cred| allowed(cred.uid))
+    })
+}
+
+/// `SO_PEERCRED`'s uid of the other end of `socket`.
+pub(crate) fn peer_uid(socket: BorrowedFd<'_>) -> Option<u32> {
+    peer_credentials(socket).map(|cred| cred.uid)
+}
+
 fn bind_listener((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Option<OwnedFd> {
     let socket = unix_stream()?;
     // SAFETY: `sun` is a valid sockaddr_un of length `len`.
@@ -205,7 +255,14 @@ pub(crate) fn connect(
     }
 }
 
-fn connect_to((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedFd, ConnectError> {
+fn connect_to(address: (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedFd, ConnectError> {
+    connect_checked(address, &peer_is_same_user)
+}
+
+fn connect_checked(
+    (sun, len): (libc::sockaddr_un, libc::socklen_t),
+    accepted: &dyn Fn(BorrowedFd<'_>) -> bool,
+) -> Result<OwnedFd, ConnectError> {
     // Moved above the application's numbers only once it connected: most accepted clients
     // are plain, and for them this probe is all the SAN costs the acceptor.
     // SAFETY: plain socket(2) call.
@@ -229,7 +286,12 @@ fn connect_to((sun, len): (libc::sockaddr_un, libc::socklen_t)) -> Result<OwnedF
             len,
         )
     };
-    if rc != 0 || !peer_is_same_user(socket.as_fd()) {
+    if rc != 0 || !accepted(socket.as_fd()) {
+        // Closed by the kernel call itself: the close hook's look at the descriptor is one
+        // system call more for every plain client.
+        let fd = std::os::fd::IntoRawFd::into_raw_fd(socket);
+        // SAFETY: our own descriptor, taken out of its owner first so it closes once.
+        unsafe { crate::real::close(fd) };
         return Err(ConnectError::NoListener);
     }
     crate::mirror::move_internal_fd(socket).map_err(|_| ConnectError::Resource)
@@ -257,20 +319,25 @@ pub(crate) fn accept_offer(listener: BorrowedFd<'_>) -> Option<Offer> {
         let Some(link) = accept(listener)? else {
             continue;
         };
-        let Some(their_end) = receive(link.as_fd(), MIRROR_END) else {
-            continue;
-        };
-        if let Some(page) = receive(link.as_fd(), WORDS_PAGE) {
-            let their_pidfd = receive(link.as_fd(), PIDFD);
-            return Some(Offer {
-                link,
-                their_end,
-                page,
-                their_pidfd,
-            });
+        if let Some(offer) = take_offer(link) {
+            return Some(offer);
         }
     }
     None
+}
+
+/// The offer queued on exchange connection `link`: a mirror end, then a words page, then
+/// optionally the acceptor's pidfd (`None`, and `link` closed, when it is not there).
+pub(crate) fn take_offer(link: OwnedFd) -> Option<Offer> {
+    let their_end = receive(link.as_fd(), MIRROR_END)?;
+    let page = receive(link.as_fd(), WORDS_PAGE)?;
+    let their_pidfd = receive(link.as_fd(), PIDFD);
+    Some(Offer {
+        link,
+        their_end,
+        page,
+        their_pidfd,
+    })
 }
 
 /// Accepts one queued connection (nonblocking): `Some(None)` for one that is not of our user
@@ -386,24 +453,26 @@ impl WordsPage {
     /// A fresh zeroed page (the acceptor creates it; all-zero words are the initial state),
     /// with its memfd for the peer (to pass on, then close).
     pub(crate) fn create() -> Option<(WordsPage, OwnedFd)> {
-        // SAFETY: NUL-terminated name; plain memfd_create(2). Not moved to a high number:
-        // it is closed before the hook returns.
-        let fd = unsafe { libc::memfd_create(c"sandirect-mirror".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return None;
-        }
-        // SAFETY: just returned by the kernel, owned by nobody else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Not moved to a high number: it is closed before the hook returns.
+        let fd = san_shm::memfd_sealable(c"sandirect-mirror").ok()?;
         // Allocated, not only sized: the words are written through a shared mapping, where
-        // a page the kernel cannot supply would be SIGBUS instead of a failed set-up.
+        // a page the kernel cannot supply would be SIGBUS instead of a failed set-up. Then
+        // sealed: the peer maps it too, and a page it could truncate under our mapping would
+        // be SIGBUS here.
         san_shm::allocate_file(fd.as_fd(), PAGE).ok()?;
+        san_shm::seal_size(fd.as_fd()).ok()?;
         let page = WordsPage::map(fd.as_fd())?;
         Some((page, fd))
     }
 
     /// Maps a page received from the acceptor (the caller closes the memfd afterwards);
-    /// refuses anything that is not a page-sized memfd.
+    /// refuses anything that is not a page-sized memfd sealed against shrinking (see
+    /// [`WordsPage::create`]).
     pub(crate) fn map(memfd: BorrowedFd<'_>) -> Option<WordsPage> {
+        // The seals before the size: sealed, the size cannot change after it was read.
+        if !san_shm::size_sealed(memfd) {
+            return None;
+        }
         // SAFETY: plain data, zero is valid.
         let mut stat: libc::stat = unsafe { core::mem::zeroed() };
         // SAFETY: fstat writes a whole `struct stat`.

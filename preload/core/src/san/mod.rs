@@ -117,6 +117,7 @@ mod exchange;
 mod history;
 mod kernel;
 mod nudge;
+mod other_users;
 mod outcome;
 mod registrations;
 mod stash;
@@ -335,7 +336,10 @@ pub fn before_connect(
         provider.negative.probe(peer, Some(provider.dir.as_fd()))
     };
     let through_dir = kind == PeerKind::PreloadedThroughDirectory;
-    let kind = if through_dir {
+    // A server of another user's, and this process's policy names other users: a segment
+    // private to the connection (see `other_users`).
+    let private = kind == PeerKind::OtherUser && other_users::enabled();
+    let kind = if through_dir || private {
         PeerKind::Preloaded
     } else {
         kind
@@ -420,20 +424,26 @@ pub fn before_connect(
             }
         };
     }
-    // Before the SYN leaves: the acceptor looks here before it probes our exchange.
-    let pending = provider
-        .pending
-        .as_ref()
-        .map(|table| table.mark(local.port()));
-    match SanSocket::client(
-        record,
-        provider.dir.handle(),
-        &name,
-        &provider.registrations,
-        charge,
-        pending,
-        through_dir,
-    ) {
+    let made = if private {
+        // (An acceptor of another user cannot read our pending-ports table.)
+        SanSocket::client_private(record, &name, &provider.registrations, charge)
+    } else {
+        // Before the SYN leaves: the acceptor looks here before it probes our exchange.
+        let pending = provider
+            .pending
+            .as_ref()
+            .map(|table| table.mark(local.port()));
+        SanSocket::client(
+            record,
+            provider.dir.handle(),
+            &name,
+            &provider.registrations,
+            charge,
+            pending,
+            through_dir,
+        )
+    };
+    match made {
         Ok(socket) => {
             tracing::debug!(fd, %name, "pending SAN client");
             accept::install(index, record, socket);
@@ -598,13 +608,15 @@ pub fn ever_used() -> bool {
 /// process-wide lock of the library held, so that no other thread is inside one when the
 /// child's copy of memory is taken; both processes release them afterwards. Order: the slot
 /// locks ([`before_fork`], taken first by the caller), the provider's initialisation, the
-/// in-process name list, the shm registration cache, the shm domain, the verbs provider's
-/// load — the order every other path takes them in (a socket's lock before the cache's, the
-/// cache's before the domain's; nobody waits for another lock while making a provider).
+/// offer thread's list (`other_users`), the in-process name list, the shm registration cache,
+/// the shm domain, the verbs provider's load — the order every other path takes them in (a
+/// socket's lock before the offer list's and the cache's, the cache's before the domain's;
+/// nobody waits for another lock while making a provider).
 /// The verbs service's own locks are not taken: a fork child never uses verbs objects (they
 /// belong to the process that loaded the library).
 pub fn with_library_locks<R>(fork: impl FnOnce() -> R) -> R {
     let _init = provider::hold_init();
+    let _offers = other_users::hold();
     let _names = table::by_name();
     let _epoll_index = epoll_index::hold();
     let registrations = provider::made().map(|provider| provider.registrations.lock());

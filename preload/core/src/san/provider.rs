@@ -121,7 +121,7 @@ pub fn enabled() -> bool {
 }
 
 /// Eight random bytes from the kernel (`getrandom`); the time and pid when it has none.
-fn random_u64() -> u64 {
+pub(super) fn random_u64() -> u64 {
     let mut value = 0u64;
     // SAFETY: getrandom(2) writes at most 8 bytes into `value`.
     let n = unsafe { libc::getrandom((&mut value as *mut u64).cast(), 8, libc::GRND_NONBLOCK) };

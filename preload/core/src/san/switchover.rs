@@ -65,7 +65,7 @@ pub(super) fn downgrade_pending(index: u32, slot: &mut Option<SanObject>) {
     // server never touches it).
     let peer_declined = !declined
         && matches!(slot, Some(SanObject::Socket(socket))
-        if !socket.is_verbs() && provider().is_some_and(|provider| {
+        if !socket.is_verbs() && !socket.is_private() && provider().is_some_and(|provider| {
             !provider.dir.handle().contains(socket.name.as_str())
         }));
     if peer_declined {

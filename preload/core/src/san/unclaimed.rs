@@ -28,6 +28,10 @@ pub(crate) struct Unclaimed {
     /// the order they were accepted, not the order their first calls happen to run in);
     /// taken by the session when it attaches, given back if it never does.
     pub(super) charge: Charge,
+    /// A client of another user: our connection to its exchange (its user checked), on
+    /// which its private segment arrives (see `super::other_users`). `None`: the client's
+    /// segment is in our segment directory.
+    pub(super) link: Option<std::os::fd::OwnedFd>,
 }
 
 impl Unclaimed {
@@ -36,6 +40,19 @@ impl Unclaimed {
             name,
             holders: None,
             charge,
+            link: None,
+        }
+    }
+
+    /// A client of another user, reached over exchange connection `link`.
+    pub(super) fn of_other_user(
+        name: SegmentName,
+        charge: Charge,
+        link: std::os::fd::OwnedFd,
+    ) -> Self {
+        Self {
+            link: Some(link),
+            ..Self::new(name, charge)
         }
     }
 }

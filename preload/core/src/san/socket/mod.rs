@@ -49,6 +49,11 @@ use crate::record::SocketRecord;
 
 /// The one byte the acceptor writes on TCP after attaching: "switch now".
 pub(crate) const SWITCH_MARKER: u8 = 0x5a;
+/// Bytes of the switch marker of a connection between two users (the marker byte and the
+/// private segment's token, see [`SanSocket::private_marker`]).
+const PRIVATE_MARKER_LEN: usize = 9;
+/// How long a client that found part of such a marker on TCP waits for the rest.
+const PRIVATE_MARKER_WAIT: Duration = Duration::from_millis(50);
 
 /// Index of the connecting side's words in the shared page (the acceptor's is 1).
 const CLIENT_WORDS: usize = 0;
@@ -193,6 +198,13 @@ pub(crate) struct SanSocket {
     /// Client, while pending: its port's entry in the pending-ports table (acceptors of the
     /// port probe while it is up).
     pending_mark: Option<san_shm::PendingMark>,
+    /// Client of another user's server, while pending: its exchange listener and private
+    /// segment, watched by the offer thread (see `super::other_users`).
+    private_offer: Option<super::other_users::PendingOffer>,
+    /// A connection between two users: the token of its private segment, which follows the
+    /// switch marker on TCP (see [`SanSocket::private_marker`]). The client's own copy, never
+    /// read back from the segment.
+    private_token: Option<u64>,
     /// Client, shm, pending: what the switch needs, made before the client announced itself.
     reserve: Option<SwitchReserve>,
     /// Client: stream bytes written on TCP while pending.
@@ -381,6 +393,8 @@ impl SanSocket {
             leftovers_taken: false,
             epoll_on_tcp: false,
             pending_mark: None,
+            private_offer: None,
+            private_token: None,
             _charge: charge,
         }
     }
@@ -409,6 +423,168 @@ impl SanSocket {
         socket.reserve = Some(reserve);
         socket.pending_mark = pending;
         Ok(socket)
+    }
+
+    /// The connecting side of a connection to another user's server (see
+    /// `super::other_users`): as [`SanSocket::client`], with a private segment that no
+    /// directory names, and its exchange listener at the name acceptors of other users probe,
+    /// handed to the offer thread with the segment's descriptor.
+    pub(crate) fn client_private(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
+    ) -> Result<SanSocket, SocketSetupError> {
+        let listener = exchange::listen_for_other_user(name).ok_or(SocketSetupError::Resource)?;
+        let reserve = SwitchReserve::new(listener.as_fd())?;
+        let token = super::provider::random_u64();
+        let (segment, memfd) = ShmSegment::create_private(&shm_segment_config(), token)
+            .map_err(|_| SocketSetupError::Resource)?;
+        let (conn, peer) = shm_connection(segment, registrations, None)?;
+        let offer = super::other_users::PendingOffer::new(listener, memfd)
+            .ok_or(SocketSetupError::Resource)?;
+        let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
+        socket.private_offer = Some(offer);
+        socket.private_token = Some(token);
+        socket.reserve = Some(reserve);
+        Ok(socket)
+    }
+
+    /// The accepting side of a connection from a client of another user, at the
+    /// connection's first use: `link` is our connection to the client's exchange (its user
+    /// checked). Queues our mirror end and words page, waits (bounded) for the private
+    /// segment, checks and attaches it, and starts the session, as [`SanSocket::acceptor`].
+    pub(crate) fn acceptor_private(
+        record: &'static SocketRecord,
+        link: OwnedFd,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
+    ) -> Result<SanSocket, SocketSetupError> {
+        let client = exchange::peer_process(link.as_fd(), None);
+        if !client.is_known() {
+            return Err(SocketSetupError::PeerPidNamespace);
+        }
+        let (our_mirror, page) = offer_on(link.as_fd())?;
+        let memfd =
+            super::other_users::receive_segment(link.as_fd(), super::other_users::SEGMENT_WAIT)
+                .ok_or(SocketSetupError::PeerPlain)?;
+        // Checked before it is mapped: a sealed memfd, its header valid (see
+        // `ShmSegment::attach_private`); attaching last, as for any acceptor.
+        let segment = ShmSegment::attach_private(memfd.as_fd()).map_err(|error| match error {
+            san_shm::ShmError::Io {
+                errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
+                ..
+            } => SocketSetupError::Resource,
+            san_shm::ShmError::Withdrawn => SocketSetupError::ClientWithdrew,
+            _ => SocketSetupError::PeerPlain,
+        })?;
+        drop(memfd);
+        let token = segment.private_token().ok_or(SocketSetupError::PeerPlain)?;
+        let (conn, peer) = shm_connection(segment, registrations, Some(client))?;
+        let session = Session::new(
+            Role::Passive,
+            session_config(rendezvous_enabled()),
+            conn.capabilities(),
+            SLOTS,
+            0,
+        );
+        let mut socket = Self::fresh(
+            record,
+            Side::Acceptor,
+            name,
+            conn.into(),
+            peer,
+            Some(charge),
+        );
+        socket.exchange = Some(link);
+        socket.private_token = Some(token);
+        socket.start_session(session, our_mirror, page);
+        Ok(socket.accepted())
+    }
+
+    /// The switch marker of a connection between two users: the marker byte, then the
+    /// private segment's token. The client switches only once it found exactly these bytes
+    /// first on TCP with its segment attached: only the process that accepted the
+    /// connection can write on it, and only the process it gave the segment to knows the
+    /// token, so a process of a named user that took the segment in the acceptor's place
+    /// never talks SAN with the client (the connection stays on TCP, exactly).
+    pub(super) fn private_marker(&self) -> Option<[u8; PRIVATE_MARKER_LEN]> {
+        let token = self.private_token?;
+        let mut marker = [SWITCH_MARKER; PRIVATE_MARKER_LEN];
+        marker[1..].copy_from_slice(&token.to_le_bytes());
+        Some(marker)
+    }
+
+    /// Client, pending, segment attached: whether the acceptor's marker is first on TCP
+    /// (always, but for a connection between two users, where it carries the token: see
+    /// [`SanSocket::private_marker`]). `settle`: bytes were seen on TCP; a marker that
+    /// arrived in part is waited for (bounded).
+    fn private_marker_arrived(&self, tcp: c_int, settle: bool) -> bool {
+        let Some(expected) = self.private_marker() else {
+            return true;
+        };
+        let deadline = std::time::Instant::now() + PRIVATE_MARKER_WAIT;
+        loop {
+            let mut seen = [0u8; PRIVATE_MARKER_LEN];
+            // SAFETY: `seen` is writable for its length.
+            let n = unsafe {
+                crate::real::recv(
+                    tcp,
+                    seen.as_mut_ptr().cast(),
+                    seen.len(),
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
+            let Ok(n) = usize::try_from(n) else {
+                return false;
+            };
+            if n == PRIVATE_MARKER_LEN || n == 0 || seen[..n] != expected[..n] {
+                return seen == expected;
+            }
+            // Part of it: the rest was written with it.
+            let now = std::time::Instant::now();
+            if !settle || now >= deadline {
+                return false;
+            }
+            let mut entry = libc::pollfd {
+                fd: tcp,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd; a short bounded wait.
+            unsafe { crate::real::poll(&mut entry, 1, 1) };
+        }
+    }
+
+    /// Client of another user's server, pending, its segment attached (a fork or exec about
+    /// to downgrade it): waits up to [`PRIVATE_MARKER_WAIT`] for the acceptor's marker and
+    /// token to reach TCP, so that the switch (then the downgrade) can happen. Anything else
+    /// returns at once.
+    pub(crate) fn await_private_marker(&self, tcp: c_int) {
+        let attached = self
+            .conn
+            .as_ref()
+            .is_some_and(|conn| conn.peer_attached(tcp));
+        if self.private_token.is_none() || !attached || self.private_marker_arrived(tcp, false) {
+            return;
+        }
+        let mut entry = libc::pollfd {
+            fd: tcp,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd; a bounded wait.
+        unsafe { crate::real::poll(&mut entry, 1, PRIVATE_MARKER_WAIT.as_millis() as c_int) };
+        // A marker that arrived in part is completed by the switch's own look.
+        let _ = self.private_marker_arrived(tcp, true);
+    }
+
+    /// Client of another user's server, pending: the acceptor's exchange connection, once
+    /// the offer thread gave it our segment (`None` for any other socket).
+    pub(super) fn take_private_link(&mut self) -> Option<Option<OwnedFd>> {
+        let offer = self.private_offer.take()?;
+        Some(offer.take_link())
     }
 
     /// The accepting side, inside `accept()`: connects to the client's exchange, passes its
@@ -607,6 +783,7 @@ impl SanSocket {
         self.conn
             .as_ref()
             .is_some_and(|conn| conn.peer_attached(tcp))
+            && self.private_marker_arrived(tcp, false)
     }
 
     /// As [`SanSocket::peer_attached`], after bytes were found on TCP: whether they are the
@@ -615,6 +792,7 @@ impl SanSocket {
         self.conn
             .as_ref()
             .is_some_and(|conn| conn.peer_attached_settled(tcp))
+            && self.private_marker_arrived(tcp, true)
     }
 
     /// Client, pending: withdraws the segment if no acceptor attached (see
@@ -626,6 +804,11 @@ impl SanSocket {
     /// Client, pending: counts stream bytes the kernel accepted on TCP.
     pub(crate) fn count_tcp_sent(&mut self, bytes: u64) {
         self.tcp_sent += bytes;
+    }
+
+    /// Whether this socket's segment is private to the connection (a peer of another user).
+    pub(crate) fn is_private(&self) -> bool {
+        matches!(&self.conn, Some(Link::Shm(conn)) if conn.segment().is_private())
     }
 
     /// Whether this socket runs over verbs.
@@ -737,22 +920,29 @@ fn offer_mirror(
         exchange::ConnectError::NoListener => SocketSetupError::PeerPlain,
         exchange::ConnectError::Resource => SocketSetupError::Resource,
     })?;
+    let (our_mirror, page) = offer_on(link.as_fd())?;
+    Ok((link, our_mirror, page))
+}
+
+/// Queues our mirror's raising end, the words page and our pidfd on exchange connection
+/// `link`; returns our mirror and the page.
+fn offer_on(link: BorrowedFd<'_>) -> Result<(Mirror<SideWords>, Arc<WordsPage>), SocketSetupError> {
     let (page, memfd) = WordsPage::create().ok_or(SocketSetupError::Resource)?;
     let page = Arc::new(page);
     let (our_mirror, their_end) = Mirror::new(SideWords::new(page.clone(), ACCEPTOR_WORDS))
         .map_err(|_| SocketSetupError::Resource)?;
-    if !exchange::send(link.as_fd(), their_end.as_fd(), MIRROR_END)
-        || !exchange::send(link.as_fd(), memfd.as_fd(), WORDS_PAGE)
+    if !exchange::send(link, their_end.as_fd(), MIRROR_END)
+        || !exchange::send(link, memfd.as_fd(), WORDS_PAGE)
     {
         return Err(SocketSetupError::Resource);
     }
     // Without one (no pidfds in this kernel) the client names us by its translated pid.
     if let Some(pidfd) = exchange::own_pidfd() {
-        if !exchange::send(link.as_fd(), pidfd.as_fd(), PIDFD) {
+        if !exchange::send(link, pidfd.as_fd(), PIDFD) {
             return Err(SocketSetupError::Resource);
         }
     }
-    Ok((link, our_mirror, page))
+    Ok((our_mirror, page))
 }
 
 /// The shm connection over `segment`, whose doorbell also raises the peer's mirror (known

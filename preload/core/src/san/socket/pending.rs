@@ -9,7 +9,10 @@ use std::time::Duration;
 
 use switch::session::{Role, Session};
 
-use super::{session_config, SanSocket, Side, ACCEPTOR_WORDS, CLIENT_WORDS, SWITCH_MARKER};
+use super::{
+    session_config, SanSocket, Side, ACCEPTOR_WORDS, CLIENT_WORDS, PRIVATE_MARKER_LEN,
+    SWITCH_MARKER,
+};
 use crate::mirror::Mirror;
 use crate::real;
 use crate::record::{flags, DataPath, SocketState};
@@ -37,7 +40,13 @@ impl SanSocket {
 
     /// The shm part of [`SanSocket::switch`].
     fn switch_shm(&mut self) -> Result<(), ()> {
-        let listener = self.exchange.take().ok_or(())?;
+        // A client of another user's server: the offer thread took the acceptor's
+        // connection (and gave it our segment).
+        let private_link = self.take_private_link();
+        let listener = match private_link {
+            Some(_) => None,
+            None => Some(self.exchange.take().ok_or(())?),
+        };
         // No longer pending: acceptors of our port need not probe for us (nor find our
         // exchange listener's file).
         self.pending_mark = None;
@@ -45,13 +54,17 @@ impl SanSocket {
         let reserve = self.reserve.take().ok_or(())?;
         // The numbers held for what arrives now become free for it.
         drop(reserve.spare);
+        let offer = match (private_link, listener) {
+            (Some(link), _) => exchange::take_offer(link.ok_or(())?),
+            (None, Some(listener)) => exchange::accept_offer(listener.as_fd()),
+            (None, None) => None,
+        };
         let exchange::Offer {
             link,
             their_end,
             page,
             their_pidfd,
-        } = exchange::accept_offer(listener.as_fd()).ok_or(())?;
-        drop(listener);
+        } = offer.ok_or(())?;
         // The acceptor as the kernel names it to us, not by the pid it recorded (see
         // `exchange`, "Who the peer is"). One we cannot name (another pid namespace on a
         // kernel without pidfds) could die unnoticed: the connection cannot go on.
@@ -159,6 +172,16 @@ impl SanSocket {
             }
             return;
         }
+        // Between two users: the marker and the token, whole, or the connection ends (as
+        // the verbs token above).
+        if let Some(marker) = self.private_marker() {
+            if send_all_on_tcp(tcp, &marker) != marker.len() {
+                tracing::debug!(tcp, "switch marker not sent");
+                // SAFETY: plain shutdown(2) of the application's socket.
+                unsafe { real::shutdown(tcp, libc::SHUT_RDWR) };
+            }
+            return;
+        }
         // Written even when the client already switched: the client consumes exactly one
         // marker byte before it ever reads TCP again (a downgrade), so it must always be there.
         let marker = [SWITCH_MARKER];
@@ -182,10 +205,12 @@ impl SanSocket {
         if !self.marker_unread {
             return;
         }
-        let mut byte = 0u8;
-        // SAFETY: one writable byte.
-        let n = unsafe { real::recv(tcp, (&mut byte as *mut u8).cast(), 1, libc::MSG_DONTWAIT) };
-        if n == 1 || n == 0 {
+        // (A connection between two users switched only once its whole marker was there.)
+        let len = self.private_marker().map_or(1, |marker| marker.len());
+        let mut marker = [0u8; PRIVATE_MARKER_LEN];
+        // SAFETY: `len` writable bytes.
+        let n = unsafe { real::recv(tcp, marker.as_mut_ptr().cast(), len, libc::MSG_DONTWAIT) };
+        if n == len as isize || n == 0 {
             self.marker_unread = false;
         }
     }
