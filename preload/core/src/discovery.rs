@@ -402,6 +402,23 @@ fn bind_marker_file(socket: &OwnedFd, dir: BorrowedFd<'_>, name: &str) -> bool {
     bind() == 0
 }
 
+/// The abstract address where process `process` takes nudges when its policy names other
+/// users (see `SANDIRECT_OTHER_USERS`): a name of no user's, `sandirect/x/N/…`, so that a peer
+/// of another user, whose own user's name it would try, finds it too (the responder still
+/// drops datagrams of users its policy does not name).
+pub(crate) fn shared_nudge_address(
+    process: san_shm::NamespacedPid,
+) -> (libc::sockaddr_un, libc::socklen_t) {
+    let mut name = StackStr::<NUDGE_NAME_CAPACITY>::new();
+    // Cannot fail: the capacity covers the longest namespace and pid.
+    let _ = write!(
+        name,
+        "sandirect/x/N/{}/{}/{:016x}",
+        process.namespace, process.pid, process.contact
+    );
+    abstract_address(name.as_bytes())
+}
+
 /// Capacity of a [`nudge_address`] name: `sandirect/` + uid (10) + `/N/` + pid namespace
 /// (20) + `/` + pid (10) + `/` + contact (16).
 const NUDGE_NAME_CAPACITY: usize = 96;

@@ -12,7 +12,9 @@
 //! in `recvmsg` on a Unix datagram socket: the file `.N-<pid ns>-<pid>-<contact>` in the
 //! segment directory (so that peers in another network namespace that share the directory
 //! reach it too; removed at exit), or where that cannot be bound, the abstract name
-//! `\0sandirect/<euid>/N/<pid ns>/<pid>/<contact>`: it
+//! `\0sandirect/<euid>/N/<pid ns>/<pid>/<contact>` (a process whose policy names other
+//! users, `SANDIRECT_OTHER_USERS`, binds `\0sandirect/x/N/…` instead, which its peers of
+//! other users try after their own user's name): it
 //! costs nothing until a nudge arrives (no timer, no spinning), and then services every SAN
 //! socket of the process once (`service::service_all`: the same work an application call or a wait
 //! slice does), which answers a pending `Downgrade`. A forking process nudges every peer it
@@ -30,8 +32,8 @@
 //! as well, and two processes with the same pid in different namespaces never share a name.
 //! No pid is translated, signalled or opened: the name is all a nudge needs.
 //!
-//! **Trust.** The socket has `SO_PASSCRED`: a datagram whose sender is not our effective uid
-//! is dropped unread. Anyone may bind a free abstract name, so a squatter can take nudges
+//! **Trust.** The socket has `SO_PASSCRED`: a datagram whose sender is not our effective uid,
+//! nor a user our policy names, is dropped unread. Anyone may bind a free abstract name, so a squatter can take nudges
 //! away; the fork then waits its budget as before (the connection stays exact, with the
 //! parent). The worst a nudge can do is make us service our sockets once more.
 //!
@@ -47,7 +49,9 @@ use std::time::Duration;
 
 use san_shm::NamespacedPid;
 
-use crate::discovery::{address_in_dir, effective_uid, file_socket_answer, nudge_address};
+use crate::discovery::{
+    address_in_dir, effective_uid, file_socket_answer, nudge_address, shared_nudge_address,
+};
 use crate::real;
 
 /// How often a forking process repeats its nudge while a peer has not answered.
@@ -63,14 +67,18 @@ fn nudge_file_name(process: NamespacedPid) -> String {
     )
 }
 
-/// The address process `process` takes nudges at: its socket file in `dir` when there is one,
-/// else its abstract name.
+/// The addresses process `process` may take nudges at, in the order a nudge tries them: its
+/// socket file in `dir` when there is one, its abstract name under our user's, and when this
+/// process's policy names other users, the name of no user's such a process binds instead
+/// (see [`bind_nudge_socket`]): a peer of another user is found there.
 fn nudge_addresses(
     process: NamespacedPid,
     dir: Option<BorrowedFd<'_>>,
-) -> [Option<(libc::sockaddr_un, libc::socklen_t)>; 2] {
+) -> [Option<(libc::sockaddr_un, libc::socklen_t)>; 3] {
     let file = dir.and_then(|dir| address_in_dir(dir, &nudge_file_name(process)));
-    [file, Some(nudge_address(effective_uid(), process))]
+    let shared =
+        (!crate::settings::other_users().is_empty()).then(|| shared_nudge_address(process));
+    [file, Some(nudge_address(effective_uid(), process)), shared]
 }
 
 /// The bound, credential-passing socket of process `process` (this one), or the call that
@@ -102,14 +110,20 @@ pub(super) fn bind_nudge_socket(
     if rc != 0 {
         return Err("setsockopt(SO_PASSCRED)");
     }
-    for (in_dir, address) in nudge_addresses(process, dir).into_iter().enumerate() {
-        let Some((address, len)) = address else {
+    // A process whose policy names other users takes nudges at the name of no user's only:
+    // its peers of other users try that name, those of its own user reach it there after
+    // their own user's name (one refused send more).
+    let addresses = nudge_addresses(process, dir);
+    let shared_only = addresses[2].is_some();
+    for (position, address) in addresses.into_iter().enumerate() {
+        let Some((address, len)) = address.filter(|_| !shared_only || position == 2) else {
             continue;
         };
+
         // SAFETY: bind(2) reads `len` bytes of `address`.
         let rc = unsafe { real::bind(fd, (&address as *const libc::sockaddr_un).cast(), len) };
         if rc == 0 {
-            return Ok((socket, in_dir == 0));
+            return Ok((socket, position == 0));
         }
     }
     Err("bind")
@@ -154,7 +168,8 @@ pub(super) enum Received {
 }
 
 /// Receives one datagram on the responder's socket `fd` (`flags`: `MSG_DONTWAIT` or 0):
-/// a nudge when its sender's credentials say user `uid`.
+/// a nudge when its sender's credentials say user `uid`, or a user this process's policy names
+/// (`SANDIRECT_OTHER_USERS`).
 pub(super) fn receive(fd: libc::c_int, uid: u32, flags: libc::c_int) -> Received {
     let mut byte = 0u8;
     let mut iov = libc::iovec {
@@ -183,10 +198,11 @@ pub(super) fn receive(fd: libc::c_int, uid: u32, flags: libc::c_int) -> Received
             }
         };
     }
-    if sender_uid(&message) == Some(uid) {
-        Received::Nudge
-    } else {
-        Received::Ignored
+    match sender_uid(&message) {
+        Some(sender) if sender == uid || crate::settings::other_users().contains(&sender) => {
+            Received::Nudge
+        }
+        _ => Received::Ignored,
     }
 }
 
