@@ -471,35 +471,18 @@ impl SanSocket {
                 .ok_or(SocketSetupError::PeerPlain)?;
         // Checked before it is mapped: a sealed memfd, its header valid (see
         // `ShmSegment::attach_private`); attaching last, as for any acceptor.
-        let segment = ShmSegment::attach_private(memfd.as_fd()).map_err(|error| match error {
-            san_shm::ShmError::Io {
-                errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
-                ..
-            } => SocketSetupError::Resource,
-            san_shm::ShmError::Withdrawn => SocketSetupError::ClientWithdrew,
-            _ => SocketSetupError::PeerPlain,
-        })?;
+        let segment = ShmSegment::attach_private(memfd.as_fd()).map_err(attach_failure)?;
         drop(memfd);
         let token = segment.private_token().ok_or(SocketSetupError::PeerPlain)?;
-        let (conn, peer) = shm_connection(segment, registrations, Some(client))?;
-        let session = Session::new(
-            Role::Passive,
-            session_config(rendezvous_enabled()),
-            conn.capabilities(),
-            SLOTS,
-            0,
-        );
-        let mut socket = Self::fresh(
-            record,
-            Side::Acceptor,
-            name,
-            conn.into(),
-            peer,
-            Some(charge),
-        );
-        socket.exchange = Some(link);
+        let accepted = AcceptedSegment {
+            segment,
+            client,
+            link,
+            our_mirror,
+            page,
+        };
+        let mut socket = Self::accepting_over(record, name, registrations, charge, accepted)?;
         socket.private_token = Some(token);
-        socket.start_session(session, our_mirror, page);
         Ok(socket.accepted())
     }
 
@@ -605,15 +588,34 @@ impl SanSocket {
         }
         // Attach last: the client switches when it sees the attach, and by then everything
         // it needs is queued on the exchange.
-        let segment = ShmSegment::attach(dir, name.as_str()).map_err(|error| match error {
-            san_shm::ShmError::Io {
-                errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
-                ..
-            } => SocketSetupError::Resource,
-            san_shm::ShmError::Withdrawn => SocketSetupError::ClientWithdrew,
-            _ => SocketSetupError::PeerPlain,
-        })?;
+        let segment = ShmSegment::attach(dir, name.as_str()).map_err(attach_failure)?;
         let _ = segment.unlink();
+        let accepted = AcceptedSegment {
+            segment,
+            client,
+            link,
+            our_mirror,
+            page,
+        };
+        Ok(Self::accepting_over(record, name, registrations, charge, accepted)?.accepted())
+    }
+
+    /// What both acceptors share once the segment is attached: the connection over it, the
+    /// passive session started with our mirror end and words page, the exchange kept.
+    fn accepting_over(
+        record: &'static SocketRecord,
+        name: &SegmentName,
+        registrations: &super::registrations::SharedRegistrations,
+        charge: Charge,
+        accepted: AcceptedSegment,
+    ) -> Result<SanSocket, SocketSetupError> {
+        let AcceptedSegment {
+            segment,
+            client,
+            link,
+            our_mirror,
+            page,
+        } = accepted;
         let (conn, peer) = shm_connection(segment, registrations, Some(client))?;
         let session = Session::new(
             Role::Passive,
@@ -632,7 +634,7 @@ impl SanSocket {
         );
         socket.exchange = Some(link);
         socket.start_session(session, our_mirror, page);
-        Ok(socket.accepted())
+        Ok(socket)
     }
 
     /// Unit tests: a socket over `conn` (an in-process simulated connection) in place of a
@@ -906,6 +908,29 @@ impl SwitchReserve {
             ends,
             spare: [spare(0)?, spare(1)?, spare(2)?, spare(3)?],
         })
+    }
+}
+
+/// An acceptor's attached segment and what it set up on the exchange before attaching.
+struct AcceptedSegment {
+    segment: ShmSegment,
+    /// The client as the exchange names it.
+    client: PeerProcess,
+    link: OwnedFd,
+    our_mirror: Mirror<SideWords>,
+    page: Arc<WordsPage>,
+}
+
+/// Why an acceptor's attach failed, as a set-up error: out of descriptors or memory, the
+/// client withdrew its segment, or anything else (the client is treated as plain).
+fn attach_failure(error: san_shm::ShmError) -> SocketSetupError {
+    match error {
+        san_shm::ShmError::Io {
+            errno: libc::EMFILE | libc::ENFILE | libc::ENOMEM,
+            ..
+        } => SocketSetupError::Resource,
+        san_shm::ShmError::Withdrawn => SocketSetupError::ClientWithdrew,
+        _ => SocketSetupError::PeerPlain,
     }
 }
 
