@@ -823,6 +823,52 @@ pub fn drain<R: Read + Send + 'static>(reader: R) -> JoinHandle<io::Result<Strin
     })
 }
 
+/// The nginx configuration the application tests run: a master that forks two workers (as
+/// `user_line` says: `user nobody nogroup;`, `user root root;` or nothing), serving `root`/www
+/// on 127.0.0.1:`port` through `write`, and under `/sendfile/` through `sendfile`.
+pub fn nginx_config(root: &Path, port: u16, user_line: &str) -> String {
+    let root = root.display();
+    format!(
+        r#"daemon off;
+master_process on;
+worker_processes 2;
+{user_line}
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {root}/tmp/body;
+    proxy_temp_path {root}/tmp/proxy;
+    fastcgi_temp_path {root}/tmp/fastcgi;
+    uwsgi_temp_path {root}/tmp/uwsgi;
+    scgi_temp_path {root}/tmp/scgi;
+    default_type application/octet-stream;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root}/www;
+        sendfile off;
+        location /sendfile/ {{ alias {root}/www/; sendfile on; }}
+    }}
+}}
+"#
+    )
+}
+
+/// The SHA-256 of the file at `path`, in hex (`sha256sum`).
+pub fn sha256_of(path: &Path) -> String {
+    let output = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("run sha256sum");
+    assert!(output.status.success(), "sha256sum {}", path.display());
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

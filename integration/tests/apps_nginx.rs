@@ -15,7 +15,6 @@ use integration::pattern::XorShift64;
 const LARGE_FILE_BYTES: usize = 64 << 20;
 
 fn nginx_config(root: &Path, port: u16) -> String {
-    let root = root.display();
     // SAFETY: geteuid has no preconditions.
     let user = if unsafe { libc::geteuid() } == 0 {
         // Workers of a root master switch to `nobody`, who could not read the private
@@ -24,31 +23,7 @@ fn nginx_config(root: &Path, port: u16) -> String {
     } else {
         ""
     };
-    format!(
-        r#"daemon off;
-master_process on;
-worker_processes 2;
-{user}
-pid {root}/nginx.pid;
-error_log {root}/error.log warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {root}/tmp/body;
-    proxy_temp_path {root}/tmp/proxy;
-    fastcgi_temp_path {root}/tmp/fastcgi;
-    uwsgi_temp_path {root}/tmp/uwsgi;
-    scgi_temp_path {root}/tmp/scgi;
-    default_type application/octet-stream;
-    server {{
-        listen 127.0.0.1:{port};
-        root {root}/www;
-        sendfile off;
-        location /sendfile/ {{ alias {root}/www/; sendfile on; }}
-    }}
-}}
-"#
-    )
+    integration::apps::nginx_config(root, port, user)
 }
 
 /// A deterministic, incompressible-looking file of `bytes` bytes.
@@ -63,19 +38,6 @@ fn write_document(path: &Path, bytes: usize) {
         file.write_all(&block).expect("write document");
     }
     file.flush().expect("flush document");
-}
-
-fn sha256(path: &Path) -> String {
-    let output = std::process::Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .expect("run sha256sum");
-    assert!(output.status.success(), "sha256sum {}", path.display());
-    String::from_utf8_lossy(&output.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
 }
 
 fn nginx_under_sandirect(preloaded: Preloaded) {
@@ -145,7 +107,7 @@ fn nginx_under_sandirect(preloaded: Preloaded) {
         );
     }
 
-    let expected = sha256(&large);
+    let expected = integration::apps::sha256_of(&large);
     for location in ["large.bin", "sendfile/large.bin"] {
         let downloaded = root.join("downloaded.bin");
         let recorder = PathRecorder::start(&sandbox, Duration::from_millis(5));
@@ -164,7 +126,11 @@ fn nginx_under_sandirect(preloaded: Preloaded) {
             .arg(format!("http://127.0.0.1:{port}/{location}"));
         sandbox.run("curl", command, Duration::from_secs(60));
         let observed = recorder.finish();
-        assert_eq!(sha256(&downloaded), expected, "{location}: sha256 differs");
+        assert_eq!(
+            integration::apps::sha256_of(&downloaded),
+            expected,
+            "{location}: sha256 differs"
+        );
         assert_paths(&observed, port, preloaded.expected_path(), 1);
         std::fs::remove_file(&downloaded).expect("remove download");
     }

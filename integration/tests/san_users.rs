@@ -24,7 +24,7 @@ use std::io::{BufRead, BufReader, Write as _};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use integration::apps::{
@@ -42,6 +42,69 @@ const NOBODY: u32 = 65534;
 fn not_root() -> Option<&'static str> {
     // SAFETY: geteuid has no preconditions.
     (unsafe { libc::geteuid() } != 0).then_some("needs root to run programs as other users")
+}
+
+/// The start of every test here: `None` (saying why) when not root, else the lock that runs
+/// these tests one at a time (they share the test users and their directories).
+fn as_root_alone() -> Option<std::sync::MutexGuard<'static, ()>> {
+    if let Some(why) = not_root() {
+        eprintln!("SKIPPED: {why}");
+        return None;
+    }
+    Some(exclusive())
+}
+
+/// Spawns `command` with its output captured.
+fn spawned(command: &mut Command) -> Child {
+    command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start a test program")
+}
+
+/// A server that printed its port (`port N`, its first line); the rest of its output is read
+/// when it ends ([`finish_pair`]).
+struct Server {
+    child: Child,
+    reader: BufReader<std::process::ChildStdout>,
+    port: String,
+}
+
+/// Starts `command` (a server that prints `port N` first) and reads its port.
+fn start_server(command: &mut Command) -> Server {
+    let mut child = spawned(command);
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    reader.read_line(&mut first).unwrap();
+    let port = first
+        .trim()
+        .strip_prefix("port ")
+        .unwrap_or_else(|| panic!("server prints its port, got {first:?}"))
+        .to_owned();
+    Server {
+        child,
+        reader,
+        port,
+    }
+}
+
+/// Waits for `client` (60 s), then `server` (30 s); their outputs, or the failures.
+fn wait_pair(server: Server, client: Child) -> (Result<String, String>, Result<String, String>) {
+    let client = integration::wait_child(client, "client", Duration::from_secs(60));
+    let mut child = server.child;
+    child.stdout = Some(server.reader.into_inner());
+    let server = integration::wait_child(child, "server", Duration::from_secs(30));
+    (server, client)
+}
+
+/// [`wait_pair`], both required to succeed (`what` names the exchange when one did not):
+/// the server's output and the client's.
+fn finish_pair(server: Server, client: Child, what: &str) -> (String, String) {
+    match wait_pair(server, client) {
+        (Ok(server), Ok(client)) => (server, client),
+        (server, client) => panic!("{what}:\n{server:?}\n{client:?}"),
+    }
 }
 
 /// The system's Python (the intruder and the scribbler are Python scripts, run as the test
@@ -160,6 +223,14 @@ impl World {
     }
 
     /// `user`'s stats and segment directories (made on first use, theirs, 0700).
+    /// Writes `text` as `bin/NAME` in the sandbox, readable by every user; its path.
+    fn script(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.sandbox.path().join("bin").join(name);
+        std::fs::write(&path, text).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path
+    }
+
     fn dirs(&self, user: &User) -> (PathBuf, PathBuf) {
         let base = self.sandbox.path().join(format!("u{}", user.uid));
         let (stat, shm) = (base.join("stat"), base.join("shm"));
@@ -200,33 +271,13 @@ impl World {
     }
 }
 
-/// Starts a `san_echo` server (protocol `protocol`) as `user`; returns it and its port.
-fn echo_server(
-    world: &World,
-    user: &User,
-    others: &[&User],
-    protocol: &str,
-) -> (
-    std::process::Child,
-    BufReader<std::process::ChildStdout>,
-    String,
-) {
-    let mut server = world
-        .command(&world.san_echo, user, others)
-        .args(["server", protocol])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start san_echo server");
-    let mut reader = BufReader::new(server.stdout.take().unwrap());
-    let mut first = String::new();
-    reader.read_line(&mut first).unwrap();
-    let port = first
-        .trim()
-        .strip_prefix("port ")
-        .unwrap_or_else(|| panic!("server prints its port, got {first:?}"))
-        .to_owned();
-    (server, reader, port)
+/// Starts a `san_echo` server (protocol `protocol`) as `user`, naming `others`.
+fn echo_server(world: &World, user: &User, others: &[&User], protocol: &str) -> Server {
+    start_server(
+        world
+            .command(&world.san_echo, user, others)
+            .args(["server", protocol]),
+    )
 }
 
 /// The report line of `side` says `bytes` came through intact over the SAN; its checksum.
@@ -245,31 +296,20 @@ fn intact_over_the_san(report: &str, side: &str, bytes: usize) -> String {
 
 #[test]
 fn an_echo_pair_of_two_users_streams_over_the_san() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     let client_user = User::get("sdtest-client");
     let nobody = User::nobody();
     let world = World::new("users-echo");
     const BYTES: usize = 8 << 20;
-    let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "client-first");
-    let client = world
-        .command(&world.san_echo, &client_user, &[&nobody])
-        .args(["client", &port, "client-first", &BYTES.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let client = integration::wait_child(client, "client", Duration::from_secs(60));
-    let mut server = server;
-    server.stdout = Some(reader.into_inner());
-    let server = integration::wait_child(server, "server", Duration::from_secs(30));
-    let (server, client) = match (server, client) {
-        (Ok(server), Ok(client)) => (server, client),
-        (server, client) => panic!("echo between two users:\n{server:?}\n{client:?}"),
-    };
+    let server = echo_server(&world, &nobody, &[&client_user], "client-first");
+    let client = spawned(
+        world
+            .command(&world.san_echo, &client_user, &[&nobody])
+            .args(["client", &server.port, "client-first", &BYTES.to_string()]),
+    );
+    let (server, client) = finish_pair(server, client, "echo between two users");
     let sent = intact_over_the_san(&client, "client", BYTES);
     let echoed = intact_over_the_san(&server, "server", BYTES);
     assert_eq!(sent, echoed, "the server saw the client's bytes");
@@ -335,41 +375,33 @@ print("names=%d connected=%d fds=%d closed_unread=%d listed_fds=%d cma=%s attach
 
 #[test]
 fn a_third_user_cannot_take_read_or_disturb_a_connection_between_two_users() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     let client_user = User::get("sdtest-client");
     let third = User::get("sdtest-third");
     let nobody = User::nobody();
     let world = World::new("users-third");
-    let script = world.sandbox.path().join("bin/intruder.py");
-    std::fs::write(&script, INTRUDER).unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let script = world.script("intruder.py", INTRUDER);
     const BYTES: usize = 4 << 20;
     // `early`: the server accepts 200 ms late, so the client waits pending (its exchange up)
     // while the intruder looks; `paced` would not give it time before the switch.
-    let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "early");
-    let client = world
-        .command(&world.san_echo, &client_user, &[&nobody])
-        .args(["client", &port, "early", &BYTES.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let server = echo_server(&world, &nobody, &[&client_user], "early");
+    let client = spawned(
+        world
+            .command(&world.san_echo, &client_user, &[&nobody])
+            .args(["client", &server.port, "early", &BYTES.to_string()]),
+    );
     // The third user is preloaded too and names both others: the policy is theirs to set,
     // not the intruder's.
-    let intruder = world
-        .command(system_python(), &third, &[&client_user, &nobody])
-        .env_remove("LD_PRELOAD")
-        .arg(&script)
-        .arg(client.id().to_string())
-        .arg("0.6")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let intruder = spawned(
+        world
+            .command(system_python(), &third, &[&client_user, &nobody])
+            .env_remove("LD_PRELOAD")
+            .arg(&script)
+            .arg(client.id().to_string())
+            .arg("0.6"),
+    );
     // Meanwhile: no segment of theirs is a file in any directory.
     std::thread::sleep(Duration::from_millis(100));
     for user in [&client_user, &nobody] {
@@ -389,14 +421,7 @@ fn a_third_user_cannot_take_read_or_disturb_a_connection_between_two_users() {
     }
     let intruder = integration::wait_child(intruder, "intruder", Duration::from_secs(30))
         .unwrap_or_else(|failure| panic!("intruder: {failure}"));
-    let client = integration::wait_child(client, "client", Duration::from_secs(60));
-    let mut server = server;
-    server.stdout = Some(reader.into_inner());
-    let server = integration::wait_child(server, "server", Duration::from_secs(30));
-    let (server, client) = match (server, client) {
-        (Ok(server), Ok(client)) => (server, client),
-        (server, client) => panic!("echo beside a third user:\n{server:?}\n{client:?}"),
-    };
+    let (server, client) = finish_pair(server, client, "echo beside a third user");
     let counts = intruder
         .lines()
         .find(|l| l.starts_with("names="))
@@ -444,16 +469,6 @@ fn write_document(path: &Path, bytes: usize) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
 }
 
-fn sha256(path: &Path) -> String {
-    let output = Command::new("sha256sum").arg(path).output().unwrap();
-    assert!(output.status.success(), "sha256sum {}", path.display());
-    String::from_utf8_lossy(&output.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_owned()
-}
-
 /// The group name of gid 65534 (`nogroup` on Debian, `nobody` elsewhere).
 fn nobody_group() -> String {
     let out = Command::new("getent")
@@ -490,11 +505,9 @@ fn record_paths(
 
 #[test]
 fn nginx_with_nobody_workers_serves_a_client_of_another_user_over_the_san() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     let nginx = require_program("nginx", "nginx-light");
     let wrk = require_program("wrk", "wrk");
     let curl = require_program("curl", "curl");
@@ -520,33 +533,8 @@ fn nginx_with_nobody_workers_serves_a_client_of_another_user_over_the_san() {
     let large = root.join("www/large.bin");
     write_document(&large, 8 << 20);
     let port = free_port();
-    let r = root.display();
-    let config = format!(
-        r#"daemon off;
-master_process on;
-worker_processes 2;
-user nobody {group};
-pid {r}/nginx.pid;
-error_log {r}/error.log warn;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {r}/tmp/body;
-    proxy_temp_path {r}/tmp/proxy;
-    fastcgi_temp_path {r}/tmp/fastcgi;
-    uwsgi_temp_path {r}/tmp/uwsgi;
-    scgi_temp_path {r}/tmp/scgi;
-    default_type application/octet-stream;
-    server {{
-        listen 127.0.0.1:{port};
-        root {r}/www;
-        sendfile off;
-        location /sendfile/ {{ alias {r}/www/; sendfile on; }}
-    }}
-}}
-"#,
-        group = nobody_group()
-    );
+    let config =
+        integration::apps::nginx_config(&root, port, &format!("user nobody {};", nobody_group()));
     std::fs::write(root.join("nginx.conf"), config).unwrap();
     // The master runs as root (it listens: the marker is root's) and its workers as nobody
     // (they accept): the workers' policy names the client's user.
@@ -581,7 +569,7 @@ http {{
     assert_paths(&observed, port, DataPath::SanShm, 8);
 
     // Bodies through `write` and through `sendfile`, checksummed, every connection on the SAN.
-    let expected = sha256(&large);
+    let expected = integration::apps::sha256_of(&large);
     let downloads = world.sandbox.path().join(format!("u{}", client_user.uid));
     for location in ["large.bin", "sendfile/large.bin"] {
         let downloaded = downloads.join("downloaded.bin");
@@ -602,7 +590,11 @@ http {{
         world.sandbox.run("curl", command, Duration::from_secs(60));
         stop.store(true, std::sync::atomic::Ordering::Release);
         let observed = recorder.join().unwrap();
-        assert_eq!(sha256(&downloaded), expected, "{location}: sha256 differs");
+        assert_eq!(
+            integration::apps::sha256_of(&downloaded),
+            expected,
+            "{location}: sha256 differs"
+        );
         assert_paths(&observed, port, DataPath::SanShm, 1);
         std::fs::remove_file(&downloaded).unwrap();
     }
@@ -617,50 +609,37 @@ http {{
 /// marker and token, stays on TCP too; every byte intact.
 #[test]
 fn a_named_user_that_takes_the_segment_first_only_keeps_the_connection_on_tcp() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     let client_user = User::get("sdtest-client");
     let third = User::get("sdtest-third");
     let nobody = User::nobody();
     let world = World::new("users-squat");
-    let script = world.sandbox.path().join("bin/intruder.py");
-    std::fs::write(&script, INTRUDER).unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let script = world.script("intruder.py", INTRUDER);
     const BYTES: usize = 1 << 20;
-    let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "early");
+    let server = echo_server(&world, &nobody, &[&client_user], "early");
     // The intruder starts first and watches for the exchange.
-    let intruder = world
-        .command(system_python(), &third, &[])
-        .env_remove("LD_PRELOAD")
-        .arg(&script)
-        .arg("1")
-        .arg("0.8")
-        .arg("attach")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let intruder = spawned(
+        world
+            .command(system_python(), &third, &[])
+            .env_remove("LD_PRELOAD")
+            .arg(&script)
+            .args(["1", "0.8", "attach"]),
+    );
     std::thread::sleep(Duration::from_millis(100));
-    let client = world
-        .command(&world.san_echo, &client_user, &[&nobody, &third])
-        .args(["client", &port, "early", &BYTES.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let client = spawned(
+        world
+            .command(&world.san_echo, &client_user, &[&nobody, &third])
+            .args(["client", &server.port, "early", &BYTES.to_string()]),
+    );
     let intruder = integration::wait_child(intruder, "intruder", Duration::from_secs(30))
         .unwrap_or_else(|failure| panic!("intruder: {failure}"));
-    let client = integration::wait_child(client, "client", Duration::from_secs(60));
-    let mut server = server;
-    server.stdout = Some(reader.into_inner());
-    let server = integration::wait_child(server, "server", Duration::from_secs(30));
-    let (server, client) = match (server, client) {
-        (Ok(server), Ok(client)) => (server, client),
-        (server, client) => panic!("echo beside a squatter:\n{server:?}\n{client:?}\n{intruder}"),
-    };
+    let (server, client) = finish_pair(
+        server,
+        client,
+        &format!("echo beside a squatter ({intruder})"),
+    );
     assert!(
         intruder.contains(" fds=1 ") && intruder.contains("attached=1"),
         "the named user's process took and attached the segment first: {intruder}"
@@ -767,26 +746,21 @@ fn ended_without_crash(mut child: std::process::Child, what: &str, within: Durat
 /// reads there. Several seeds, each a fresh connection between two users.
 #[test]
 fn a_peer_scribbling_on_a_live_private_segment_breaks_only_that_connection() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     let client_user = User::get("sdtest-client");
     let nobody = User::nobody();
     let world = World::new("users-scribble");
-    let script = world.sandbox.path().join("bin/scribbler.py");
-    std::fs::write(&script, SCRIBBLER).unwrap();
+    let script = world.script("scribbler.py", SCRIBBLER);
     let mut found = 0;
     for seed in 1..=4u32 {
-        let (server, reader, port) = echo_server(&world, &nobody, &[&client_user], "paced");
-        let client = world
-            .command(&world.san_echo, &client_user, &[&nobody])
-            .args(["client", &port, "paced", &(4u32 << 20).to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let server = echo_server(&world, &nobody, &[&client_user], "paced");
+        let client = spawned(
+            world
+                .command(&world.san_echo, &client_user, &[&nobody])
+                .args(["client", &server.port, "paced", &(4u32 << 20).to_string()]),
+        );
         let scribbler = Command::new(system_python())
             .arg(&script)
             .arg(client.id().to_string())
@@ -799,9 +773,9 @@ fn a_peer_scribbling_on_a_live_private_segment_breaks_only_that_connection() {
             found += 1;
         }
         let client = ended_without_crash(client, "client", Duration::from_secs(20));
-        let mut server = server;
-        server.stdout = Some(reader.into_inner());
-        let server = ended_without_crash(server, "server", Duration::from_secs(20));
+        let mut child = server.child;
+        child.stdout = Some(server.reader.into_inner());
+        let server = ended_without_crash(child, "server", Duration::from_secs(20));
         eprintln!("seed {seed}: {scribbled}{client}\n{server}");
     }
     assert!(
@@ -826,27 +800,22 @@ fn echo_between_users(
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let recorder = record_paths(client_stat, stop.clone());
     let (named_by_server, named_by_client) = ([&client_user], [&nobody]);
-    let (server, reader, port) = echo_server(
+    let server = echo_server(
         &world,
         &nobody,
         if server_names { &named_by_server } else { &[] },
         protocol,
     );
-    let client = world
-        .command(
-            &world.san_echo,
-            &client_user,
-            if client_names { &named_by_client } else { &[] },
-        )
-        .args(["client", &port, protocol, &bytes.to_string()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let client = integration::wait_child(client, "client", Duration::from_secs(60));
-    let mut server = server;
-    server.stdout = Some(reader.into_inner());
-    let server = integration::wait_child(server, "server", Duration::from_secs(30));
+    let client = spawned(
+        world
+            .command(
+                &world.san_echo,
+                &client_user,
+                if client_names { &named_by_client } else { &[] },
+            )
+            .args(["client", &server.port, protocol, &bytes.to_string()]),
+    );
+    let (server, client) = wait_pair(server, client);
     stop.store(true, std::sync::atomic::Ordering::Release);
     let observed = recorder.join().unwrap();
     match (server, client) {
@@ -859,11 +828,9 @@ fn echo_between_users(
 /// byte intact (and a client whose policy names nobody says why: `peer-other-user`, as before).
 #[test]
 fn two_users_stay_on_tcp_unless_both_name_the_other() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     const BYTES: usize = 1 << 20;
     for (server_names, client_names) in [(false, false), (true, false), (false, true)] {
         let (server, client, _) = echo_between_users(
@@ -892,11 +859,9 @@ fn two_users_stay_on_tcp_unless_both_name_the_other() {
 /// echo, every byte intact, the client's record counting rendezvous bytes.
 #[test]
 fn a_large_write_between_two_users_takes_the_rendezvous_through_the_window() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     const BYTES: usize = 8 << 20;
     let (server, client, observed) =
         echo_between_users("users-window", "write-then-read", BYTES, true, true);
@@ -924,44 +889,24 @@ fn a_large_write_between_two_users_takes_the_rendezvous_through_the_window() {
 /// session answers the downgrade), every message checked.
 #[test]
 fn a_server_forking_or_execing_with_a_client_of_another_user_downgrades_exactly() {
-    if let Some(why) = not_root() {
-        eprintln!("SKIPPED: {why}");
+    let Some(_serial) = as_root_alone() else {
         return;
-    }
-    let _serial = exclusive();
+    };
     let client_user = User::get("sdtest-client");
     let nobody = User::nobody();
     let world = World::new("users-fork");
     for mode in ["handoff", "exec"] {
-        let mut server = world
-            .command(&world.san_fork, &nobody, &[&client_user])
-            .args(["server", mode])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(server.stdout.take().unwrap());
-        let mut first = String::new();
-        reader.read_line(&mut first).unwrap();
-        let port = first
-            .trim()
-            .strip_prefix("port ")
-            .unwrap_or_else(|| panic!("server prints its port, got {first:?}"))
-            .to_owned();
-        let client = world
-            .command(&world.san_fork, &client_user, &[&nobody])
-            .args(["client", &port, mode])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let client = integration::wait_child(client, "client", Duration::from_secs(60));
-        server.stdout = Some(reader.into_inner());
-        let server = integration::wait_child(server, "server", Duration::from_secs(30));
-        let (server, client) = match (server, client) {
-            (Ok(server), Ok(client)) => (server, client),
-            (server, client) => panic!("{mode} between two users:\n{server:?}\n{client:?}"),
-        };
+        let server = start_server(
+            world
+                .command(&world.san_fork, &nobody, &[&client_user])
+                .args(["server", mode]),
+        );
+        let client = spawned(
+            world
+                .command(&world.san_fork, &client_user, &[&nobody])
+                .args(["client", &server.port, mode]),
+        );
+        let (server, client) = finish_pair(server, client, &format!("{mode} between two users"));
         let server_line = server
             .lines()
             .find(|l| l.starts_with("server ok"))

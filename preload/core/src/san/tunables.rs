@@ -20,6 +20,11 @@ pub(super) const SLOTS: san_api::SlotConfig = san_api::SlotConfig {
 /// drives (a quarter of [`SLOTS`]: the peer keeps three quarters of its credits meanwhile).
 pub(super) const REPOST_BATCH: usize = SLOTS.recv_slots as usize / 4;
 
+/// Most arrival tokens a read leaves in a mirror watched only by edge-triggered
+/// registrations (see `SanSocket::leaves_edge_tokens`): one lowering then drains them all.
+/// Well below the peer's bound on unclaimed tokens (64), past which arrivals write none.
+pub(crate) const EDGE_TOKENS_LEFT: u32 = 16;
+
 /// Inline slots of verbs connections: fewer and larger than shm's. Every message costs a
 /// work request, a doorbell system call and, at the receiver, a completion (and often a
 /// wake-up); a 64 KiB write then goes as one message, not four (rsocket buffers 128 KiB each

@@ -8,7 +8,7 @@ use super::{Phase, SanSocket};
 use crate::fdtable::table;
 use crate::mirror::{self, ReadLowering, WriteLowering};
 use crate::record::SocketRecord;
-use crate::san::tunables::EARLY_LIMIT;
+use crate::san::tunables::{EARLY_LIMIT, EDGE_TOKENS_LEFT};
 use switch::session::{ResetCause, Session, SessionState};
 
 impl SanSocket {
@@ -262,11 +262,6 @@ impl SanSocket {
         }
     }
 }
-
-/// Most arrival tokens a read leaves in a mirror watched only by edge-triggered
-/// registrations (see [`SanSocket::leaves_edge_tokens`]): one lowering then drains them all.
-/// Well below the peer's bound on unclaimed tokens (64), past which arrivals write none.
-const EDGE_TOKENS_LEFT: u32 = 16;
 
 /// What kinds of epoll registrations watch a socket (see [`registration_kinds`]).
 struct RegistrationKinds {
