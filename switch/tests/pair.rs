@@ -7,13 +7,13 @@ use common::{caps, pattern, Pair, PairConfig, Which, SLOTS};
 use san_api::{Access, AppSink, AppSource, BadAddress, CompletionError, RecvSlot, SlotConfig};
 use switch::error::{Error, PeerIncompatible, PeerMisbehaved, RecvError, SendError};
 use switch::session::{
-    Event, RecvFlags, ResetCause, Role, SendFlags, Session, SessionConfig, SessionState, Shutdown,
-    CREDIT_RESERVE,
+    data_payload_room, Event, RecvFlags, ResetCause, Role, SendFlags, Session, SessionConfig,
+    SessionState, Shutdown, CREDIT_RESERVE,
 };
 use switch::wire::ctrl;
 
 /// Payload bytes of one inline message with the default slots.
-const INLINE_PAYLOAD: usize = SLOTS.slot_size as usize - ctrl::HEADER_LEN;
+const INLINE_PAYLOAD: usize = data_payload_room(SLOTS.slot_size as usize);
 
 fn sent_ticket_result(events: &[Event]) -> Vec<Result<u64, SendError>> {
     events
@@ -2174,4 +2174,17 @@ fn downgrade_goes_out_with_a_control_credit_and_waits_behind_data() {
     // Not Downgraded until its send completed and the peer's Downgrade arrived.
     assert_ne!(session.state(), SessionState::Downgraded);
     assert!(!session.is_quiescent());
+}
+
+/// A full data message in a slot large enough for copy speed to matter carries a multiple of
+/// 64 bytes, so a stream cut from an aligned source (a file from offset 0, a page-aligned
+/// buffer) starts every message's payload at that alignment; small slots keep every byte.
+#[test]
+fn full_messages_of_large_slots_carry_whole_64_byte_granules() {
+    for slot in [4096 + 8, 16 << 10, (16 << 10) + 63, 1 << 20] {
+        let room = data_payload_room(slot);
+        assert_eq!(room % 64, 0, "slot of {slot} bytes");
+        assert!(room + ctrl::HEADER_LEN <= slot && slot - room - ctrl::HEADER_LEN < 64);
+    }
+    assert_eq!(data_payload_room(256), 256 - ctrl::HEADER_LEN);
 }
