@@ -12,6 +12,10 @@
 //!   connection however short (`SANDIRECT_SHORT_CONNECTION_BYTES=0`; connection set-up
 //!   workloads: what the SAN set-up itself costs, which the default spares short connections).
 //!
+//! The socket micro-benchmarks also carry `bench_sockets`' socket-free yardsticks (`raw ring`,
+//! `process_vm_readv`, `sched_yield hand-off`) in the tests that have them: printed and stored,
+//! but neither charted nor compared with a baseline, as they are bounds, not ways programs run.
+//!
 //! For each workload both servers (plain and preloaded) run side by side, and every round runs
 //! each variant's client once, in an order that rotates from round to round, so drift, warm-up
 //! and the machine's other load hit every variant alike. Per workload it prints the median of

@@ -397,6 +397,9 @@ impl Transport for Socket {
 
     fn set_event_driven(&mut self, on: bool) -> io::Result<()> {
         use std::os::fd::{AsRawFd, FromRawFd};
+        if on == self.event_driven {
+            return Ok(());
+        }
         if on && self.epoll.is_none() {
             // SAFETY: plain epoll_create1 with a constant flag.
             let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -454,8 +457,9 @@ fn decode_header(header: &[u8; HEADER_BYTES]) -> (u32, usize, u64) {
     (word(0..4) as u32, word(4..8) as usize, word(8..16))
 }
 
-/// Serves tests until the client ends the session: for each, receives (and for ping-pong
-/// echoes) the messages, then acknowledges with the CPU time the run cost this process.
+/// Serves tests until the client ends the session: for each, receives (and for the ping-pongs
+/// echoes) the messages, event-driven for the epoll ping-pong, then acknowledges with the CPU
+/// time the run cost this process.
 fn serve(transport: &mut dyn Transport) -> io::Result<()> {
     let mut buffer = vec![0u8; STREAM_SIZES.iter().copied().max().unwrap_or(RTT_SIZE)];
     loop {
