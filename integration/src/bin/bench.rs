@@ -12,6 +12,10 @@
 //!   connection however short (`SANDIRECT_SHORT_CONNECTION_BYTES=0`; connection set-up
 //!   workloads: what the SAN set-up itself costs, which the default spares short connections).
 //!
+//! The socket micro-benchmarks also carry `bench_sockets`' socket-free yardsticks (`raw ring`,
+//! `process_vm_readv`, `sched_yield hand-off`) in the tests that have them: printed and stored,
+//! but neither charted nor compared with a baseline, as they are bounds, not ways programs run.
+//!
 //! For each workload both servers (plain and preloaded) run side by side, and every round runs
 //! each variant's client once, in an order that rotates from round to round, so drift, warm-up
 //! and the machine's other load hit every variant alike. Per workload it prints the median of
@@ -78,6 +82,12 @@ enum Variant {
     /// itself costs.
     SetUpForced,
     RawRing,
+    /// The socket micro-benchmark's single-copy yardstick (`process_vm_readv` out of the
+    /// sender's buffer).
+    ProcessVmReadv,
+    /// The socket micro-benchmark's same-core yardstick (a shared page, `sched_yield` until
+    /// one's turn).
+    YieldHandOff,
 }
 
 impl Variant {
@@ -89,7 +99,15 @@ impl Variant {
             Variant::ServerOnly => "plain->preloaded",
             Variant::SetUpForced => "sandirect, set-up forced",
             Variant::RawRing => "raw ring",
+            Variant::ProcessVmReadv => "process_vm_readv",
+            Variant::YieldHandOff => "sched_yield hand-off",
         }
+    }
+
+    /// A yardstick of the socket micro-benchmark: a bound to compare with, not a way programs
+    /// run, so neither charted nor compared with a baseline.
+    fn is_yardstick(self) -> bool {
+        YARDSTICKS.contains(&self)
     }
 
     fn client_preloaded(self) -> bool {
@@ -114,6 +132,13 @@ impl Variant {
         }
     }
 }
+
+/// The socket micro-benchmark's yardsticks.
+const YARDSTICKS: [Variant; 3] = [
+    Variant::RawRing,
+    Variant::ProcessVmReadv,
+    Variant::YieldHandOff,
+];
 
 /// The variants of the application workloads, and of the connection set-up ones.
 const APP_VARIANTS: &[Variant] = &[Variant::Tcp, Variant::Sandirect, Variant::Fallback];
@@ -1484,17 +1509,19 @@ fn run_socket_benchmarks(context: &Context) -> Vec<Outcome> {
             "bench_sockets wrote no report".to_owned(),
         )];
     };
-    let variants = [
+    let all_variants = [
         Variant::Tcp,
         Variant::Sandirect,
         Variant::Fallback,
         Variant::RawRing,
+        Variant::ProcessVmReadv,
+        Variant::YieldHandOff,
     ];
-    let path_labels: BTreeMap<Variant, String> = variants
+    let path_labels: BTreeMap<Variant, String> = all_variants
         .iter()
-        .map(|&v| {
-            let label = report["paths"][v.label()].as_str().unwrap_or("n/a");
-            (v, label.to_owned())
+        .filter_map(|&v| {
+            let label = report["paths"][v.label()].as_str()?;
+            Some((v, label.to_owned()))
         })
         .collect();
     let tests = report["tests"].as_array().cloned().unwrap_or_default();
@@ -1503,6 +1530,16 @@ fn run_socket_benchmarks(context: &Context) -> Vec<Outcome> {
         .map(|test| {
             let rtt = test["kind"] == "rtt";
             let size = test["size"].as_f64().unwrap_or(0.0);
+            // The variants this test has (each yardstick runs only the tests its target names).
+            let variants: Vec<Variant> = all_variants
+                .iter()
+                .copied()
+                .filter(|v| {
+                    test["variants"]
+                        .as_array()
+                        .is_some_and(|labels| labels.iter().any(|l| l == v.label()))
+                })
+                .collect();
             let rounds = test["rounds"]
                 .as_array()
                 .map(|rounds| {
@@ -1734,7 +1771,7 @@ fn charted(outcome: &Outcome) -> Vec<(Variant, Spread)> {
     outcome
         .variants
         .iter()
-        .filter(|&&v| !matches!(v, Variant::Tcp | Variant::RawRing))
+        .filter(|&&v| v != Variant::Tcp && !v.is_yardstick())
         .filter_map(|&v| Some((v, outcome.ratio_spread(v)?)))
         .collect()
 }
@@ -1752,7 +1789,7 @@ fn draw_chart(path: &Path, report: &Value, title: &str) -> Result<(), String> {
             continue;
         };
         for (variant, ratio) in ratios {
-            if variant == Variant::RawRing.label() {
+            if YARDSTICKS.iter().any(|v| v.label() == variant) {
                 continue;
             }
             let get = |key: &str| ratio[key].as_f64();
