@@ -126,6 +126,17 @@ impl AppSource for AppBufs<'_> {
             unsafe { fault::copy(target.add(at), piece, n) }
         })
     }
+
+    fn placement(&self, offset: usize) -> usize {
+        let mut skip = self.start + offset;
+        for buf in self.bufs {
+            if skip < buf.len {
+                return buf.ptr.wrapping_add(skip) as usize;
+            }
+            skip -= buf.len;
+        }
+        0
+    }
 }
 
 /// `len` bytes of a file from offset `at`, as a source a send copies out of with `pread`
@@ -142,6 +153,10 @@ pub(crate) struct FileRange {
 impl AppSource for FileRange {
     fn len(&self) -> usize {
         self.len
+    }
+
+    fn placement(&self, offset: usize) -> usize {
+        (self.at as usize).wrapping_add(offset)
     }
 
     fn copy_to(&self, offset: usize, dst: &mut [u8]) -> Result<(), BadAddress> {
