@@ -1746,7 +1746,7 @@ mod shared_file {
 /// The raw shared-memory ring baseline: two single-producer single-consumer byte rings in one
 /// `MAP_SHARED` file, one per direction, with the shm provider's wait discipline — spin while
 /// the peer runs, bounded near one wake-up's cost (35 µs), then sleep on a futex that the peer
-/// rings only when we said we sleep. The wait ([`wait_until`], [`notify`]) is also the
+/// rings only when we said we sleep. The wait ([`ring::wait_until`], [`ring::notify`]) is also the
 /// process_vm_readv channel's, so both yardsticks wait alike.
 mod ring {
     use std::io;
@@ -2198,7 +2198,7 @@ mod vm_readv {
 /// The same-core yardstick: two processes on one CPU pass messages through a shared page,
 /// each calling `sched_yield` until it is its turn — the cheapest hand-off between two
 /// processes that share a CPU, with no sleep or wake-up. Per direction a mailbox holds up to
-/// [`SLOT`] bytes and their count (0: empty). A wait gives up after [`PATIENCE`] without the
+/// `SLOT` bytes and their count (0: empty). A wait gives up after `PATIENCE` without the
 /// peer's turn, so a lost peer ends the pair instead of yielding forever.
 mod yield_hand_off {
     use std::cell::UnsafeCell;

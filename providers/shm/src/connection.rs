@@ -2286,7 +2286,11 @@ mod tests {
         assert_eq!(seen[0].1, [&b"12345678"[..], &full].concat());
         assert_eq!(place(seen[0].0 + 8), place(full.as_ptr() as usize));
         assert_eq!(seen[1].1, [&b"abc"[..], &full[..50]].concat());
-        assert_eq!(place(seen[1].0 + 3), 0, "a source that does not say: a boundary");
+        assert_eq!(
+            place(seen[1].0 + 3),
+            0,
+            "a source that does not say: a boundary"
+        );
         assert_eq!(seen[2].1, [&b"de"[..], &full[5..70]].concat());
         assert_eq!(place(seen[2].0 + 2), place(full.as_ptr() as usize + 5));
         assert_eq!(seen[3].1, b"control");

@@ -2592,11 +2592,7 @@ impl Session {
         if !self.tx_buffer.is_empty() {
             // The first contiguous run only: when the ring wraps, one message is shorter
             // instead of rotating the whole buffer (megabytes) for every message.
-            let mut n = self
-                .tx_buffer
-                .front()
-                .len()
-                .min(data_payload_room(max));
+            let mut n = self.tx_buffer.front().len().min(data_payload_room(max));
             // A message ends at an urgent byte, so the URG flag marks its last byte.
             let mut urgent = false;
             if let Some(&end) = self.tx_urgent_ends.front() {
