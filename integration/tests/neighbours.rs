@@ -32,6 +32,7 @@ fn is_root() -> bool {
 /// it derives from the connection's 4-tuple as anyone can. Then the server accepts and echoes
 /// 256 KiB. Prints whether the squatter got in and what the echo carried.
 const SQUAT_THE_EXCHANGE: &str = r#"
+#define _GNU_SOURCE /* setresuid, setresgid */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <grp.h>
