@@ -11,6 +11,20 @@ pub mod pattern;
 use std::ffi::c_int;
 use std::path::PathBuf;
 
+/// Reads the first line a test server prints, `port N`, and returns N as it was written
+/// (the clients take it on their command lines); panics with what the server printed instead.
+pub fn read_port(server_output: &mut impl std::io::BufRead) -> String {
+    let mut first = String::new();
+    server_output
+        .read_line(&mut first)
+        .expect("read the server's output");
+    first
+        .trim()
+        .strip_prefix("port ")
+        .unwrap_or_else(|| panic!("the server prints its port first, not {first:?}"))
+        .to_owned()
+}
+
 /// The symbolic name of an errno value (stable across runs, unlike messages).
 pub fn errno_name(errno: c_int) -> String {
     let name = match errno {

@@ -3,7 +3,7 @@
 //! connections to a worker process with SCM_RIGHTS. Raw `syscall()` socket I/O and stdio on a
 //! socket are conformance cases.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -134,15 +134,7 @@ fn hand_off(preload: bool, bytes: usize, greet: bool) {
         .args(["master", mode])
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(master.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port = line
-        .trim()
-        .strip_prefix("port ")
-        .expect("port line")
-        .to_owned();
+    let port = integration::read_port(&mut BufReader::new(master.stdout.as_mut().unwrap()));
     let client = command(HANDOFF, preload, &dirs)
         .args(["client", &port, &bytes.to_string(), mode])
         .spawn()

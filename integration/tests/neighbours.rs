@@ -250,7 +250,6 @@ fn private_dir_of(name: &str, uid: u32) -> PathBuf {
 /// Starts the program of [`HOLD_A_CONNECTION`] as a preloaded server (as `uid` through
 /// `setpriv` when given) and returns it with its port.
 fn start_server(exe: &Path, dir: &Path, uid: Option<u32>) -> (std::process::Child, u16) {
-    use std::io::BufRead;
     let mut command = match uid {
         Some(uid) => {
             let mut command = Command::new("setpriv");
@@ -276,15 +275,9 @@ fn start_server(exe: &Path, dir: &Path, uid: Option<u32>) -> (std::process::Chil
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.as_mut().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let port = line
-        .trim()
-        .strip_prefix("port ")
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("server said {line:?}"));
+    let port = integration::read_port(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()))
+        .parse()
+        .expect("a port number");
     (child, port)
 }
 

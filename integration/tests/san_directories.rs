@@ -106,14 +106,8 @@ impl EchoRounds {
             .spawn()
             .unwrap();
         let mut server_out = BufReader::new(server.stdout.take().unwrap());
-        let mut first = String::new();
-        server_out.read_line(&mut first).unwrap();
+        let port = integration::read_port(&mut server_out);
         server.stdout = Some(server_out.into_inner());
-        let port = first
-            .trim()
-            .strip_prefix("port ")
-            .unwrap_or_else(|| panic!("server prints its port, not {first:?}"))
-            .to_owned();
         let mut client = preloaded(dirs)
             .args([
                 "client",

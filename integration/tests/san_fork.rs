@@ -5,7 +5,7 @@
 //! the rest of the conversation (or the exec'd image) reads every byte once and in order,
 //! and a parent that keeps serving while a child holds the socket stays correct.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -97,13 +97,7 @@ fn conversation_with(mode: &str, squat_client_nudges: bool) -> (String, String) 
     };
     let mut server = command(&stat, &shm).args(["server", mode]).spawn().unwrap();
     let mut reader = BufReader::new(server.stdout.take().unwrap());
-    let mut first = String::new();
-    reader.read_line(&mut first).unwrap();
-    let port = first
-        .trim()
-        .strip_prefix("port ")
-        .expect("port line")
-        .to_owned();
+    let port = integration::read_port(&mut reader);
     let mut client = command(&stat, &shm);
     client.args(["client", &port, mode]);
     if squat_client_nudges {

@@ -88,13 +88,7 @@ fn spawn_announcing(
         .spawn()
         .unwrap();
     let mut reader = BufReader::new(server.stdout.take().unwrap());
-    let mut first = String::new();
-    reader.read_line(&mut first).unwrap();
-    let port = first
-        .trim()
-        .strip_prefix("port ")
-        .expect("server prints its port")
-        .to_owned();
+    let port = integration::read_port(&mut reader);
     (server, reader, port)
 }
 

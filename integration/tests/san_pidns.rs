@@ -7,7 +7,7 @@
 //! intact, no reset; meanwhile `sandirect stat` shows both ends with the pids this namespace
 //! knows them by. Skipped where pid namespaces cannot be made.
 
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -113,13 +113,7 @@ fn paced_echo(name: &str, server_in_namespace: bool) -> Option<(String, String)>
         .spawn()
         .unwrap();
     let mut reader = BufReader::new(server.stdout.take().unwrap());
-    let mut first = String::new();
-    reader.read_line(&mut first).unwrap();
-    let port = first
-        .trim()
-        .strip_prefix("port ")
-        .unwrap_or_else(|| panic!("server prints its port, got {first:?}"))
-        .to_owned();
+    let port = integration::read_port(&mut reader);
     let client = san_echo(
         &["client", &port, "paced", &BYTES.to_string()],
         !server_in_namespace,

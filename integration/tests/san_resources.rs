@@ -276,9 +276,9 @@ fn connections_under_a_descriptor_limit(name: &str, limited: &str, count: usize)
     server.args(["server", &count.to_string(), flag("server")]);
     preloaded(&mut server);
     let mut server = server.spawn().unwrap();
-    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
-    let first = lines.next().expect("the server's port").unwrap();
-    let port = first.strip_prefix("port ").expect("port line").to_owned();
+    let mut output = std::io::BufReader::new(server.stdout.take().unwrap());
+    let port = integration::read_port(&mut output);
+    let lines = output.lines();
     let mut client = Command::new(SAN_FDLIMIT);
     client.args([
         "client",
@@ -432,9 +432,9 @@ fn connections_under_a_memory_budget(
     server.args(["server", &(count + 1).to_string()]);
     preloaded(&mut server, "server");
     let mut server = server.spawn().unwrap();
-    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
-    let first = lines.next().expect("the server's port").unwrap();
-    let port = first.strip_prefix("port ").expect("port line").to_owned();
+    let mut output = std::io::BufReader::new(server.stdout.take().unwrap());
+    let port = integration::read_port(&mut output);
+    let lines = output.lines();
     let mut client = Command::new(SAN_MANY);
     client.args(["client", &port, &count.to_string(), "1048576", "reopen"]);
     preloaded(&mut client, "client");

@@ -20,7 +20,7 @@
 //! Needs root (to run programs as other users, and to add the test users, removed afterwards):
 //! skipped with a message otherwise.
 
-use std::io::{BufRead, BufReader, Write as _};
+use std::io::{BufReader, Write as _};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -75,13 +75,7 @@ struct Server {
 fn start_server(command: &mut Command) -> Server {
     let mut child = spawned(command);
     let mut reader = BufReader::new(child.stdout.take().unwrap());
-    let mut first = String::new();
-    reader.read_line(&mut first).unwrap();
-    let port = first
-        .trim()
-        .strip_prefix("port ")
-        .unwrap_or_else(|| panic!("server prints its port, got {first:?}"))
-        .to_owned();
+    let port = integration::read_port(&mut reader);
     Server {
         child,
         reader,
