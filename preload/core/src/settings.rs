@@ -155,7 +155,7 @@ pub const KNOBS: &[Knob] = &[
         name: SAN_MEMORY_MB,
         values: "MiB",
         default: "the larger of 1024 and a quarter of RAM",
-        effect: "bound on the memory this process holds for SAN connections (each is charged its segment, its journal and send buffer, about 10 MiB over shm); past it new connections stay on TCP (san-resources); not read when privileged",
+        effect: "bound on the memory this process holds for SAN connections (each is charged its segment, its journal and send buffer, about 15 MiB over shm); past it new connections stay on TCP (san-resources); not read when privileged",
         privileged: false,
     },
     Knob {
@@ -568,8 +568,8 @@ fn rdma_read_setting(value: Option<&std::ffi::OsStr>) -> Option<bool> {
 
 /// `SANDIRECT_SAN_MEMORY_MB` (read once), in bytes: the most memory this process holds for
 /// SAN connections at once (see `san::budget`). By default the larger of 1 GiB and a quarter
-/// of the host's RAM: with ≈10 MiB charged per shm connection, at least ≈100 connections,
-/// and on a host of 16 GiB ≈400; the connections past it stay on TCP.
+/// of the host's RAM: with ≈15 MiB charged per shm connection, at least ≈70 connections,
+/// and on a host of 16 GiB ≈270; the connections past it stay on TCP.
 pub fn san_memory_budget() -> u64 {
     static BUDGET: OnceLock<u64> = OnceLock::new();
     *BUDGET.get_or_init(|| {

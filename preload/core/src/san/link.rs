@@ -119,6 +119,18 @@ impl Link {
         }
     }
 
+    /// Whether a message posted by the peer is in our memory before its post returned (shm:
+    /// the copy into our ring is the post), so that nothing the peer does next on TCP (its
+    /// FIN) can arrive first. Verbs: no (the device moves it later, on a path of its own).
+    pub(crate) fn delivers_before_tcp(&self) -> bool {
+        match self {
+            Link::Shm(_) => true,
+            Link::Verbs(_) => false,
+            #[cfg(test)]
+            Link::Sim(_) => false,
+        }
+    }
+
     /// Shm: messages posted that the provider has not moved yet (they move at its next
     /// poll). Verbs: false (the device moves what was posted).
     pub(crate) fn has_queued_sends(&self) -> bool {

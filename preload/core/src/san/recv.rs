@@ -25,7 +25,7 @@ use super::switchover::{
     assist_in_process_peer, downgrade_pending, epoll_back_to_tcp, switch_if_attached,
 };
 use super::table::{claim_of, lock, orphaned, record_flag, still_claimed, SanObject};
-use super::tunables::{HANDSHAKE_WAIT, MARKER_WAIT};
+use super::tunables::{HANDSHAKE_WAIT, HELLO_AFTER_FIN_WAIT, MARKER_WAIT};
 use super::wait::{block, timeout_of};
 use crate::errno::Errno;
 use crate::real;
@@ -98,6 +98,10 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
     // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
     let mut handshake_deadline: Option<Instant> = None;
+    // Set when TCP said end of file (or reset) before the client's `Hello` arrived over a
+    // fabric that may deliver after TCP: until then the `Hello` and the session's bytes may
+    // still be on their way.
+    let mut hello_deadline: Option<Instant> = None;
     let mut assisted = false;
     let claim = claim_of(index);
     loop {
@@ -216,6 +220,12 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
                         // racing its Hello (sent before its FIN): look once more.
                         socket.service();
                         if socket.tcp_backlog().is_none() {
+                            if awaits_hello_after_tcp_end(socket, &mut hello_deadline) {
+                                let wait = socket.prepare_wait(0);
+                                drop(slot);
+                                let _ = block(index, fd, wait, hello_deadline);
+                                continue;
+                            }
                             socket.set_tcp_eof();
                             return Some(Ok(done as isize));
                         }
@@ -349,6 +359,18 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
 /// is receiving it). Like a rendezvous send, the wait ignores signals and deadlines (the
 /// buffer is in use). A buffer the process may not write where the segment would land is
 /// `EFAULT` before anything starts, the segment left unread, as the kernel answers.
+/// Acceptor, TCP at its end before the client's `Hello` arrived (looked for once more):
+/// true while the `Hello` may still come (see `SanSocket::hello_may_trail_tcp`), for at most
+/// [`HELLO_AFTER_FIN_WAIT`] from the first call (which sets `deadline`).
+fn awaits_hello_after_tcp_end(socket: &SanSocket, deadline: &mut Option<Instant>) -> bool {
+    if !socket.hello_may_trail_tcp() {
+        return false;
+    }
+    let now = Instant::now();
+    let until = *deadline.get_or_insert_with(|| now + HELLO_AFTER_FIN_WAIT);
+    now < until
+}
+
 fn recv_rendezvous(
     index: u32,
     fd: c_int,

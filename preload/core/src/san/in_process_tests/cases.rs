@@ -346,6 +346,53 @@ fn shutdown_write_gives_eof_and_the_peer_still_answers() {
     });
 }
 
+/// A fabric slower than TCP: the client's FIN (on TCP) reaches the acceptor before the
+/// client's `Hello` and the data behind it (over the session). The acceptor reads every byte,
+/// then the end of the stream; not an end of the stream in place of the data.
+#[test]
+fn a_fin_that_overtakes_the_clients_session_ends_the_stream_after_its_data() {
+    for_seeds("fin before hello", |seed| {
+        let pair = Pair::switched(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(40_000, 21);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()));
+        pair.shutdown(c, libc::SHUT_WR);
+        pair.lag_completions(a, 5);
+        let got = pair.read_to_end(a, c);
+        assert_same(&got, &request, "request before the FIN");
+    });
+}
+
+/// A client that shut down its sending side while pending (its acceptor not attached yet)
+/// sent every byte on TCP and sends no `Hello` until its next call: the acceptor reads them,
+/// then the end of the stream, for good (as kernel TCP answers: 0 again).
+#[test]
+fn a_client_that_shut_down_while_pending_ends_its_stream_on_tcp() {
+    for_seeds("shutdown while pending", |seed| {
+        let pair = Pair::pending(seed, benign_faults());
+        let (c, a) = (&pair.client, &pair.acceptor);
+        let request = pattern(30_000, 22);
+        assert_eq!(pair.send(c, &request, 0), Ok(request.len()));
+        pair.shutdown(c, libc::SHUT_WR);
+        pair.attach();
+        let started = Instant::now();
+        let got = pair.read_to_end(a, a);
+        assert_same(&got, &request, "request before the FIN");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the end of the stream came late: {:?}",
+            started.elapsed()
+        );
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            pair.recv(a, &mut buf, libc::MSG_DONTWAIT),
+            Ok(0),
+            "EOF stays"
+        );
+        assert_eq!(pair.recv(a, &mut buf, 0), Ok(0), "EOF stays (blocking)");
+    });
+}
+
 /// The peer closes (gracefully) with nothing unread: reads see end of stream; sends fail
 /// with the errno kernel TCP gives after the same calls (first send accepted, `EPIPE` once
 /// the peer's reset came back).

@@ -56,6 +56,9 @@ struct SimWorld {
     conns: [Option<SimConnection>; 2],
     /// Side `i` posted a receive: messages to it may leave.
     receiving: [bool; 2],
+    /// Polls of each side's completions that find none yet (a fabric slower than TCP, see
+    /// [`Pair::lag_completions`]).
+    lagging_polls: [u32; 2],
     /// Messages side `i` posted before its peer could receive (the acceptor's `Hello`, sent
     /// before the client's session exists): the shm provider keeps them the same way.
     outbox: [VecDeque<(WrId, Vec<u8>)>; 2],
@@ -77,12 +80,17 @@ fn world(shared: &SharedWorld) -> MutexGuard<'_, SimWorld> {
 }
 
 impl SimWorld {
-    /// Runs a few fabric events (a seeded number), then posts what waited for a receiver.
+    /// Lets a little simulated time pass (a seeded number of ticks, or up to the next event
+    /// when none is due sooner), running every event due by then, then posts what waited for
+    /// a receiver. Time, not a count of events: a fabric's progress per unit of time does not
+    /// shrink when more receives are posted (each is an event of its own).
     fn run(&mut self) {
         self.flush();
-        for _ in 0..self.rng.gen_range(1..=8) {
-            if !self.fabric.step() {
-                break;
+        let ticks = self.rng.gen_range(1..=8);
+        if let Some(next) = self.fabric.next_event_time() {
+            let until = next.max(self.fabric.now()).max(self.fabric.now() + ticks);
+            while self.fabric.next_event_time().is_some_and(|at| at <= until) {
+                self.fabric.step();
             }
         }
         self.flush();
@@ -350,6 +358,10 @@ impl SimLink {
         let count = {
             let mut world = world(&shared);
             world.run();
+            if world.lagging_polls[side] > 0 {
+                world.lagging_polls[side] -= 1;
+                return 0;
+            }
             let Some(conn) = world.conns[side].as_mut() else {
                 return 0;
             };
@@ -431,6 +443,7 @@ impl Pair {
             rng: ChaCha8Rng::seed_from_u64(seed),
             conns: [Some(conn_a), Some(conn_b)],
             receiving: [false; 2],
+            lagging_polls: [0; 2],
             outbox: [VecDeque::new(), VecDeque::new()],
             rdma_violations: Vec::new(),
         }));
@@ -676,6 +689,17 @@ impl Pair {
                 Err(e) => panic!("recv: errno {e} after {} bytes", received.len()),
             }
         }
+    }
+
+    /// The next `polls` polls of `end`'s completions find none (the fabric delivers its
+    /// messages later than TCP does its bytes).
+    fn lag_completions(&self, end: &End, polls: u32) {
+        let side = if std::ptr::eq(end, &self.client) {
+            0
+        } else {
+            1
+        };
+        world(&self.world).lagging_polls[side] = polls;
     }
 
     /// A byte counter of the end's record.

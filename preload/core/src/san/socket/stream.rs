@@ -70,6 +70,18 @@ impl SanSocket {
         self.tcp_eof
     }
 
+    /// Acceptor, TCP at its end and the client's `Hello` not here: whether it may still
+    /// come. The client sends it before its FIN, but a fabric that delivers after TCP
+    /// (verbs) may bring it later; over shm it would be here already (a client that shut
+    /// down while pending sends none: its stream, all on TCP, ends there).
+    pub(crate) fn hello_may_trail_tcp(&self) -> bool {
+        !self.is_broken()
+            && self
+                .conn
+                .as_ref()
+                .is_some_and(|conn| !conn.delivers_before_tcp())
+    }
+
     /// Copies queued stream bytes out into `buf` (the application's memory): `Ok(0)` at end
     /// of stream; `EFAULT`, and the bytes left unread, when `buf` cannot be written.
     pub(crate) fn recv<D: AppSink + ?Sized>(
