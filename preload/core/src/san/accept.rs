@@ -74,7 +74,9 @@ pub(super) fn on_accepted(
     let (Some(local), Some(peer)) = record.addresses() else {
         return;
     };
-    let name = ConnectionKey::from_accepting_side(local, peer).segment_name();
+    // Formatted only where it is looked for: a plain client's connection (no client of ours
+    // pending on its port, no other users served) costs no name.
+    let segment_name = || ConnectionKey::from_accepting_side(local, peer).segment_name();
     let mode = crate::settings::provider_choice();
     // No client of ours waits on the client's port: it is plain (or not on this host), no
     // need to probe its exchange (see `san_shm::PendingPorts`).
@@ -82,10 +84,10 @@ pub(super) fn on_accepted(
         .pending
         .as_ref()
         .is_some_and(|table| !table.may_be_pending(peer.port()));
-    if mode != ProviderChoice::Verbs
-        && !no_pending_client
-        && provider.dir.handle().contains(name.as_str())
-    {
+    let pending_name = (mode != ProviderChoice::Verbs && !no_pending_client)
+        .then(segment_name)
+        .filter(|name| provider.dir.handle().contains(name.as_str()));
+    if let Some(name) = pending_name {
         let Some(charge) = budget::charge_shm() else {
             // Past the process's SAN memory budget: decline (the client stays on TCP,
             // `peer-resources`).
@@ -103,6 +105,7 @@ pub(super) fn on_accepted(
     // A client of another user, when this process's policy names other users: its exchange
     // answers at a name of no user's (see `other_users`). A plain client costs this probe.
     if mode != ProviderChoice::Verbs && other_users::enabled() {
+        let name = segment_name();
         if let Some(link) = other_users::client_exchange(&name, local, peer) {
             let Some(charge) = budget::charge_shm() else {
                 stay_on_tcp(record, Bypass::SanResources);
@@ -131,6 +134,7 @@ pub(super) fn on_accepted(
         stay_on_tcp(record, Bypass::PeerNotCapable);
         return;
     }
+    let name = segment_name();
     let accepted = match budget::charge_verbs() {
         Some(charge) => match verbs::connect::acceptor(local, peer, service::start) {
             Ok(link) => SanSocket::verbs_acceptor(record, &name, link, charge),
