@@ -206,6 +206,66 @@ fn a_full_segment_directory_leaves_the_later_connections_on_tcp() {
 }
 
 #[test]
+fn statistics_files_of_killed_processes_make_room_for_new_segments() {
+    // Three preloaded processes killed (no exit handler runs) leave their statistics files,
+    // about 260 KiB each, in the tmpfs the segments share with them (as both share /dev/shm by
+    // default). With the statistics files of the live server and client, the 100 KiB left
+    // (less the pending-ports table) hold no segment: the client removes the dead processes'
+    // files and gets its segment, and the connection uses the SAN.
+    let dir = test_dir("dead-stats");
+    let shm = dir.join("shm");
+    let namespace = match mount_namespace(&shm) {
+        Ok(args) => args,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot mount a private tmpfs here ({why})");
+            return;
+        }
+    };
+    let script = r#"
+        set -u
+        mount -t tmpfs -o "size=$3,mode=0700" sandirect-test "$SANDIRECT_SHM_DIR" || exit 90
+        export SANDIRECT_STAT_DIR="$SANDIRECT_SHM_DIR/stat"
+        for i in 1 2 3; do
+            exec 4< <(LD_PRELOAD="$1" exec "$2" server 1)
+            read -r first <&4
+            pkill -KILL -f "^$2 server 1$"
+            exec 4<&-
+        done
+        sleep 0.2
+        echo "stale files $(ls "$SANDIRECT_STAT_DIR" | wc -l)"
+        exec 3< <(LD_PRELOAD="$1" "$2" server 1; echo "server exit $?")
+        read -r first <&3
+        LD_PRELOAD="$1" "$2" client "${first#port }" 1 65536
+        echo "client exit $?"
+        cat <&3
+        echo "files left $(ls "$SANDIRECT_STAT_DIR" | wc -l)"
+    "#;
+    let size = (5 * 260 + 100).to_string() + "k";
+    let out = san_many_script(
+        &namespace,
+        script,
+        &[size],
+        &dir,
+        &shm,
+        Duration::from_secs(60),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.contains("stale files 3"),
+        "three killed processes left their files:\n{out}"
+    );
+    let (client, _) = exact_ends(&out, 1, 65536);
+    assert_eq!(
+        client[0].1, "san-shm",
+        "the connection found room for its segment:\n{out}"
+    );
+    assert!(
+        out.contains("files left 0"),
+        "the dead processes' files are gone (the live ones removed theirs at exit):\n{out}"
+    );
+}
+
+#[test]
 fn bytes_the_journal_cannot_take_before_the_handshake_still_arrive() {
     // A 512 KiB tmpfs holds a few segments but often not the journal chunk of bytes the
     // acceptor echoes before the client's hello arrived: they are journaled once they enter

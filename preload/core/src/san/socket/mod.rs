@@ -414,8 +414,15 @@ impl SanSocket {
         let (listener, exchange_file) =
             exchange::listen(name, through_dir.then_some(dir)).ok_or(SocketSetupError::Resource)?;
         let reserve = SwitchReserve::new(listener.as_fd())?;
-        let segment = ShmSegment::create(dir, name.as_str(), &shm_segment_config())
-            .map_err(|_| SocketSetupError::Resource)?;
+        let create = || ShmSegment::create(dir, name.as_str(), &shm_segment_config());
+        let segment = match create() {
+            Err(san_shm::ShmError::Io {
+                errno: libc::ENOSPC,
+                ..
+            }) if remove_dead_stats_files() => create(),
+            created => created,
+        }
+        .map_err(|_| SocketSetupError::Resource)?;
         let (conn, peer) = shm_connection(segment, registrations, None)?;
         let mut socket = Self::fresh(record, Side::Client, name, conn.into(), peer, Some(charge));
         socket.exchange = Some(listener);
@@ -991,4 +998,26 @@ fn shm_connection(
     )
     .map_err(|_| SocketSetupError::Resource)?;
     Ok((conn, peer))
+}
+
+/// A full file system under the segments: removes the statistics files that processes of
+/// ours left when they were killed (a process removes its own as it exits; only a reader
+/// removes a dead one's), which share `/dev/shm` with the segments by default. True when
+/// one went (the caller tries again once).
+fn remove_dead_stats_files() -> bool {
+    let Some(dir) = crate::stats::default_dir() else {
+        return false;
+    };
+    let before = std::fs::read_dir(&dir).map_or(0, Iterator::count);
+    if crate::stats::read_dir(&dir, true).is_err() {
+        return false;
+    }
+    let after = std::fs::read_dir(&dir).map_or(0, Iterator::count);
+    if after < before {
+        tracing::debug!(
+            removed = before - after,
+            "/dev/shm full: dead processes' statistics files removed"
+        );
+    }
+    after < before
 }
