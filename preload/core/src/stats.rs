@@ -251,19 +251,28 @@ pub fn read_dir(dir: &Path, remove_stale: bool) -> io::Result<Vec<ConnectionInfo
         Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(error) => return Err(error),
     };
-    read_open_dir(&directory, remove_stale, &Processes::default(), None)
+    read_open_dir(&directory, remove_stale, &Processes::default(), None).map(|(all, _)| all)
+}
+
+/// Removes the stale files of `dir` (as [`read_dir`] with `remove_stale` does) without
+/// keeping what the live ones hold; returns how many went.
+pub fn remove_stale_files(dir: &Path) -> io::Result<usize> {
+    let directory = open_directory(dir)?;
+    read_open_dir(&directory, true, &Processes::default(), None).map(|(_, removed)| removed)
 }
 
 /// [`read_dir`] of an open directory, whose publishers are looked up in `processes`, first in
-/// the pid namespace `pid_namespace` when given (see [`Processes::resolve`]).
+/// the pid namespace `pid_namespace` when given (see [`Processes::resolve`]); also how many
+/// stale files it removed.
 fn read_open_dir(
     directory: &File,
     remove_stale: bool,
     processes: &Processes,
     pid_namespace: Option<u64>,
-) -> io::Result<Vec<ConnectionInfo>> {
+) -> io::Result<(Vec<ConnectionInfo>, usize)> {
     let resolve = |pid, start_time| processes.resolve(pid, start_time, pid_namespace);
     let mut all = Vec::new();
+    let mut removed = 0;
     for name in entry_names(directory)? {
         let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
@@ -287,12 +296,12 @@ fn read_open_dir(
                     && !processes.any_calls_itself(pid)
             }
         };
-        if stale && remove_stale {
-            remove_entry(directory, &name);
+        if stale && remove_stale && remove_entry(directory, &name) {
+            removed += 1;
         }
     }
     all.sort_by_key(|c| (c.pid, c.fd));
-    Ok(all)
+    Ok((all, removed))
 }
 
 /// A live process as the reader's `/proc` shows it.
@@ -435,7 +444,9 @@ pub fn other_mount_namespaces() -> Vec<ConnectionInfo> {
             if !directories_read.insert((meta.dev(), meta.ino())) {
                 continue;
             }
-            if let Ok(found) = read_open_dir(&directory, false, &processes, process.pid_namespace) {
+            if let Ok((found, _)) =
+                read_open_dir(&directory, false, &processes, process.pid_namespace)
+            {
                 all.extend(found);
             }
         }
@@ -630,11 +641,12 @@ fn read_entry(directory: &File, name: &OsStr) -> io::Result<Option<Vec<u8>>> {
 
 /// Removes the entry `name` from `directory` (a failure leaves it, as a stale file stays
 /// until the next reader).
-fn remove_entry(directory: &File, name: &OsStr) {
-    if let Ok(name) = c_name(name) {
+/// Removes `name` from `directory`; true when it went.
+fn remove_entry(directory: &File, name: &OsStr) -> bool {
+    c_name(name).is_ok_and(|name| {
         // SAFETY: a NUL-terminated name relative to a directory descriptor we hold.
-        unsafe { libc::unlinkat(directory.as_raw_fd(), name.as_ptr(), 0) };
-    }
+        unsafe { libc::unlinkat(directory.as_raw_fd(), name.as_ptr(), 0) == 0 }
+    })
 }
 
 fn c_name(name: &OsStr) -> io::Result<CString> {

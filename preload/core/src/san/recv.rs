@@ -98,8 +98,8 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     // data (or a FIN) for us, queued until our Hello reaches it. A nonblocking reader woken by
     // the marker waits that one round trip (bounded) rather than seeing a spurious EAGAIN.
     let mut handshake_deadline: Option<Instant> = None;
-    // Set when TCP said end of file (or reset) before the client's `Hello` arrived over a
-    // fabric that may deliver after TCP: until then the `Hello` and the session's bytes may
+    // Set when TCP said end of file before the client's `Hello` arrived over a fabric that
+    // may deliver after TCP: until then the `Hello` and the session's bytes may
     // still be on their way.
     let mut hello_deadline: Option<Instant> = None;
     let mut assisted = false;
@@ -352,13 +352,6 @@ fn recv_iov_inner(fd: c_int, index: u32, bufs: &[RawBuf], recv_flags: c_int) -> 
     }
 }
 
-/// The rendezvous segment at the head of the stream (`segment` bytes unread), zero-copy into
-/// the caller's buffers after `done` bytes (the first remaining buffer; with `peek`, a
-/// staging buffer of the whole remaining length, scattered). `Ok(Some(n))`: `n` bytes
-/// received; `Ok(None)`: nothing yet, read on (the segment was turned down, or another thread
-/// is receiving it). Like a rendezvous send, the wait ignores signals and deadlines (the
-/// buffer is in use). A buffer the process may not write where the segment would land is
-/// `EFAULT` before anything starts, the segment left unread, as the kernel answers.
 /// Acceptor, TCP at its end before the client's `Hello` arrived (looked for once more):
 /// true while the `Hello` may still come (see `SanSocket::hello_may_trail_tcp`), for at most
 /// [`HELLO_AFTER_FIN_WAIT`] from the first call (which sets `deadline`).
@@ -371,6 +364,13 @@ fn awaits_hello_after_tcp_end(socket: &SanSocket, deadline: &mut Option<Instant>
     now < until
 }
 
+/// The rendezvous segment at the head of the stream (`segment` bytes unread), zero-copy into
+/// the caller's buffers after `done` bytes (the first remaining buffer; with `peek`, a
+/// staging buffer of the whole remaining length, scattered). `Ok(Some(n))`: `n` bytes
+/// received; `Ok(None)`: nothing yet, read on (the segment was turned down, or another thread
+/// is receiving it). Like a rendezvous send, the wait ignores signals and deadlines (the
+/// buffer is in use). A buffer the process may not write where the segment would land is
+/// `EFAULT` before anything starts, the segment left unread, as the kernel answers.
 fn recv_rendezvous(
     index: u32,
     fd: c_int,

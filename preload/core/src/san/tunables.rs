@@ -14,8 +14,8 @@ pub(super) const EARLY_LIMIT: usize = 256 << 10;
 /// request/response connections stay on the first four; a stream gets 2 MiB in flight.
 /// Measured side by side (`bench_sockets` streams, two sittings of five interleaved
 /// rounds): against 32 slots, 16 KiB-1 MiB writes ran 8-20% faster, 4 MiB the same within
-/// noise; 64 slots fell between. The price is the worst-case charge against the SAN memory budget (about
-/// 15 MiB per connection instead of 10, see `budget`).
+/// noise; 64 slots fell between. The price is the worst-case charge against the SAN memory
+/// budget (about 15 MiB per connection instead of 10, see `budget`).
 pub(super) const SLOTS: san_api::SlotConfig = san_api::SlotConfig {
     send_slots: 128,
     recv_slots: 128,
@@ -115,7 +115,7 @@ pub(super) fn wait_slice() -> Duration {
 
 /// Longest wait of a nonblocking read that consumed the switch marker (see `recv_iov`).
 pub(super) const HANDSHAKE_WAIT: Duration = Duration::from_millis(50);
-/// How long an acceptor whose TCP said end of file (or reset) before the client's `Hello`
+/// How long an acceptor whose TCP said end of file before the client's `Hello`
 /// arrived waits for it over a fabric that may deliver after TCP (verbs). A client sends its
 /// `Hello` when it switches, before any byte of the session and before its FIN, so it is
 /// normally a few microseconds behind; only a client that shut down while still pending

@@ -1005,19 +1005,14 @@ fn shm_connection(
 /// removes a dead one's), which share `/dev/shm` with the segments by default. True when
 /// one went (the caller tries again once).
 fn remove_dead_stats_files() -> bool {
-    let Some(dir) = crate::stats::default_dir() else {
-        return false;
-    };
-    let before = std::fs::read_dir(&dir).map_or(0, Iterator::count);
-    if crate::stats::read_dir(&dir, true).is_err() {
-        return false;
-    }
-    let after = std::fs::read_dir(&dir).map_or(0, Iterator::count);
-    if after < before {
+    let removed = crate::stats::default_dir()
+        .and_then(|dir| crate::stats::remove_stale_files(&dir).ok())
+        .unwrap_or(0);
+    if removed > 0 {
         tracing::debug!(
-            removed = before - after,
+            removed,
             "/dev/shm full: dead processes' statistics files removed"
         );
     }
-    after < before
+    removed > 0
 }
