@@ -57,6 +57,8 @@ const USAGE: &str = "usage: bench [--quick] [--rounds N] [--only NAME,...] [--ou
              [--baseline FILE] [--save-baseline] [--preload libsandirect.so]
    or: bench --redraw REPORT.json
    or: bench --role churn|rtt --port N --seconds S   (the clients this binary provides)
+   or: bench --role scale --port N --seconds S --connections C [--server-pid P]
+                                                     (C redis connections at once)
    or: bench --role fork-echo --port N               (its fork-per-connection echo server)
 
   --quick          ~2 minutes: 3 rounds of short runs (what CI records)
@@ -1094,6 +1096,42 @@ fn iperf3_workload(
     }
 }
 
+/// `connections` connections to one redis server at once, each asking for its own value and
+/// checking every byte of the reply (this binary's `scale` client). The SAN memory budget is
+/// raised so that every connection takes the SAN: whether a request costs the same with
+/// thousands of SAN connections in one event loop as with a few.
+fn scale_workload(connections: usize) -> Workload {
+    const BUDGET: (&str, &str) = ("SANDIRECT_SAN_MEMORY_MB", "1000000");
+    Workload {
+        name: format!("redis GET, {connections} connections, every reply checked"),
+        unit: "req/s",
+        op: "request",
+        programs: vec!["redis-server"],
+        variants: APP_VARIANTS,
+        server: Box::new(|context: &Context, port, preloaded| {
+            let mut command = redis_server(context, port, preloaded)?;
+            command
+                .args(["--maxclients", "10000"])
+                .env(BUDGET.0, BUDGET.1);
+            Ok(command)
+        }),
+        client: Box::new(move |context: &Context, port, preloaded| {
+            let mut command = context.command(&context.exe, preloaded);
+            let seconds = if context.quick { "0.5" } else { "2" };
+            command
+                .args(["--role", "scale", "--port", &port.to_string()])
+                .args(["--seconds", seconds, "--connections"])
+                .arg(connections.to_string())
+                .env(BUDGET.0, BUDGET.1);
+            command
+        }),
+        parse: Box::new(parse_own),
+        timeout: Duration::from_secs(120),
+        warm_up: false,
+        beside: None,
+    }
+}
+
 /// A client of this binary: `bench --role ROLE --port P --seconds S`.
 fn own_client(role: &'static str) -> Box<ClientFn> {
     Box::new(move |context: &Context, port, preloaded| {
@@ -1262,6 +1300,7 @@ fn workloads(context: &Context) -> Vec<Workload> {
             redis(40_000),
             APP_VARIANTS,
         ),
+        scale_workload(2_000),
         nginx_workload("nginx + wrk 1 KiB -c 10", "1k.bin", 10, 1),
         nginx_workload("nginx (2 workers) + wrk 1 KiB -c 10", "1k.bin", 10, 2),
         nginx_workload("nginx + wrk 64 KiB -c 10", "64k.bin", 10, 1),
@@ -1605,8 +1644,16 @@ fn percentile(sorted: &[u64], fraction: f64) -> u64 {
 }
 
 /// `churn`: connect, one redis PING, close, until `seconds` pass; `rtt`: one connection,
-/// 64-byte messages echoed back, until `seconds` pass. Prints `result OPS ELAPSED_NS P50 P99`.
-fn role_main(role: &str, port: u16, seconds: f64) -> io::Result<()> {
+/// 64-byte messages echoed back, until `seconds` pass; `scale`: `connections` redis
+/// connections, each reading back its own value (see [`scale_client`]). Prints
+/// `result OPS ELAPSED_NS P50 P99`.
+fn role_main(
+    role: &str,
+    port: u16,
+    seconds: f64,
+    connections: usize,
+    server_pid: Option<u32>,
+) -> io::Result<()> {
     let budget = Duration::from_secs_f64(seconds);
     let mut latencies: Vec<u64> = Vec::with_capacity(1 << 16);
     let started = Instant::now();
@@ -1642,6 +1689,7 @@ fn role_main(role: &str, port: u16, seconds: f64) -> io::Result<()> {
             }
         }
         "fork-echo" => return fork_echo_server(port),
+        "scale" => return scale_client(port, connections, budget, server_pid),
         other => return Err(io::Error::other(format!("unknown role {other:?}"))),
     }
     let elapsed = started.elapsed().as_nanos();
@@ -1653,6 +1701,179 @@ fn role_main(role: &str, port: u16, seconds: f64) -> io::Result<()> {
         percentile(&latencies, 0.99)
     );
     Ok(())
+}
+
+/// `scale`: opens `connections` connections to a redis server, stores one value per
+/// connection (its own key, a value derived from its index), then until `budget` passes asks
+/// every connection for its value at once (one `GET` written on each) and reads every reply,
+/// checking each byte. Prints `result OPS ELAPSED_NS P50 P99` of that loop alone (a request's
+/// latency runs from its write to its reply read), and to stderr what the connections hold once
+/// set up, idle (the bytes the segment directory, `SANDIRECT_SHM_DIR` else `/dev/shm`, and this
+/// process's and the server's resident memory grew by, per connection) and the CPU time per
+/// request of the loop, this process's and (with `server_pid`) the server's.
+fn scale_client(
+    port: u16,
+    connections: usize,
+    budget: Duration,
+    server_pid: Option<u32>,
+) -> io::Result<()> {
+    let server_status = server_pid.map(|pid| PathBuf::from(format!("/proc/{pid}/status")));
+    let server_rss_before = server_status.as_deref().map_or(0, resident_bytes);
+    let segment_dir = std::env::var_os("SANDIRECT_SHM_DIR").unwrap_or_else(|| "/dev/shm".into());
+    let shm_before = used_bytes(Path::new(&segment_dir));
+    let rss_before = resident_bytes(Path::new("/proc/self/status"));
+    let value = |index: usize| {
+        format!(
+            "{index:08x}:{:016x}",
+            (index as u64 ^ 0x5eed).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        )
+    };
+    let mut streams = Vec::with_capacity(connections);
+    for index in 0..connections {
+        let context =
+            |error: io::Error| io::Error::new(error.kind(), format!("connection {index}: {error}"));
+        let mut stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port)).map_err(context)?;
+        stream.set_nodelay(true).map_err(context)?;
+        let (key, value) = (format!("scale:{index}"), value(index));
+        write!(
+            stream,
+            "*3\r\n$3\r\nSET\r\n${}\r\n{key}\r\n${}\r\n{value}\r\n",
+            key.len(),
+            value.len()
+        )
+        .map_err(context)?;
+        streams.push(stream);
+    }
+    let mut ok = [0u8; 5];
+    for (index, stream) in streams.iter_mut().enumerate() {
+        stream
+            .read_exact(&mut ok)
+            .map_err(|error| io::Error::new(error.kind(), format!("reply {index}: {error}")))?;
+        if &ok != b"+OK\r\n" {
+            return Err(io::Error::other("unexpected reply to SET"));
+        }
+    }
+    let per_connection =
+        |after: u64, before: u64| after.saturating_sub(before) / connections as u64;
+    eprintln!(
+        "idle memory per connection: segment directory {} bytes, client resident {} bytes, \
+         server resident {} bytes",
+        per_connection(used_bytes(Path::new(&segment_dir)), shm_before),
+        per_connection(resident_bytes(Path::new("/proc/self/status")), rss_before),
+        server_status.as_deref().map_or(0, |status| per_connection(
+            resident_bytes(status),
+            server_rss_before
+        ))
+    );
+    let requests: Vec<Vec<u8>> = (0..connections)
+        .map(|index| {
+            let key = format!("scale:{index}");
+            format!("*2\r\n$3\r\nGET\r\n${}\r\n{key}\r\n", key.len()).into_bytes()
+        })
+        .collect();
+    let replies: Vec<Vec<u8>> = (0..connections)
+        .map(|index| {
+            let value = value(index);
+            format!("${}\r\n{value}\r\n", value.len()).into_bytes()
+        })
+        .collect();
+    let mut latencies = Vec::with_capacity(1 << 16);
+    let mut written = vec![Instant::now(); connections];
+    let mut reply = Vec::new();
+    let server_stat = server_pid.map(|pid| PathBuf::from(format!("/proc/{pid}/stat")));
+    let server_cpu_before = server_stat.as_deref().map(process_cpu_ns);
+    let cpu_before = own_cpu_ns();
+    let started = Instant::now();
+    while started.elapsed() < budget {
+        for ((stream, request), at) in streams.iter_mut().zip(&requests).zip(&mut written) {
+            *at = Instant::now();
+            stream.write_all(request)?;
+        }
+        for ((stream, expected), at) in streams.iter_mut().zip(&replies).zip(&written) {
+            reply.resize(expected.len(), 0);
+            stream.read_exact(&mut reply)?;
+            if &reply != expected {
+                return Err(io::Error::other("a reply differs from the value stored"));
+            }
+            latencies.push(at.elapsed().as_nanos() as u64);
+        }
+    }
+    let elapsed = started.elapsed().as_nanos();
+    let requests = latencies.len().max(1) as u64;
+    eprintln!(
+        "cpu per request: client {} ns, server {} ns",
+        own_cpu_ns().saturating_sub(cpu_before) / requests,
+        match (server_stat.as_deref(), server_cpu_before) {
+            (Some(stat), Some(before)) =>
+                (process_cpu_ns(stat).saturating_sub(before) / requests).to_string(),
+            _ => "-".to_owned(),
+        }
+    );
+    latencies.sort_unstable();
+    println!(
+        "result {} {elapsed} {} {}",
+        latencies.len(),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99)
+    );
+    Ok(())
+}
+
+/// This process's user and system CPU time, in nanoseconds.
+fn own_cpu_ns() -> u64 {
+    // SAFETY: an all-zero `rusage` is valid; getrusage(2) fills the one we own.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
+    let ns = |time: libc::timeval| time.tv_sec as u64 * 1_000_000_000 + time.tv_usec as u64 * 1000;
+    ns(usage.ru_utime) + ns(usage.ru_stime)
+}
+
+/// A process's user and system CPU time from its `/proc/PID/stat`, in nanoseconds.
+fn process_cpu_ns(stat: &Path) -> u64 {
+    let Ok(text) = std::fs::read_to_string(stat) else {
+        return 0;
+    };
+    // Fields after the command name (which may hold spaces), from its closing parenthesis:
+    // state is the first, utime the 12th and stime the 13th.
+    let fields: Vec<u64> = text
+        .rsplit_once(')')
+        .map(|(_, rest)| {
+            rest.split_whitespace()
+                .map(|f| f.parse().unwrap_or(0))
+                .collect()
+        })
+        .unwrap_or_default();
+    (fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0)) * 1_000_000_000
+        / clock_ticks_per_second()
+}
+
+/// Bytes in use on the file system that holds `dir` (segments are unlinked once both ends
+/// mapped them, so the files left in the directory do not tell).
+fn used_bytes(dir: &Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return 0;
+    };
+    // SAFETY: an all-zero `statvfs` is valid; statvfs(3) fills the one we own from a
+    // NUL-terminated path we own.
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stat) } != 0 {
+        return 0;
+    }
+    (stat.f_blocks - stat.f_bfree) * stat.f_frsize
+}
+
+/// A process's resident memory (`VmRSS` in its `/proc/PID/status`), in bytes.
+fn resident_bytes(status: &Path) -> u64 {
+    std::fs::read_to_string(status)
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
 }
 
 /// `fork-echo`: a server that forks per connection, as PostgreSQL's postmaster and Python's
@@ -2094,7 +2315,10 @@ fn main() -> ExitCode {
         let role = value("--role");
         let port: u16 = value("--port").parse().unwrap_or(0);
         let seconds: f64 = value("--seconds").parse().unwrap_or(1.0);
-        return match role_main(&role, port, seconds) {
+        let connections: usize = value("--connections").parse().unwrap_or(1000);
+        raise_descriptor_limit();
+        let server_pid: Option<u32> = value("--server-pid").parse().ok();
+        return match role_main(&role, port, seconds, connections, server_pid) {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
                 eprintln!("bench --role {role}: {error}");
