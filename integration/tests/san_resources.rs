@@ -579,6 +579,96 @@ fn an_acceptor_past_its_san_memory_budget_declines_and_both_ends_stay_on_tcp() {
     check_memory_budget_reports(&out, "server", count, "peer-resources");
 }
 
+/// Descriptors of ours a program with a high descriptor limit may hold: half its soft
+/// `RLIMIT_NOFILE` (the internal descriptors start at 1024 when the limit is above 2048, so
+/// the bound is not where they are placed but how many are open).
+const HIGH_LIMIT: usize = 4096;
+
+#[test]
+fn thousands_of_connections_never_take_the_applications_descriptors() {
+    // 1,500 connections open at once on each end, under a soft and hard limit of 4,096 and a
+    // memory budget that would admit them all: the SAN takes connections while half the
+    // limit is free, the rest stay on TCP, and neither program ever meets EMFILE (it would
+    // have from about 500 connections, each SAN connection holding up to eight descriptors).
+    let count = 1500;
+    let dir = test_dir("many-fds");
+    let limited = |side: &[&str]| {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!("ulimit -n {HIGH_LIMIT} && exec \"$0\" \"$@\""))
+            .arg(SAN_MANY)
+            .args(side)
+            .env("LD_PRELOAD", library())
+            .env_remove("SANDIRECT_CONFIG")
+            .env_remove("SANDIRECT_MODE")
+            .env_remove("SANDIRECT_SAN")
+            .env("SANDIRECT_SAN_MEMORY_MB", "1000000")
+            .env("SANDIRECT_STAT_DIR", dir.join("stat"))
+            .env("SANDIRECT_SHM_DIR", dir.join("shm"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        command
+    };
+    use std::io::BufRead;
+    let mut server = limited(&["server", &count.to_string()]).spawn().unwrap();
+    let mut output = std::io::BufReader::new(server.stdout.take().unwrap());
+    let port = integration::read_port(&mut output);
+    let lines = output.lines();
+    // Both print a line per connection, more than a pipe holds: read them as they come.
+    let server_out = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let mut client = limited(&["client", &port, &count.to_string(), "256"])
+        .spawn()
+        .unwrap();
+    let mut client_stdout = client.stdout.take().unwrap();
+    let client_out = std::thread::spawn(move || {
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut client_stdout, &mut out).map(|_| out)
+    });
+    let client = integration::wait_child(client, "client", Duration::from_secs(120))
+        .map(|_| client_out.join().unwrap().unwrap());
+    let server_status = integration::wait_child(server, "server", Duration::from_secs(30));
+    let server_lines = server_out.join().unwrap().join("\n");
+    let _ = std::fs::remove_dir_all(&dir);
+    let client = client.unwrap_or_else(|failure| panic!("{failure}\nserver:\n{server_lines}"));
+    if let Err(failure) = server_status {
+        panic!("{failure}\nserver:\n{server_lines}\nclient:\n{client}");
+    }
+    let out = format!("{client}\n{server_lines}");
+    let expected = format!(
+        "{:016x}",
+        integration::pattern::fnv1a(
+            &integration::pattern::XorShift64::new(0x2545_f491_4f6c_dd1d).low_bytes(256)
+        )
+    );
+    let client = reports(&out, "client", count, 256);
+    let server = reports(&out, "server", count, 256);
+    let mut on_san = 0;
+    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
+        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
+        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
+        assert_eq!(
+            c.1, s.1,
+            "connection {i}: both ends agree on the path:\n{out}"
+        );
+        if c.1 == "san-shm" {
+            on_san += 1;
+        } else {
+            assert!(
+                [c.2, s.2].contains(&"san-resources"),
+                "connection {i} on {}: one side ran out of descriptors to spare:\n{out}",
+                c.1
+            );
+        }
+    }
+    // Each SAN connection holds three or four descriptors once set up: a few hundred fit in
+    // half of 4,096, and no more than half can be ours.
+    assert!(
+        (200..=HIGH_LIMIT / 2 / 3).contains(&on_san),
+        "{on_san} of {count} connections on the SAN"
+    );
+}
+
 /// A private network namespace in which the loopback can be brought up and the local port
 /// range set (see [`private_namespace`]).
 fn network_namespace() -> Result<Vec<&'static str>, String> {

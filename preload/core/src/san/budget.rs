@@ -95,14 +95,62 @@ pub(super) fn verbs_connection_bytes() -> u64 {
     slots + switch::session::SessionConfig::default().send_buffer as u64
 }
 
-/// Charges the process's budget for a new shm connection; `None`: past the budget.
-pub(super) fn charge_shm() -> Option<Charge> {
-    PROCESS.charge(shm_connection_bytes())
+/// Charges the process's budget for a new shm connection of socket `fd`; `None`: past the
+/// budget, or too few descriptors to spare ([`descriptors_to_spare`]).
+pub(super) fn charge_shm(fd: libc::c_int) -> Option<Charge> {
+    descriptors_to_spare(fd)
+        .then(|| PROCESS.charge(shm_connection_bytes()))
+        .flatten()
 }
 
-/// Charges the process's budget for a new verbs connection; `None`: past the budget.
-pub(super) fn charge_verbs() -> Option<Charge> {
-    PROCESS.charge(verbs_connection_bytes())
+/// Charges the process's budget for a new verbs connection of socket `fd`; `None`: past the
+/// budget, or too few descriptors to spare ([`descriptors_to_spare`]).
+pub(super) fn charge_verbs(fd: libc::c_int) -> Option<Charge> {
+    descriptors_to_spare(fd)
+        .then(|| PROCESS.charge(verbs_connection_bytes()))
+        .flatten()
+}
+
+/// Whether the process's descriptors leave room for a SAN set-up. A SAN connection holds
+/// descriptors of ours beside the application's socket (mirror ends, exchange sockets, a
+/// pidfd, a doorbell: three to four once set up, up to eight while it is), and they count
+/// against the same `RLIMIT_NOFILE`: without a bound, a program that opens thousands of
+/// connections would meet `EMFILE` in its own `socket` or `accept` long before it would
+/// without the preload. So set-ups stop while half the soft limit is in use, and the
+/// connections opened from then on stay on TCP (`san-resources`), leaving the application at
+/// least the other half.
+///
+/// In use is counted from the two places the kernel hands numbers out from, the lowest free
+/// one (the application's, from 0) and the lowest free one at or above the floor ours are
+/// moved to (`san_shm::internal_fd_floor`): every number under each is open. Found by
+/// duplicating `fd`, the socket being set up, and closing the copies at once.
+fn descriptors_to_spare(fd: libc::c_int) -> bool {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) writes one `rlimit` we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return true;
+    }
+    let lowest_free_from = |from: libc::c_int| {
+        // SAFETY: plain fcntl(2) on the caller's open socket; the result is a new descriptor
+        // of ours, closed at once.
+        let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, from) };
+        if copy >= 0 {
+            // SAFETY: `copy` was just returned by the kernel and is owned by nobody else.
+            unsafe { libc::close(copy) };
+        }
+        u64::try_from(copy).ok()
+    };
+    let floor = san_shm::internal_fd_floor().max(0);
+    // No free number at all (or `fd` not open): no set-up.
+    let (Some(application), Some(ours)) = (lowest_free_from(0), lowest_free_from(floor)) else {
+        return false;
+    };
+    let floor = floor as u64;
+    let in_use = application.min(floor) + (ours - floor);
+    in_use < limit.rlim_cur / 2
 }
 
 #[cfg(test)]
