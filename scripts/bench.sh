@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark, in release mode: real unmodified programs (redis + redis-benchmark, nginx + wrk,
-# redis with 2,000 connections at once (every reply checked), memcached + memcslap, iperf3,
+# redis with 1,000 connections at once (every reply checked), memcached + memcslap, iperf3,
 # a node echo server, a Java NIO echo server, connection churn,
 # redis -c 1 with both ends on one CPU and beside a CPU hog) and the socket micro-benchmarks, each as kernel TCP vs sandirect (both ends preloaded) vs the
 # fallback path (client preloaded, server plain), interleaved over rounds. Per workload it

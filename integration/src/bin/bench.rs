@@ -1110,8 +1110,10 @@ fn scale_workload(connections: usize) -> Workload {
         variants: APP_VARIANTS,
         server: Box::new(|context: &Context, port, preloaded| {
             let mut command = redis_server(context, port, preloaded)?;
+            // Room for its clients and, for each SAN connection, eight descriptors of ours in
+            // half its limit (redis sets its limit from `maxclients`).
             command
-                .args(["--maxclients", "10000"])
+                .args(["--maxclients", "19000"])
                 .env(BUDGET.0, BUDGET.1);
             Ok(command)
         }),
@@ -1300,7 +1302,7 @@ fn workloads(context: &Context) -> Vec<Workload> {
             redis(40_000),
             APP_VARIANTS,
         ),
-        scale_workload(2_000),
+        scale_workload(1_000),
         nginx_workload("nginx + wrk 1 KiB -c 10", "1k.bin", 10, 1),
         nginx_workload("nginx (2 workers) + wrk 1 KiB -c 10", "1k.bin", 10, 2),
         nginx_workload("nginx + wrk 64 KiB -c 10", "64k.bin", 10, 1),
@@ -1693,13 +1695,7 @@ fn role_main(
         other => return Err(io::Error::other(format!("unknown role {other:?}"))),
     }
     let elapsed = started.elapsed().as_nanos();
-    latencies.sort_unstable();
-    println!(
-        "result {} {elapsed} {} {}",
-        latencies.len(),
-        percentile(&latencies, 0.5),
-        percentile(&latencies, 0.99)
-    );
+    print_result(latencies, elapsed);
     Ok(())
 }
 
@@ -1809,14 +1805,19 @@ fn scale_client(
             _ => "-".to_owned(),
         }
     );
+    print_result(latencies, elapsed);
+    Ok(())
+}
+
+/// Prints `result OPS ELAPSED_NS P50 P99` of the operations whose latencies are given.
+fn print_result(mut latencies: Vec<u64>, elapsed_ns: u128) {
     latencies.sort_unstable();
     println!(
-        "result {} {elapsed} {} {}",
+        "result {} {elapsed_ns} {} {}",
         latencies.len(),
         percentile(&latencies, 0.5),
         percentile(&latencies, 0.99)
     );
-    Ok(())
 }
 
 /// This process's user and system CPU time, in nanoseconds.

@@ -88,7 +88,7 @@ pub(super) fn on_accepted(
         .then(segment_name)
         .filter(|name| provider.dir.handle().contains(name.as_str()));
     if let Some(name) = pending_name {
-        let Some(charge) = budget::charge_shm(fd) else {
+        let Some(charge) = budget::charge_shm() else {
             // Past the process's SAN memory budget: decline (the client stays on TCP,
             // `peer-resources`).
             stay_on_tcp(record, Bypass::SanResources);
@@ -107,7 +107,7 @@ pub(super) fn on_accepted(
     if mode != ProviderChoice::Verbs && other_users::enabled() {
         let name = segment_name();
         if let Some(link) = other_users::client_exchange(&name, local, peer) {
-            let Some(charge) = budget::charge_shm(fd) else {
+            let Some(charge) = budget::charge_shm() else {
                 stay_on_tcp(record, Bypass::SanResources);
                 return;
             };
@@ -135,7 +135,7 @@ pub(super) fn on_accepted(
         return;
     }
     let name = segment_name();
-    let accepted = match budget::charge_verbs(fd) {
+    let accepted = match budget::charge_verbs() {
         Some(charge) => match verbs::connect::acceptor(local, peer, service::start) {
             Ok(link) => SanSocket::verbs_acceptor(record, &name, link, charge),
             Err(verbs::connect::AcceptorError::PeerPlain) => Err(SocketSetupError::PeerPlain),

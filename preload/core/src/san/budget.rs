@@ -19,6 +19,8 @@ use super::tunables::{shm_segment_config, SHM_SEND_BUFFER, VERBS_SLOTS};
 pub(crate) struct Budget {
     /// Bytes charged now.
     held: AtomicU64,
+    /// Charges held now: the SAN connections of the process.
+    connections: AtomicU64,
     /// The limit, or `None` for the process's (read on first use).
     limit: Option<u64>,
 }
@@ -26,6 +28,7 @@ pub(crate) struct Budget {
 /// The process's budget.
 static PROCESS: Budget = Budget {
     held: AtomicU64::new(0),
+    connections: AtomicU64::new(0),
     limit: None,
 };
 
@@ -35,6 +38,7 @@ impl Budget {
     pub(crate) const fn with_limit(limit: u64) -> Budget {
         Budget {
             held: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
             limit: Some(limit),
         }
     }
@@ -59,9 +63,12 @@ impl Budget {
                 held.checked_add(bytes).filter(|&total| total <= limit)
             })
             .ok()
-            .map(|_| Charge {
-                budget: self,
-                bytes,
+            .map(|_| {
+                self.connections.fetch_add(1, Ordering::AcqRel);
+                Charge {
+                    budget: self,
+                    bytes,
+                }
             })
     }
 }
@@ -76,6 +83,7 @@ pub(crate) struct Charge {
 impl Drop for Charge {
     fn drop(&mut self) {
         self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
+        self.budget.connections.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -95,62 +103,54 @@ pub(super) fn verbs_connection_bytes() -> u64 {
     slots + switch::session::SessionConfig::default().send_buffer as u64
 }
 
-/// Charges the process's budget for a new shm connection of socket `fd`; `None`: past the
-/// budget, or too few descriptors to spare ([`descriptors_to_spare`]).
-pub(super) fn charge_shm(fd: libc::c_int) -> Option<Charge> {
-    descriptors_to_spare(fd)
+/// Charges the process's budget for a new shm connection; `None`: past the budget, or too
+/// few descriptors to spare ([`Budget::descriptors_to_spare`]).
+pub(super) fn charge_shm() -> Option<Charge> {
+    PROCESS
+        .descriptors_to_spare(soft_descriptor_limit())
         .then(|| PROCESS.charge(shm_connection_bytes()))
         .flatten()
 }
 
-/// Charges the process's budget for a new verbs connection of socket `fd`; `None`: past the
-/// budget, or too few descriptors to spare ([`descriptors_to_spare`]).
-pub(super) fn charge_verbs(fd: libc::c_int) -> Option<Charge> {
-    descriptors_to_spare(fd)
+/// Charges the process's budget for a new verbs connection; `None`: past the budget, or too
+/// few descriptors to spare ([`Budget::descriptors_to_spare`]).
+pub(super) fn charge_verbs() -> Option<Charge> {
+    PROCESS
+        .descriptors_to_spare(soft_descriptor_limit())
         .then(|| PROCESS.charge(verbs_connection_bytes()))
         .flatten()
 }
 
-/// Whether the process's descriptors leave room for a SAN set-up. A SAN connection holds
-/// descriptors of ours beside the application's socket (mirror ends, exchange sockets, a
-/// pidfd, a doorbell: three to four once set up, up to eight while it is), and they count
-/// against the same `RLIMIT_NOFILE`: without a bound, a program that opens thousands of
-/// connections would meet `EMFILE` in its own `socket` or `accept` long before it would
-/// without the preload. So set-ups stop while half the soft limit is in use, and the
-/// connections opened from then on stay on TCP (`san-resources`), leaving the application at
-/// least the other half.
-///
-/// In use is counted from the two places the kernel hands numbers out from, the lowest free
-/// one (the application's, from 0) and the lowest free one at or above the floor ours are
-/// moved to (`san_shm::internal_fd_floor`): every number under each is open. Found by
-/// duplicating `fd`, the socket being set up, and closing the copies at once.
-fn descriptors_to_spare(fd: libc::c_int) -> bool {
+/// Descriptors of ours a SAN connection may hold beside the application's socket: mirror
+/// ends, exchange sockets, a pidfd, a doorbell (three or four once both ends are attached;
+/// up to eight while an accepted connection waits for its first use, which can last).
+const DESCRIPTORS_PER_CONNECTION: u64 = 8;
+
+impl Budget {
+    /// Whether one more SAN connection keeps the descriptors of ours within half of the soft
+    /// `RLIMIT_NOFILE` (`limit`), counting [`DESCRIPTORS_PER_CONNECTION`] for every connection
+    /// charged. Ours count against the application's limit: without a bound, a program that
+    /// opens thousands of connections would meet `EMFILE` in its own `socket` or `accept`
+    /// long before it would without the preload. Past it, connections stay on TCP
+    /// (`san-resources`), and the application keeps at least the other half.
+    fn descriptors_to_spare(&self, limit: u64) -> bool {
+        let connections = self.connections.load(Ordering::Acquire);
+        (connections + 1).saturating_mul(DESCRIPTORS_PER_CONNECTION) <= limit / 2
+    }
+}
+
+/// The soft `RLIMIT_NOFILE` (read on each call: programs raise it at run time); unbounded
+/// when it cannot be read.
+fn soft_descriptor_limit() -> u64 {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit(2) writes one `rlimit` we own.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return true;
+        return u64::MAX;
     }
-    let lowest_free_from = |from: libc::c_int| {
-        // SAFETY: plain fcntl(2) on the caller's open socket; the result is a new descriptor
-        // of ours, closed at once.
-        let copy = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, from) };
-        if copy >= 0 {
-            // SAFETY: `copy` was just returned by the kernel and is owned by nobody else.
-            unsafe { libc::close(copy) };
-        }
-        u64::try_from(copy).ok()
-    };
-    let floor = san_shm::internal_fd_floor().max(0);
-    // No free number at all (or `fd` not open): no set-up.
-    let (Some(application), Some(ours)) = (lowest_free_from(0), lowest_free_from(floor)) else {
-        return false;
-    };
-    let floor = floor as u64;
-    let in_use = application.min(floor) + (ours - floor);
-    in_use < limit.rlim_cur / 2
+    limit.rlim_cur
 }
 
 #[cfg(test)]
@@ -171,6 +171,26 @@ mod tests {
             "{bytes} bytes per connection"
         );
         assert_eq!(verbs_connection_bytes(), (2 << 20) + (256 << 10));
+    }
+
+    #[test]
+    fn connections_keep_their_descriptors_within_half_the_limit() {
+        let budget = budget(u64::MAX);
+        // A limit of 64 leaves 32 for ours: four connections of eight.
+        let held: Vec<Charge> = (0..4)
+            .map(|_| {
+                assert!(budget.descriptors_to_spare(64));
+                budget.charge(1).expect("no memory limit")
+            })
+            .collect();
+        assert!(!budget.descriptors_to_spare(64), "a fifth would pass half");
+        assert!(
+            budget.descriptors_to_spare(80),
+            "a higher limit leaves room"
+        );
+        drop(held);
+        assert!(budget.descriptors_to_spare(16), "every charge gone");
+        assert!(!budget.descriptors_to_spare(15), "not even one fits in 7");
     }
 
     #[test]

@@ -57,8 +57,8 @@
 //!   doorbells) live at or above half the soft `RLIMIT_NOFILE` (at most from 1024 on), so the
 //!   application's descriptor numbers are those it would get without the preload; a program
 //!   that `dup2`s onto those high numbers closes one of ours (that connection then fails).
-//!   How many there are is bounded too: set-ups stop while half the soft limit is in use
-//!   (`budget`), so the application keeps at least the other half.
+//!   How many there are is bounded too: eight for each SAN connection must fit in half the
+//!   soft limit (`budget`), so the application keeps at least the other half.
 //! * An accepted connection that no call has used yet attaches in the process that uses it
 //!   first, once no other process holds it (fork-per-connection servers keep the SAN); used
 //!   while another copy is still open 20 ms later, or passed to another program first, it
@@ -376,9 +376,9 @@ pub fn before_connect(
     }
     // The process's SAN memory budget: past it the connection stays on TCP.
     let charge = if via_verbs {
-        budget::charge_verbs(fd)
+        budget::charge_verbs()
     } else {
-        budget::charge_shm(fd)
+        budget::charge_shm()
     };
     let Some(charge) = charge else {
         COUNTERS.fallbacks.fetch_add(1, Ordering::Relaxed);
