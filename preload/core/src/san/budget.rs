@@ -6,6 +6,11 @@
 //! the socket owns: it goes back when the socket's SAN object is dropped, whichever way it
 //! ends (closed, downgraded, fallen back, broken, replaced).
 //!
+//! The same charges count the process's SAN connections, and a connection is set up only while
+//! the descriptors they may hold fit in half the soft `RLIMIT_NOFILE`
+//! ([`Budget::descriptors_to_spare`]; asked before the charge, so set-ups racing each other
+//! may pass it by a few).
+//!
 //! The charge is the worst case, not what the connection uses now: the send ring grows only
 //! as far as it is filled, so idle connections hold less. What a sender blocked on a stalled
 //! peer absorbs (up to `ABSORB_LIMIT`) and a downgraded socket's stash are not charged.
