@@ -384,22 +384,11 @@ fn connections_under_a_descriptor_limit(name: &str, limited: &str, count: usize)
 /// its bytes exactly on both ends, both ends agree on the path, a connection on TCP names a
 /// reason on the limited side, and the SAN was used once the limit left room for it.
 fn check_descriptor_limit_reports(out: &str, limited: &str, count: usize) {
-    let client = reports(out, "client", count, 1 << 20);
-    let server = reports(out, "server", count, 1 << 20);
-    let expected = format!(
-        "{:016x}",
-        integration::pattern::fnv1a(
-            &integration::pattern::XorShift64::new(0x9e37_79b9_7f4a_7c15).low_bytes(1 << 20)
-        )
-    );
     let mut paths = Vec::new();
-    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
-        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
-        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
-        assert_eq!(
-            c.1, s.1,
-            "connection {i}: both ends agree on the path:\n{out}"
-        );
+    for (i, (c, s)) in intact_connections(out, count, 1 << 20, 0x9e37_79b9_7f4a_7c15)
+        .iter()
+        .enumerate()
+    {
         if c.1.eq_ignore_ascii_case("tcp") {
             // The limited side says why; a client whose acceptor declined says that, and is
             // not made to take the server for a plain one.
@@ -425,6 +414,32 @@ fn check_descriptor_limit_reports(out: &str, limited: &str, count: usize) {
         paths.iter().any(|p| p.eq_ignore_ascii_case("tcp")) && paths.last() == Some(&"san-shm"),
         "the first connections cannot get their descriptors, the last has room: {paths:?}\n{out}"
     );
+}
+
+/// Both sides' reports of `count` connections that each moved `bytes` of the test programs'
+/// pattern (seeded `seed`) each way: every connection exact on both ends, and both ends
+/// agreeing on its path. Returns them as (client, server) pairs, in connection order.
+fn intact_connections<'a>(
+    out: &'a str,
+    count: usize,
+    bytes: usize,
+    seed: u64,
+) -> Vec<(Report<'a>, Report<'a>)> {
+    let expected = format!(
+        "{:016x}",
+        integration::pattern::fnv1a(&integration::pattern::XorShift64::new(seed).low_bytes(bytes))
+    );
+    let client = reports(out, "client", count, bytes);
+    let server = reports(out, "server", count, bytes);
+    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
+        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
+        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
+        assert_eq!(
+            c.1, s.1,
+            "connection {i}: both ends agree on the path:\n{out}"
+        );
+    }
+    client.into_iter().zip(server).collect()
 }
 
 /// (checksum, path, reason) of each connection `side` reported, in order; every one must have
@@ -522,21 +537,10 @@ fn connections_under_a_memory_budget(
 /// those open at once on TCP, the limited side saying `san-resources` and the other the
 /// reason it can know (`other_reason`); the one made after the first closed on the SAN.
 fn check_memory_budget_reports(out: &str, limited: &str, count: usize, other_reason: &str) {
-    let expected = format!(
-        "{:016x}",
-        integration::pattern::fnv1a(
-            &integration::pattern::XorShift64::new(0x2545_f491_4f6c_dd1d).low_bytes(1 << 20)
-        )
-    );
-    let client = reports(out, "client", count + 1, 1 << 20);
-    let server = reports(out, "server", count + 1, 1 << 20);
-    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
-        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
-        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
-        assert_eq!(
-            c.1, s.1,
-            "connection {i}: both ends agree on the path:\n{out}"
-        );
+    for (i, (c, s)) in intact_connections(out, count + 1, 1 << 20, 0x2545_f491_4f6c_dd1d)
+        .iter()
+        .enumerate()
+    {
         let (limited_reason, other) = if limited == "client" {
             (c.2, s.2)
         } else {
@@ -621,22 +625,11 @@ fn thousands_of_connections_never_take_the_applications_descriptors() {
     let out = run_pair(&dir, server, |port| {
         limited(&["client", port, &count.to_string(), "256"])
     });
-    let expected = format!(
-        "{:016x}",
-        integration::pattern::fnv1a(
-            &integration::pattern::XorShift64::new(0x2545_f491_4f6c_dd1d).low_bytes(256)
-        )
-    );
-    let client = reports(&out, "client", count, 256);
-    let server = reports(&out, "server", count, 256);
     let mut on_san = 0;
-    for (i, (c, s)) in client.iter().zip(&server).enumerate() {
-        assert_eq!(c.0, expected, "connection {i}: client checksum:\n{out}");
-        assert_eq!(s.0, expected, "connection {i}: server checksum:\n{out}");
-        assert_eq!(
-            c.1, s.1,
-            "connection {i}: both ends agree on the path:\n{out}"
-        );
+    for (i, (c, s)) in intact_connections(&out, count, 256, 0x2545_f491_4f6c_dd1d)
+        .iter()
+        .enumerate()
+    {
         if c.1 == "san-shm" {
             on_san += 1;
         } else {
