@@ -554,7 +554,6 @@ fn clock_ticks_per_second() -> u64 {
 
 /// utime + stime (ns) of the processes whose process group is `group`.
 fn group_cpu_ns(group: i32) -> u64 {
-    let tick_ns = 1_000_000_000 / clock_ticks_per_second();
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return 0;
     };
@@ -570,18 +569,27 @@ fn group_cpu_ns(group: i32) -> u64 {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
             continue;
         };
-        // Fields after the parenthesised command name: state(3) ppid(4) pgrp(5) ...
-        // utime(14) stime(15).
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-            continue;
-        };
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        if fields.len() > 12 && fields[2].parse::<i32>() == Ok(group) {
-            let ticks = |i: usize| fields[i].parse::<u64>().unwrap_or(0);
-            total += (ticks(11) + ticks(12)) * tick_ns;
+        if let Some((pgrp, cpu_ns)) = stat_group_and_cpu(&stat) {
+            if pgrp == group {
+                total += cpu_ns;
+            }
         }
     }
     total
+}
+
+/// The process group and the utime + stime (ns) of a `/proc/PID/stat` line.
+fn stat_group_and_cpu(stat: &str) -> Option<(i32, u64)> {
+    let tick_ns = 1_000_000_000 / clock_ticks_per_second();
+    // Fields after the parenthesised command name (which may hold spaces): state(3) ppid(4)
+    // pgrp(5) ... utime(14) stime(15).
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    if fields.len() <= 12 {
+        return None;
+    }
+    let ticks = |i: usize| fields[i].parse::<u64>().unwrap_or(0);
+    Some((fields[2].parse().ok()?, (ticks(11) + ticks(12)) * tick_ns))
 }
 
 /// What a finished client printed and cost.
@@ -1778,7 +1786,7 @@ fn scale_client(
     let mut reply = Vec::new();
     let server_stat = server_pid.map(|pid| PathBuf::from(format!("/proc/{pid}/stat")));
     let server_cpu_before = server_stat.as_deref().map(process_cpu_ns);
-    let cpu_before = own_cpu_ns();
+    let cpu_before = process_cpu_ns(Path::new("/proc/self/stat"));
     let started = Instant::now();
     while started.elapsed() < budget {
         for ((stream, request), at) in streams.iter_mut().zip(&requests).zip(&mut written) {
@@ -1798,7 +1806,7 @@ fn scale_client(
     let requests = latencies.len().max(1) as u64;
     eprintln!(
         "cpu per request: client {} ns, server {} ns",
-        own_cpu_ns().saturating_sub(cpu_before) / requests,
+        process_cpu_ns(Path::new("/proc/self/stat")).saturating_sub(cpu_before) / requests,
         match (server_stat.as_deref(), server_cpu_before) {
             (Some(stat), Some(before)) =>
                 (process_cpu_ns(stat).saturating_sub(before) / requests).to_string(),
@@ -1820,33 +1828,12 @@ fn print_result(mut latencies: Vec<u64>, elapsed_ns: u128) {
     );
 }
 
-/// This process's user and system CPU time, in nanoseconds.
-fn own_cpu_ns() -> u64 {
-    // SAFETY: an all-zero `rusage` is valid; getrusage(2) fills the one we own.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-    let ns = |time: libc::timeval| time.tv_sec as u64 * 1_000_000_000 + time.tv_usec as u64 * 1000;
-    ns(usage.ru_utime) + ns(usage.ru_stime)
-}
-
 /// A process's user and system CPU time from its `/proc/PID/stat`, in nanoseconds.
 fn process_cpu_ns(stat: &Path) -> u64 {
-    let Ok(text) = std::fs::read_to_string(stat) else {
-        return 0;
-    };
-    // Fields after the command name (which may hold spaces), from its closing parenthesis:
-    // state is the first, utime the 12th and stime the 13th.
-    let fields: Vec<u64> = text
-        .rsplit_once(')')
-        .map(|(_, rest)| {
-            rest.split_whitespace()
-                .map(|f| f.parse().unwrap_or(0))
-                .collect()
-        })
-        .unwrap_or_default();
-    (fields.get(11).copied().unwrap_or(0) + fields.get(12).copied().unwrap_or(0)) * 1_000_000_000
-        / clock_ticks_per_second()
+    std::fs::read_to_string(stat)
+        .ok()
+        .and_then(|text| stat_group_and_cpu(&text))
+        .map_or(0, |(_, cpu_ns)| cpu_ns)
 }
 
 /// Bytes in use on the file system that holds `dir` (segments are unlinked once both ends
